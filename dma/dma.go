@@ -1,0 +1,112 @@
+// Package dma owns the copy engine: the seam between engine KV memory
+// (regions a client registers) and the daemon's host arena. The host backend
+// (dma/host) maps /dev/shm files; a CUDA backend (dma/cuda, build tag cuda)
+// opens CUDA IPC handles. Callers see only this interface: they describe
+// copies, submit them in batches, and learn when a batch has drained.
+package dma
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Peer is the identity of the connecting client, taken from SO_PEERCRED.
+// A backend uses it to refuse memory the peer could not itself read and write.
+type Peer struct {
+	PID int32
+	UID uint32
+	GID uint32
+}
+
+// IPCMemory is a CUDA IPC memory handle as PyTorch exports it.
+type IPCMemory struct {
+	Handle    []byte // 64 bytes, cudaIpcMemHandle_t
+	Device    int
+	AllocSize uint64
+}
+
+// RegionSpec describes one region a client registers. Exactly one of
+// ShmPath and CUDA is set.
+type RegionSpec struct {
+	ShmPath string
+	CUDA    *IPCMemory
+
+	Offset       uint64 // byte offset of engine block 0
+	BlockStride  uint64 // bytes between consecutive engine blocks
+	NumBlocks    uint32
+	SegmentBytes uint64 // bytes of one block in this region
+}
+
+// Span returns the bytes of the region that blocks 0..NumBlocks-1 reach.
+func (s RegionSpec) Span() (uint64, error) {
+	if s.NumBlocks == 0 {
+		return 0, fmt.Errorf("num_blocks is 0")
+	}
+	if s.SegmentBytes == 0 {
+		return 0, fmt.Errorf("segment is 0 bytes")
+	}
+	if s.NumBlocks > 1 && s.BlockStride < s.SegmentBytes {
+		return 0, fmt.Errorf("block_stride %d is smaller than the segment (%d bytes): blocks would overlap", s.BlockStride, s.SegmentBytes)
+	}
+	last := uint64(s.NumBlocks - 1)
+	if s.BlockStride != 0 && last > (^uint64(0)-s.Offset-s.SegmentBytes)/s.BlockStride {
+		return 0, fmt.Errorf("offset+num_blocks*block_stride overflows")
+	}
+	return s.Offset + last*s.BlockStride + s.SegmentBytes, nil
+}
+
+// Region is engine memory opened by a backend.
+type Region interface {
+	// Size is the number of addressable bytes.
+	Size() uint64
+	// Close unmaps the region. No copy may be in flight.
+	Close() error
+}
+
+// Copy moves Len bytes between a region and the arena. The direction is the
+// batch's.
+type Copy struct {
+	Region    Region
+	RegionOff uint64
+	ArenaOff  uint64
+	Len       uint64
+}
+
+// Batch is a set of copies that completes as one: Done is called exactly
+// once, after every copy of the batch has drained into its destination (or
+// the batch failed), never earlier.
+type Batch struct {
+	ToArena bool // true: engine -> arena (store); false: arena -> engine (load)
+	Copies  []Copy
+	// ReadyEvent is an opaque event handle the copies must wait for before
+	// reading engine memory (CUDA stores). The host backend ignores it.
+	ReadyEvent []byte
+	Done       func(error)
+}
+
+// Engine is a copy engine.
+type Engine interface {
+	// Name names the backend for logs ("host", "cuda").
+	Name() string
+	// SetArena tells the engine the host arena every Copy.ArenaOff refers to.
+	// Called once, before any Open or Submit.
+	SetArena(arena []byte) error
+	// Open maps a region on behalf of peer.
+	Open(spec RegionSpec, peer Peer) (Region, error)
+	// Submit queues a batch. It may block while the engine's queue is full;
+	// it never runs Done on the caller's goroutine.
+	Submit(b *Batch)
+	// QueueDepth reports batches submitted and not yet done.
+	QueueDepth() int
+	// Close waits for queued batches to drain and stops the workers.
+	Close() error
+}
+
+// ErrNoCUDA is returned by a backend asked for memory kind it was not built for.
+var ErrNoCUDA = errors.New("CUDA IPC region refused: this kvoffloadd was built without CUDA (build with `make build-cuda`)")
+
+// ErrBadRegion wraps every reason a region is refused at Open.
+var ErrBadRegion = errors.New("bad region")
+
+// ErrCopy wraps a copy failure (a fault in engine memory, a driver error).
+var ErrCopy = errors.New("copy failed")

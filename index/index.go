@@ -1,0 +1,269 @@
+// Package index owns the exact map from block key to where the block is and
+// what state it is in. It answers "what is there" and never guesses: no
+// false positives, ever. Deciding what to keep is the tiers' policy's job.
+//
+// Records are fixed-size and pointer-free, kept in chunked slabs and found
+// through an open-addressing table of uint32 record numbers, so millions of
+// entries cost the garbage collector nothing to scan.
+package index
+
+import (
+	"hash/maphash"
+	"sync"
+	"unsafe"
+)
+
+// NoSlot marks an Entry without a copy in a tier.
+const NoSlot = ^uint32(0)
+
+// Key names a block: namespace, KV cache group, and the block hash (16 or 32
+// bytes, zero padded; a namespace uses one length for all its keys).
+type Key struct {
+	NS    uint32
+	Group uint32
+	Hash  [32]byte
+}
+
+// State is where a block is in its life.
+type State uint8
+
+const (
+	stateFree State = iota // record not in use
+	// Writing: a store is copying into the slot; never offered.
+	Writing
+	// Ready: every copy has drained and the block may be offered.
+	Ready
+)
+
+// Entry flags.
+const (
+	// DiskWriting: a copy to the disk tier is in flight.
+	DiskWriting uint8 = 1 << iota
+	// Doomed: dropped from the index's point of view once pins reach zero;
+	// set on an entry that must go while a load still reads it.
+	Doomed
+)
+
+// Entry is what the index keeps per key.
+type Entry struct {
+	CPU   uint32 // CPU tier slot, or NoSlot
+	Disk  uint32 // disk tier slot, or NoSlot
+	Pins  uint16 // loads (and leases) reading the CPU slot
+	State State
+	Flags uint8
+}
+
+type record struct {
+	key Key
+	e   Entry
+}
+
+const (
+	numShards  = 64
+	chunkShift = 10 // 1024 records per slab chunk
+	chunkLen   = 1 << chunkShift
+	minTable   = 64
+)
+
+var seed = maphash.MakeSeed()
+
+// hashKey hashes the key's bytes in place (maphash.Comparable would make the
+// key escape to the heap on every call).
+func hashKey(k *Key) uint64 {
+	return maphash.Bytes(seed, unsafe.Slice((*byte)(unsafe.Pointer(k)), unsafe.Sizeof(*k)))
+}
+
+type shard struct {
+	mu      sync.Mutex
+	table   []uint32 // record number + 1; 0 is empty
+	slab    [][]record
+	free    []uint32
+	n       int
+	scratch Entry
+	_       [28]byte // keep shards' locks on separate cache lines
+}
+
+// Index is safe for concurrent use.
+type Index struct {
+	shards [numShards]shard
+}
+
+// New returns an empty index.
+func New() *Index {
+	ix := &Index{}
+	for i := range ix.shards {
+		ix.shards[i].table = make([]uint32, minTable)
+	}
+	return ix
+}
+
+func (ix *Index) shardOf(h uint64) *shard { return &ix.shards[h>>58] }
+
+func (s *shard) rec(n uint32) *record { return &s.slab[n>>chunkShift][n&(chunkLen-1)] }
+
+// find returns the table position of k, or the empty position where it would go.
+func (s *shard) find(k *Key, h uint64) (pos int, found bool) {
+	mask := len(s.table) - 1
+	for i := int(h) & mask; ; i = (i + 1) & mask {
+		v := s.table[i]
+		if v == 0 {
+			return i, false
+		}
+		if s.rec(v-1).key == *k {
+			return i, true
+		}
+	}
+}
+
+func (s *shard) newRecord() uint32 {
+	if n := len(s.free); n > 0 {
+		r := s.free[n-1]
+		s.free = s.free[:n-1]
+		return r
+	}
+	n := uint32(len(s.slab)) << chunkShift
+	s.slab = append(s.slab, make([]record, chunkLen))
+	for i := uint32(chunkLen - 1); i > 0; i-- {
+		s.free = append(s.free, n+i)
+	}
+	return n
+}
+
+func (s *shard) grow() {
+	old := s.table
+	s.table = make([]uint32, len(old)*2)
+	mask := len(s.table) - 1
+	for _, v := range old {
+		if v == 0 {
+			continue
+		}
+		i := int(hashKey(&s.rec(v-1).key)) & mask
+		for s.table[i] != 0 {
+			i = (i + 1) & mask
+		}
+		s.table[i] = v
+	}
+}
+
+// remove deletes the entry at table position pos (backward-shift deletion,
+// so no tombstones slow later probes).
+func (s *shard) remove(pos int) {
+	v := s.table[pos]
+	*s.rec(v - 1) = record{}
+	s.free = append(s.free, v-1)
+	s.n--
+	mask := len(s.table) - 1
+	hole := pos
+	for i := (pos + 1) & mask; s.table[i] != 0; i = (i + 1) & mask {
+		home := int(hashKey(&s.rec(s.table[i]-1).key)) & mask
+		// Move the entry at i into the hole when its home is not in (hole, i].
+		if (i > hole && (home <= hole || home > i)) || (i < hole && home <= hole && home > i) {
+			s.table[hole] = s.table[i]
+			hole = i
+		}
+	}
+	s.table[hole] = 0
+}
+
+// Get returns the entry of k.
+func (ix *Index) Get(k *Key) (Entry, bool) {
+	h := hashKey(k)
+	s := ix.shardOf(h)
+	s.mu.Lock()
+	pos, ok := s.find(k, h)
+	var e Entry
+	if ok {
+		e = s.rec(s.table[pos] - 1).e
+	}
+	s.mu.Unlock()
+	return e, ok
+}
+
+// Mutate runs fn on the entry of k under its shard's lock. When k is absent
+// fn gets a zero Entry (CPU and Disk set to NoSlot) and found=false. fn
+// returns whether the entry exists afterwards: true inserts or keeps it,
+// false deletes it. fn must not call back into the index.
+func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
+	h := hashKey(k)
+	s := ix.shardOf(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	pos, ok := s.find(k, h)
+	if ok {
+		r := s.rec(s.table[pos] - 1)
+		if !fn(&r.e, true) {
+			s.remove(pos)
+		}
+		return
+	}
+	// A shard-owned scratch entry: a local would escape through fn.
+	e := &s.scratch
+	*e = Entry{CPU: NoSlot, Disk: NoSlot, State: Writing}
+	if !fn(e, false) {
+		return
+	}
+	if e.State == stateFree {
+		e.State = Writing
+	}
+	n := s.newRecord()
+	*s.rec(n) = record{key: *k, e: *e}
+	s.table[pos] = n + 1
+	s.n++
+	if s.n*4 > len(s.table)*3 {
+		s.grow()
+	}
+}
+
+// Range calls fn for every entry, one shard at a time under its lock, in no
+// particular order. fn returns false to delete the entry. fn must not call
+// back into the index.
+func (ix *Index) Range(fn func(k *Key, e *Entry) (keep bool)) {
+	var drop []Key
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		drop = drop[:0]
+		for _, chunk := range s.slab {
+			for j := range chunk {
+				r := &chunk[j]
+				if r.e.State == stateFree {
+					continue
+				}
+				if !fn(&r.key, &r.e) {
+					drop = append(drop, r.key)
+				}
+			}
+		}
+		for j := range drop {
+			if pos, ok := s.find(&drop[j], hashKey(&drop[j])); ok {
+				s.remove(pos)
+			}
+		}
+		s.mu.Unlock()
+	}
+}
+
+// Len is the number of entries.
+func (ix *Index) Len() int {
+	n := 0
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		n += s.n
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// MemBytes is the memory the index holds for its tables and records.
+func (ix *Index) MemBytes() int {
+	recSize := int(unsafe.Sizeof(record{}))
+	n := 0
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		n += len(s.table)*4 + len(s.slab)*chunkLen*recSize + cap(s.free)*4
+		s.mu.Unlock()
+	}
+	return n
+}

@@ -1,0 +1,135 @@
+package index
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"testing"
+)
+
+func key(ns, g uint32, i uint64) Key {
+	k := Key{NS: ns, Group: g}
+	binary.LittleEndian.PutUint64(k.Hash[:], i)
+	binary.LittleEndian.PutUint64(k.Hash[24:], i*0x9e3779b97f4a7c15)
+	return k
+}
+
+func put(ix *Index, k Key, cpu uint32) {
+	ix.Mutate(&k, func(e *Entry, found bool) bool {
+		e.CPU = cpu
+		e.State = Ready
+		return true
+	})
+}
+
+func del(ix *Index, k Key) {
+	ix.Mutate(&k, func(*Entry, bool) bool { return false })
+}
+
+// TestAgainstMap drives random inserts, updates and deletes against a Go map
+// and checks the index agrees after every step.
+func TestAgainstMap(t *testing.T) {
+	ix := New()
+	model := map[Key]uint32{}
+	r := rand.New(rand.NewPCG(1, 2))
+	for step := 0; step < 200000; step++ {
+		k := key(uint32(r.IntN(3)), uint32(r.IntN(2)), uint64(r.IntN(20000)))
+		switch r.IntN(3) {
+		case 0, 1:
+			v := r.Uint32() >> 1
+			put(ix, k, v)
+			model[k] = v
+		case 2:
+			del(ix, k)
+			delete(model, k)
+		}
+		if step%997 == 0 {
+			for mk, mv := range model {
+				e, ok := ix.Get(&mk)
+				if !ok || e.CPU != mv || e.State != Ready {
+					t.Fatalf("step %d: key %v: got %+v %v, want cpu %d", step, mk.NS, e, ok, mv)
+				}
+			}
+			if ix.Len() != len(model) {
+				t.Fatalf("step %d: Len %d, model %d", step, ix.Len(), len(model))
+			}
+		}
+	}
+	// Keys never inserted are never found: the index is exact.
+	for i := uint64(20000); i < 30000; i++ {
+		k := key(0, 0, i)
+		if _, ok := ix.Get(&k); ok {
+			t.Fatalf("found key %d that was never inserted", i)
+		}
+	}
+}
+
+func TestMutateAbsentCanDecline(t *testing.T) {
+	ix := New()
+	k := key(1, 0, 1)
+	ix.Mutate(&k, func(e *Entry, found bool) bool {
+		if found || e.CPU != NoSlot || e.Disk != NoSlot {
+			t.Fatalf("absent entry: found=%v e=%+v", found, e)
+		}
+		return false
+	})
+	if ix.Len() != 0 {
+		t.Fatal("declined insert was kept")
+	}
+}
+
+func TestRangeDeletes(t *testing.T) {
+	ix := New()
+	for i := uint64(0); i < 10000; i++ {
+		put(ix, key(uint32(i%2), 0, i), uint32(i))
+	}
+	ix.Range(func(k *Key, e *Entry) bool { return k.NS != 1 })
+	if ix.Len() != 5000 {
+		t.Fatalf("Len after dropping ns 1: %d", ix.Len())
+	}
+	for i := uint64(0); i < 10000; i++ {
+		k := key(uint32(i%2), 0, i)
+		_, ok := ix.Get(&k)
+		if ok != (i%2 == 0) {
+			t.Fatalf("key %d: found=%v", i, ok)
+		}
+	}
+}
+
+func BenchmarkInsertMillion(b *testing.B) {
+	const n = 1 << 20
+	keys := make([]Key, n)
+	for i := range keys {
+		keys[i] = key(1, 0, uint64(i))
+	}
+	b.ReportAllocs()
+	var ix *Index
+	for b.Loop() {
+		ix = New()
+		for i := range keys {
+			put(ix, keys[i], uint32(i))
+		}
+	}
+	b.ReportMetric(float64(ix.MemBytes())/n, "bytes/entry")
+}
+
+// BenchmarkLookup512 is one Lookup's worth of index work: 512 ready keys.
+func BenchmarkLookup512(b *testing.B) {
+	const n = 1 << 20
+	ix := New()
+	for i := 0; i < n; i++ {
+		put(ix, key(1, 0, uint64(i)), uint32(i))
+	}
+	keys := make([]Key, 512)
+	for i := range keys {
+		keys[i] = key(1, 0, uint64(i*2039%n))
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		for i := range keys {
+			if e, ok := ix.Get(&keys[i]); !ok || e.State != Ready {
+				b.Fatal("miss")
+			}
+		}
+	}
+	b.ReportMetric(float64(ix.MemBytes())/n, "bytes/entry")
+}
