@@ -1,0 +1,182 @@
+// Command kvoffloadd is the KV-cache offload daemon. See --help and docs/.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvoffloadd/kvoffloadd/dma/host"
+	"github.com/kvoffloadd/kvoffloadd/offload"
+	"github.com/kvoffloadd/kvoffloadd/rpc/server"
+	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+)
+
+var version = "dev"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "kvoffloadd:", err)
+		os.Exit(1)
+	}
+}
+
+// run starts the daemon and serves until ctx ends, then shuts down in order:
+// health goes NOT_SERVING, new work is refused, in-flight jobs drain, the
+// gRPC server stops, registrations unmap, the arena is released.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	if cfg.showVersion {
+		fmt.Fprintln(stdout, "kvoffloadd", version)
+		return nil
+	}
+	var h slog.Handler = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
+	if cfg.logFormat == "json" {
+		h = slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
+	}
+	log := slog.New(h)
+	server.Version = version
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	copier := host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, Logger: log})
+	svc, err := offload.New(offload.Config{
+		CPU:        cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
+		DMA:        copier,
+		Logger:     log,
+		Registerer: reg,
+	})
+	if err != nil {
+		copier.Close()
+		return err
+	}
+	closeAll := func() error {
+		return errors.Join(svc.Close(), copier.Close())
+	}
+
+	mode := os.FileMode(0o600)
+	if cfg.socketMode == "0660" {
+		mode = 0o660
+	}
+	lis, err := listenUnix(cfg.socket, mode)
+	if err != nil {
+		closeAll()
+		return err
+	}
+	defer os.Remove(cfg.socket)
+
+	var metricsSrv *http.Server
+	metricsErr := make(chan error, 1)
+	if cfg.metricsAddr != "" {
+		ml, err := net.Listen("tcp", cfg.metricsAddr)
+		if err != nil {
+			lis.Close()
+			closeAll()
+			return fmt.Errorf("--metrics-addr %s: %w", cfg.metricsAddr, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() { metricsErr <- metricsSrv.Serve(ml) }()
+	}
+
+	srv := server.New(svc, log)
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.GRPC().Serve(lis) }()
+	used, _ := svc.CPU().Usage()
+	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
+		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
+		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers)
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down: health NOT_SERVING, refusing new work, draining jobs", "timeout", cfg.shutdownTimeout)
+	case err := <-serveErr:
+		runErr = fmt.Errorf("grpc server: %w", err)
+	case err := <-metricsErr:
+		runErr = fmt.Errorf("metrics server: %w", err)
+	}
+	srv.SetNotServing()
+	svc.BeginShutdown()
+	dctx, cancel := context.WithTimeout(context.Background(), cfg.shutdownTimeout)
+	if err := svc.Drain(dctx); err != nil {
+		log.Warn("shutdown timeout passed with jobs still running; waiting for them anyway (copies cannot be abandoned)", "err", err)
+	}
+	cancel()
+	srv.Stop(cfg.shutdownTimeout)
+	if metricsSrv != nil {
+		metricsSrv.Close()
+	}
+	err = closeAll()
+	log.Info("stopped", "err", err)
+	return errors.Join(runErr, err)
+}
+
+// listenUnix creates the socket with mode in a directory the daemon owns.
+func listenUnix(path string, mode os.FileMode) (net.Listener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("--socket: create %s: %w", dir, err)
+	}
+	st, err := os.Lstat(dir)
+	if err != nil {
+		return nil, fmt.Errorf("--socket: %w", err)
+	}
+	sys, _ := st.Sys().(*syscall.Stat_t)
+	if !st.IsDir() || sys == nil || int(sys.Uid) != os.Getuid() {
+		return nil, fmt.Errorf("--socket: directory %s must be a directory owned by uid %d (not a symlink)", dir, os.Getuid())
+	}
+	if st.Mode().Perm()&0o022 != 0 {
+		return nil, fmt.Errorf("--socket: directory %s is writable by others (mode %#o); use a private directory", dir, st.Mode().Perm())
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("--socket: %s exists and is not a socket; refusing to remove it", path)
+		}
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("--socket: another process is serving on %s", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("--socket: remove stale socket: %w", err)
+		}
+	}
+	// Create the socket with no access, then open it up to mode: no
+	// window in which someone else could connect.
+	old := syscall.Umask(0o777)
+	lis, err := net.Listen("unix", path)
+	syscall.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("--socket: %w", err)
+	}
+	lis.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Chmod(path, mode); err != nil {
+		lis.Close()
+		return nil, fmt.Errorf("--socket: chmod: %w", err)
+	}
+	return lis, nil
+}

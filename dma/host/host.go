@@ -1,0 +1,300 @@
+// Package host is the copy engine of a daemon without a GPU: regions are
+// files under /dev/shm that the engine's process and the daemon both map
+// shared, and copies are memmoves run by a fixed pool of workers.
+package host
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"runtime/debug"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvoffloadd/kvoffloadd/dma"
+)
+
+// Config configures the engine.
+type Config struct {
+	// ShmDir is the only directory regions may come from (default /dev/shm).
+	ShmDir string
+	// Workers is the number of copy workers (default 4).
+	Workers int
+	Logger  *slog.Logger
+}
+
+// Engine is the host copy engine.
+type Engine struct {
+	cfg   Config
+	arena []byte
+	tasks chan task
+	wg    sync.WaitGroup
+	depth atomic.Int64
+
+	mu struct {
+		sync.Mutex
+		closed bool
+		maps   map[fileID]*mapping
+	}
+}
+
+var _ dma.Engine = (*Engine)(nil)
+
+type fileID struct{ dev, ino uint64 }
+
+type mapping struct {
+	id   fileID
+	mem  []byte
+	refs int
+}
+
+type region struct {
+	e   *Engine
+	m   *mapping
+	mem []byte
+}
+
+func (r *region) Size() uint64 { return uint64(len(r.mem)) }
+
+func (r *region) Close() error {
+	e := r.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if r.m == nil {
+		return nil
+	}
+	m := r.m
+	r.m = nil
+	m.refs--
+	if m.refs > 0 {
+		return nil
+	}
+	if e.mu.maps[m.id] == m {
+		delete(e.mu.maps, m.id)
+	}
+	return unix.Munmap(m.mem)
+}
+
+// batchState counts a batch's unfinished tasks.
+type batchState struct {
+	b       *dma.Batch
+	left    atomic.Int32
+	errOnce sync.Once
+	err     error
+}
+
+type task struct {
+	st     *batchState
+	copies []dma.Copy
+}
+
+// New starts the workers.
+func New(cfg Config) *Engine {
+	if cfg.ShmDir == "" {
+		cfg.ShmDir = "/dev/shm"
+	}
+	if cfg.Workers <= 0 {
+		cfg.Workers = 4
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	e := &Engine{cfg: cfg, tasks: make(chan task, 4*cfg.Workers)}
+	e.mu.maps = map[fileID]*mapping{}
+	for i := 0; i < cfg.Workers; i++ {
+		e.wg.Add(1)
+		go e.worker()
+	}
+	return e
+}
+
+// Name implements dma.Engine.
+func (e *Engine) Name() string { return "host" }
+
+// SetArena implements dma.Engine.
+func (e *Engine) SetArena(arena []byte) error {
+	e.arena = arena
+	return nil
+}
+
+// Open implements dma.Engine: it maps a regular file under ShmDir that peer
+// may read and write.
+func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
+	if spec.CUDA != nil {
+		return nil, dma.ErrNoCUDA
+	}
+	rel, err := e.relPath(spec.ShmPath)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := unix.Open(e.cfg.ShmDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: open %s: %v", dma.ErrBadRegion, e.cfg.ShmDir, err)
+	}
+	defer unix.Close(dir)
+	fd, err := unix.Openat2(dir, rel, &unix.OpenHow{
+		Flags:   unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		if errors.Is(err, unix.ELOOP) {
+			return nil, fmt.Errorf("%w: %s is or passes through a symlink", dma.ErrBadRegion, spec.ShmPath)
+		}
+		return nil, fmt.Errorf("%w: open %s: %v", dma.ErrBadRegion, spec.ShmPath, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("%w: stat %s: %v", dma.ErrBadRegion, spec.ShmPath, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, fmt.Errorf("%w: %s is not a regular file", dma.ErrBadRegion, spec.ShmPath)
+	}
+	if !peerMayReadWrite(&st, peer) {
+		return nil, fmt.Errorf("%w: %s is not readable and writable by the client (uid %d, gid %d)", dma.ErrBadRegion, spec.ShmPath, peer.UID, peer.GID)
+	}
+	if st.Size <= 0 {
+		return nil, fmt.Errorf("%w: %s is empty", dma.ErrBadRegion, spec.ShmPath)
+	}
+	id := fileID{dev: st.Dev, ino: st.Ino}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.mu.closed {
+		return nil, fmt.Errorf("%w: copy engine is closed", dma.ErrBadRegion)
+	}
+	m, ok := e.mu.maps[id]
+	if !ok || int64(len(m.mem)) != st.Size {
+		mem, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			return nil, fmt.Errorf("%w: mmap %s: %v", dma.ErrBadRegion, spec.ShmPath, err)
+		}
+		if ok {
+			// The file changed size since it was mapped: map it anew for
+			// this region; the old mapping lives on with its regions.
+			delete(e.mu.maps, id)
+		}
+		m = &mapping{id: id, mem: mem}
+		e.mu.maps[id] = m
+	}
+	m.refs++
+	return &region{e: e, m: m, mem: m.mem}, nil
+}
+
+// relPath returns p relative to ShmDir, refusing anything not plainly beneath it.
+func (e *Engine) relPath(p string) (string, error) {
+	if p == "" {
+		return "", fmt.Errorf("%w: shm_path is empty", dma.ErrBadRegion)
+	}
+	if !filepath.IsAbs(p) || filepath.Clean(p) != p {
+		return "", fmt.Errorf("%w: shm_path %q must be an absolute, clean path under %s", dma.ErrBadRegion, p, e.cfg.ShmDir)
+	}
+	rel, err := filepath.Rel(e.cfg.ShmDir, p)
+	if err != nil || rel == "." || strings.HasPrefix(rel, "..") {
+		return "", fmt.Errorf("%w: shm_path %q is not under %s", dma.ErrBadRegion, p, e.cfg.ShmDir)
+	}
+	return rel, nil
+}
+
+// peerMayReadWrite applies the file's permission bits to the peer. Only the
+// peer's primary group is known, so a file shared through a supplementary
+// group is refused: stricter than the kernel, never looser.
+func peerMayReadWrite(st *unix.Stat_t, p dma.Peer) bool {
+	if p.UID == 0 {
+		return true
+	}
+	switch {
+	case st.Uid == p.UID:
+		return st.Mode&0o600 == 0o600
+	case st.Gid == p.GID:
+		return st.Mode&0o060 == 0o060
+	default:
+		return st.Mode&0o006 == 0o006
+	}
+}
+
+// splitBytes is the most one worker copies of a batch before the rest goes
+// to another worker: large batches use every worker, small ones stay whole.
+const splitBytes = 4 << 20
+
+// Submit implements dma.Engine.
+func (e *Engine) Submit(b *dma.Batch) {
+	st := &batchState{b: b}
+	e.depth.Add(1)
+	// Cut the batch into pieces of about splitBytes, at copy boundaries.
+	var pieces [][]dma.Copy
+	start, acc := 0, uint64(0)
+	for i, c := range b.Copies {
+		acc += c.Len
+		if acc >= splitBytes {
+			pieces = append(pieces, b.Copies[start:i+1])
+			start, acc = i+1, 0
+		}
+	}
+	if start < len(b.Copies) || len(pieces) == 0 {
+		pieces = append(pieces, b.Copies[start:])
+	}
+	st.left.Store(int32(len(pieces)))
+	for _, p := range pieces {
+		e.tasks <- task{st: st, copies: p}
+	}
+}
+
+// QueueDepth implements dma.Engine.
+func (e *Engine) QueueDepth() int { return int(e.depth.Load()) }
+
+func (e *Engine) worker() {
+	defer e.wg.Done()
+	// A client that shrinks its file under us turns our memmove into
+	// SIGBUS; make that a recoverable panic that fails the batch.
+	debug.SetPanicOnFault(true)
+	for t := range e.tasks {
+		if err := e.run(t.copies, t.st.b.ToArena); err != nil {
+			t.st.errOnce.Do(func() { t.st.err = err })
+		}
+		if t.st.left.Add(-1) == 0 {
+			e.depth.Add(-1)
+			t.st.b.Done(t.st.err)
+		}
+	}
+}
+
+func (e *Engine) run(copies []dma.Copy, toArena bool) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: memory fault: %v", dma.ErrCopy, r)
+		}
+	}()
+	for _, c := range copies {
+		reg := c.Region.(*region).mem
+		if c.RegionOff+c.Len > uint64(len(reg)) || c.ArenaOff+c.Len > uint64(len(e.arena)) {
+			return fmt.Errorf("%w: copy out of bounds", dma.ErrCopy)
+		}
+		r := reg[c.RegionOff : c.RegionOff+c.Len]
+		a := e.arena[c.ArenaOff : c.ArenaOff+c.Len]
+		if toArena {
+			copy(a, r)
+		} else {
+			copy(r, a)
+		}
+	}
+	return nil
+}
+
+// Close implements dma.Engine: queued batches drain, then the workers stop.
+// The caller must not Submit after Close.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	if e.mu.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.mu.closed = true
+	e.mu.Unlock()
+	close(e.tasks)
+	e.wg.Wait()
+	return nil
+}

@@ -1,0 +1,551 @@
+// Package offload owns the daemon's state and its rules: namespaces and the
+// registrations that map engine memory, the index of what is cached, the
+// store and load jobs that move blocks through the copy engine, and the
+// completions and leases that tie them to clients. It knows nothing of gRPC;
+// rpc/server turns its calls and errors into the wire API.
+package offload
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/layout"
+	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+)
+
+// Limits bound everything a request may ask for before anything is allocated.
+type Limits struct {
+	MaxJobsPerRequest   int           // jobs in one Store or Load
+	MaxBlocksPerRequest int           // blocks over all jobs of one request
+	MaxKeysPerLookup    int           // keys in one Lookup or Invalidate
+	MaxNamespaces       int           // namespace ids in one Lookup
+	MaxPending          int           // unfinished plus unread jobs per registration
+	MaxLease            time.Duration // longest Lookup lease
+	MaxFingerprint      int           // bytes
+}
+
+// DefaultLimits are generous for an engine and small enough to refuse abuse.
+var DefaultLimits = Limits{
+	MaxJobsPerRequest:   4096,
+	MaxBlocksPerRequest: 1 << 16,
+	MaxKeysPerLookup:    1 << 16,
+	MaxNamespaces:       64,
+	MaxPending:          8192,
+	MaxLease:            30 * time.Second,
+	MaxFingerprint:      256,
+}
+
+// Config wires the service to its parts.
+type Config struct {
+	CPU        cpu.Config // the service sets the callbacks
+	DMA        dma.Engine
+	Limits     Limits
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
+}
+
+// Service is the daemon's core. Its methods are safe for concurrent use.
+type Service struct {
+	log    *slog.Logger
+	lim    Limits
+	ix     *index.Index
+	cpu    *cpu.Tier
+	dma    dma.Engine
+	m      *metrics
+	c      counters
+	jobs   sync.WaitGroup // accepted jobs not yet finished
+	stop   chan struct{}
+	reaper sync.WaitGroup
+
+	mu struct {
+		sync.Mutex
+		byPrint map[string]*Namespace
+		byID    []*Namespace // index = id-1
+		regs    map[uint64]*Registration
+		nextReg uint64
+		leases  map[uint64]*lease
+		nextLs  uint64
+		closing bool
+		closed  bool
+	}
+}
+
+// Namespace is a set of blocks that share identity and layout.
+type Namespace struct {
+	ID          uint32
+	Fingerprint []byte
+	Layout      layout.Layout
+	classes     []*cpu.Class // per group
+	regs        int          // guarded by Service.mu
+}
+
+// New builds the service: it maps the CPU arena and hands it to the copy engine.
+func New(cfg Config) (*Service, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Limits == (Limits{}) {
+		cfg.Limits = DefaultLimits
+	}
+	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{})}
+	s.m = newMetrics(cfg.Registerer)
+	s.mu.byPrint = map[string]*Namespace{}
+	s.mu.regs = map[uint64]*Registration{}
+	s.mu.leases = map[uint64]*lease{}
+	cc := cfg.CPU
+	cc.Logger = cfg.Logger
+	cc.Evict = s.onPolicyEvict
+	cc.Reject = s.onPolicyReject
+	cc.EvictRange = s.onEvictRange
+	t, err := cpu.New(cc)
+	if err != nil {
+		return nil, fmt.Errorf("cpu tier: %w", err)
+	}
+	s.cpu = t
+	if err := s.dma.SetArena(t.Mem()); err != nil {
+		t.Close()
+		return nil, fmt.Errorf("copy engine %s: %w", s.dma.Name(), err)
+	}
+	s.registerGauges(cfg.Registerer)
+	s.reaper.Add(1)
+	go s.reapLeases()
+	return s, nil
+}
+
+func (s *Service) registerGauges(reg prometheus.Registerer) {
+	if reg == nil {
+		return
+	}
+	tier := prometheus.Labels{"tier": "cpu"}
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_tier_capacity_bytes", Help: "Bytes a tier can hold.", ConstLabels: tier},
+			func() float64 { return float64(s.cpu.Capacity()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_tier_used_bytes", Help: "Bytes of a tier's slots in use.", ConstLabels: tier},
+			func() float64 { u, _ := s.cpu.Usage(); return float64(u) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_tier_blocks", Help: "Blocks held in a tier's slots.", ConstLabels: tier},
+			func() float64 { _, b := s.cpu.Usage(); return float64(b) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_pinned_slots", Help: "Slots pinned by loads, stores in flight and leases.", ConstLabels: tier},
+			func() float64 { return float64(s.cpu.Pinned()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_copy_queue_depth", Help: "Copy batches submitted to the copy engine and not yet drained."},
+			func() float64 { return float64(s.dma.QueueDepth()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_index_entries", Help: "Entries in the block index."},
+			func() float64 { return float64(s.ix.Len()) }),
+	)
+}
+
+// CPU exposes the CPU tier (for stats and tests).
+func (s *Service) CPU() *cpu.Tier { return s.cpu }
+
+// Register maps a client's regions and joins or creates its namespace.
+func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, peer dma.Peer, name string) (*Registration, bool, error) {
+	if len(fingerprint) == 0 || len(fingerprint) > s.lim.MaxFingerprint {
+		return nil, false, fmt.Errorf("%w: fingerprint is %d bytes, want 1..%d", ErrInvalid, len(fingerprint), s.lim.MaxFingerprint)
+	}
+	if err := l.Validate(); err != nil {
+		return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	if len(specs) != len(l.Segments) {
+		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
+	}
+	classes := make([]*cpu.Class, l.NumGroups())
+	for g := range classes {
+		c, err := s.cpu.Class(l.SlotBytes(uint32(g)))
+		if err != nil {
+			return nil, false, fmt.Errorf("%w: group %d: %v", ErrInvalid, g, err)
+		}
+		classes[g] = c
+	}
+	opened := make([]dma.Region, 0, len(specs))
+	closeAll := func() {
+		for _, r := range opened {
+			r.Close()
+		}
+	}
+	for i, sp := range specs {
+		sp.SegmentBytes = l.Segments[i].Bytes
+		specs[i] = sp
+		if _, err := sp.Span(); err != nil {
+			closeAll()
+			return nil, false, fmt.Errorf("%w: regions[%d]: %v", ErrInvalid, i, err)
+		}
+		r, err := s.dma.Open(sp, peer)
+		if err != nil {
+			closeAll()
+			return nil, false, fmt.Errorf("regions[%d]: %w", i, err)
+		}
+		opened = append(opened, r)
+	}
+	regions, err := layout.NewRegions(l, specs, opened)
+	if err != nil {
+		closeAll()
+		return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.closing {
+		closeAll()
+		return nil, false, ErrShuttingDown
+	}
+	ns, joined := s.mu.byPrint[string(fingerprint)]
+	if joined && !ns.Layout.Equal(l) {
+		closeAll()
+		return nil, false, fmt.Errorf("%w: namespace %d", ErrLayoutMismatch, ns.ID)
+	}
+	if !joined {
+		ns = &Namespace{ID: uint32(len(s.mu.byID) + 1), Fingerprint: bytes.Clone(fingerprint), Layout: l, classes: classes}
+		s.mu.byID = append(s.mu.byID, ns)
+		s.mu.byPrint[string(fingerprint)] = ns
+	}
+	ns.regs++
+	s.mu.nextReg++
+	r := newRegistration(s, s.mu.nextReg, ns, regions, peer, name)
+	s.mu.regs[r.ID] = r
+	s.m.regs.Inc()
+	s.log.Info("registered", "registration", r.ID, "namespace", ns.ID, "joined", joined, "client", name,
+		"peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
+	return r, joined, nil
+}
+
+// Registration looks up a live registration.
+func (s *Service) Registration(id uint64) (*Registration, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.mu.regs[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: registration_id %d", ErrUnknownRegistration, id)
+	}
+	return r, nil
+}
+
+// Unregister waits for the registration's jobs to drain, unmaps its regions
+// and drops its unread completions. Cached blocks stay.
+func (s *Service) Unregister(id uint64) error {
+	s.mu.Lock()
+	r, ok := s.mu.regs[id]
+	if ok {
+		delete(s.mu.regs, id)
+		r.ns.regs--
+		s.m.regs.Dec()
+	}
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: registration_id %d", ErrUnknownRegistration, id)
+	}
+	r.close()
+	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)
+	return nil
+}
+
+func (s *Service) namespaces(ids []uint32) ([]*Namespace, error) {
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("%w: namespace_ids is empty", ErrInvalid)
+	}
+	if len(ids) > s.lim.MaxNamespaces {
+		return nil, fmt.Errorf("%w: namespace_ids has %d entries, at most %d", ErrInvalid, len(ids), s.lim.MaxNamespaces)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Namespace, len(ids))
+	for i, id := range ids {
+		if id == 0 || int(id) > len(s.mu.byID) {
+			return nil, fmt.Errorf("%w: namespace_ids[%d] = %d", ErrUnknownNamespace, i, id)
+		}
+		out[i] = s.mu.byID[id-1]
+		if i > 0 && out[i].Layout.HashBytes != out[0].Layout.HashBytes {
+			return nil, fmt.Errorf("%w: namespace_ids[%d] uses %d-byte hashes, namespace_ids[0] %d-byte", ErrInvalid, i, out[i].Layout.HashBytes, out[0].Layout.HashBytes)
+		}
+	}
+	return out, nil
+}
+
+// Keys is one group's ordered keys, hashes packed back to back.
+type Keys struct {
+	Group  uint32
+	Hashes []byte
+}
+
+// count checks the packing against the namespace's hash length.
+func (k Keys) count(hashBytes, maxKeys int, field string) (int, error) {
+	if len(k.Hashes)%hashBytes != 0 {
+		return 0, fmt.Errorf("%w: %s.hashes is %d bytes, not a multiple of the namespace's %d-byte hash", ErrInvalid, field, len(k.Hashes), hashBytes)
+	}
+	n := len(k.Hashes) / hashBytes
+	if n > maxKeys {
+		return 0, fmt.Errorf("%w: %s has %d keys, at most %d per request", ErrInvalid, field, n, maxKeys)
+	}
+	return n, nil
+}
+
+func makeKey(ns uint32, group uint32, hash []byte) index.Key {
+	k := index.Key{NS: ns, Group: group}
+	copy(k.Hash[:], hash)
+	return k
+}
+
+// LookupResult is the answer to a Lookup.
+type LookupResult struct {
+	Ready   int
+	Tiers   []Tier
+	LeaseID uint64
+}
+
+// Tier is where a ready block is.
+type Tier uint8
+
+// Tiers, numbered as the wire's.
+const (
+	TierNone Tier = iota
+	TierCPU
+	TierDisk
+	TierCPUAndDisk
+)
+
+// Lookup counts the leading keys ready in every namespace. With a lease it
+// also pins that prefix until the lease ends.
+func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration) (LookupResult, error) {
+	nss, err := s.namespaces(nsIDs)
+	if err != nil {
+		return LookupResult{}, err
+	}
+	hb := nss[0].Layout.HashBytes
+	n, err := keys.count(hb, s.lim.MaxKeysPerLookup, "keys")
+	if err != nil {
+		return LookupResult{}, err
+	}
+	for i, ns := range nss {
+		if keys.Group >= uint32(len(ns.classes)) {
+			return LookupResult{}, fmt.Errorf("%w: keys.group %d, namespace_ids[%d] has %d groups", ErrInvalid, keys.Group, i, len(ns.classes))
+		}
+	}
+	if leaseFor > s.lim.MaxLease {
+		return LookupResult{}, fmt.Errorf("%w: lease_ms %d exceeds the longest lease, %d ms", ErrInvalid, leaseFor.Milliseconds(), s.lim.MaxLease.Milliseconds())
+	}
+	s.m.lookups.Inc()
+	s.c.lookups.Add(1)
+	res := LookupResult{Tiers: make([]Tier, 0, n)}
+	var ls *lease
+	if leaseFor > 0 {
+		ls = &lease{}
+	}
+	// Every key looked up counts as an access for the admission policy,
+	// hit or not: that is how a prefix many requests want earns its place
+	// before its first store, and a one-off prompt does not.
+	for _, ns := range nss {
+		c := ns.classes[keys.Group]
+		for i := 0; i < n; i++ {
+			k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
+			c.Touch(&k)
+		}
+	}
+	for i := 0; i < n; i++ {
+		hash := keys.Hashes[i*hb : (i+1)*hb]
+		ok := true
+		for _, ns := range nss {
+			if !ok {
+				break
+			}
+			k := makeKey(ns.ID, keys.Group, hash)
+			if ls == nil {
+				e, found := s.ix.Get(&k)
+				ok = found && e.State == index.Ready && e.CPU != index.NoSlot
+				continue
+			}
+			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+				ok = found && e.State == index.Ready && e.CPU != index.NoSlot
+				if ok {
+					s.cpu.Pin(e.CPU)
+					ls.slots = append(ls.slots, e.CPU)
+				}
+				return found
+			})
+		}
+		if !ok {
+			s.m.lookupBlocks.WithLabelValues("miss").Inc()
+			break
+		}
+		res.Ready++
+		res.Tiers = append(res.Tiers, TierCPU)
+	}
+	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
+	s.c.lookupHits.Add(uint64(res.Ready))
+	if ls != nil {
+		// Pins taken for a key that turned out not ready in a later
+		// namespace are beyond the prefix; the lease releases them all.
+		if len(ls.slots) == 0 {
+			return res, nil
+		}
+		res.LeaseID = s.addLease(ls, leaseFor)
+	}
+	return res, nil
+}
+
+// InvalidateAll drops every block of the namespaces; with keys, only those.
+func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
+	nss, err := s.namespaces(nsIDs)
+	if err != nil {
+		return 0, err
+	}
+	var dropped []index.Key
+	if keys == nil {
+		want := map[uint32]bool{}
+		for _, ns := range nss {
+			want[ns.ID] = true
+		}
+		s.ix.Range(func(k *index.Key, e *index.Entry) bool {
+			if !want[k.NS] {
+				return true
+			}
+			s.dropEntryLocked(e)
+			dropped = append(dropped, *k)
+			return false
+		})
+	} else {
+		hb := nss[0].Layout.HashBytes
+		n, err := keys.count(hb, s.lim.MaxKeysPerLookup, "keys")
+		if err != nil {
+			return 0, err
+		}
+		for _, ns := range nss {
+			if keys.Group >= uint32(len(ns.classes)) {
+				return 0, fmt.Errorf("%w: keys.group %d, namespace %d has %d groups", ErrInvalid, keys.Group, ns.ID, len(ns.classes))
+			}
+		}
+		for _, ns := range nss {
+			for i := 0; i < n; i++ {
+				k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
+				s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+					if found {
+						s.dropEntryLocked(e)
+						dropped = append(dropped, k)
+					}
+					return false
+				})
+			}
+		}
+	}
+	s.forget(dropped)
+	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
+	return len(dropped), nil
+}
+
+// dropEntryLocked lets go of an entry's slots; the caller holds the entry's
+// index lock and removes the entry.
+func (s *Service) dropEntryLocked(e *index.Entry) {
+	if e.CPU != index.NoSlot {
+		s.cpu.Release(e.CPU)
+		e.CPU = index.NoSlot
+	}
+}
+
+// forget tells the policy about keys dropped for reasons of our own.
+func (s *Service) forget(keys []index.Key) {
+	for i := range keys {
+		if ns := s.nsByID(keys[i].NS); ns != nil {
+			ns.classes[keys[i].Group].Forget(&keys[i])
+		}
+	}
+}
+
+func (s *Service) nsByID(id uint32) *Namespace {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if id == 0 || int(id) > len(s.mu.byID) {
+		return nil
+	}
+	return s.mu.byID[id-1]
+}
+
+// onPolicyEvict runs on a policy goroutine for each key it evicted.
+func (s *Service) onPolicyEvict(k index.Key) {
+	dropped := false
+	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+		if !found || e.CPU == index.NoSlot {
+			return found
+		}
+		s.dropEntryLocked(e)
+		dropped = true
+		return false
+	})
+	if dropped {
+		s.m.evictions.WithLabelValues("cpu", "policy").Inc()
+		s.c.evictions.Add(1)
+	}
+}
+
+// onPolicyReject runs for a key the policy declined: the store that inserted
+// it has not taken a slot yet, so the entry simply goes.
+func (s *Service) onPolicyReject(k index.Key) {
+	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+		return found && !(e.State == index.Writing && e.CPU == index.NoSlot)
+	})
+}
+
+// onEvictRange drops every block in a chunk the tier is moving to another
+// slot size.
+func (s *Service) onEvictRange(lo, hi cpu.SlotID) {
+	var dropped []index.Key
+	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
+		if e.CPU == index.NoSlot || e.CPU < lo || e.CPU >= hi {
+			return true
+		}
+		s.dropEntryLocked(e)
+		dropped = append(dropped, *k)
+		return false
+	})
+	s.forget(dropped)
+	s.m.evictions.WithLabelValues("cpu", "rebalance").Add(float64(len(dropped)))
+	s.c.evictions.Add(uint64(len(dropped)))
+}
+
+// BeginShutdown refuses new work from now on.
+func (s *Service) BeginShutdown() {
+	s.mu.Lock()
+	s.mu.closing = true
+	s.mu.Unlock()
+}
+
+// Drain waits until every accepted job has finished, or ctx ends.
+func (s *Service) Drain(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.jobs.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("jobs still running: %w", ctx.Err())
+	}
+}
+
+// Close refuses new work, waits for every job, unmaps every registration,
+// releases leases and unmaps the arena. The copy engine must be closed
+// after it. Close may be called more than once.
+func (s *Service) Close() error {
+	s.BeginShutdown()
+	s.jobs.Wait()
+	s.mu.Lock()
+	if s.mu.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.mu.closed = true
+	regs := s.mu.regs
+	s.mu.regs = map[uint64]*Registration{}
+	s.mu.Unlock()
+	close(s.stop)
+	s.reaper.Wait()
+	for _, r := range regs {
+		r.close()
+	}
+	s.releaseLeases(time.Time{}, true)
+	return errors.Join(s.cpu.Close())
+}

@@ -1,0 +1,60 @@
+package offload
+
+import (
+	"sync/atomic"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+)
+
+// counters mirror the Prometheus metrics Stats reports over the API.
+type counters struct {
+	lookups, lookupHits, stored, loaded, failed, evictions atomic.Uint64
+}
+
+// TierStats is one tier's use.
+type TierStats struct {
+	Name                             string
+	CapacityBytes, UsedBytes, Blocks uint64
+}
+
+// NamespaceStats is one namespace's state.
+type NamespaceStats struct {
+	ID            uint32
+	Fingerprint   []byte
+	Registrations int
+	Blocks        uint64
+}
+
+// Stats is a snapshot of the service.
+type Stats struct {
+	Tiers                                                                    []TierStats
+	Namespaces                                                               []NamespaceStats
+	Lookups, LookupHits, BlocksStored, BlocksLoaded, BlocksFailed, Evictions uint64
+}
+
+// Stats counts blocks per namespace (a walk of the index: not for hot paths).
+func (s *Service) Stats() Stats {
+	used, blocks := s.cpu.Usage()
+	st := Stats{
+		Tiers:        []TierStats{{Name: "cpu", CapacityBytes: s.cpu.Capacity(), UsedBytes: used, Blocks: blocks}},
+		Lookups:      s.c.lookups.Load(),
+		LookupHits:   s.c.lookupHits.Load(),
+		BlocksStored: s.c.stored.Load(),
+		BlocksLoaded: s.c.loaded.Load(),
+		BlocksFailed: s.c.failed.Load(),
+		Evictions:    s.c.evictions.Load(),
+	}
+	perNS := map[uint32]uint64{}
+	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
+		if e.State == index.Ready {
+			perNS[k.NS]++
+		}
+		return true
+	})
+	s.mu.Lock()
+	for _, ns := range s.mu.byID {
+		st.Namespaces = append(st.Namespaces, NamespaceStats{ID: ns.ID, Fingerprint: ns.Fingerprint, Registrations: ns.regs, Blocks: perNS[ns.ID]})
+	}
+	s.mu.Unlock()
+	return st
+}

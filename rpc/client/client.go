@@ -1,0 +1,130 @@
+// Package client is the reference Go client of kvoffloadd: a thin layer over
+// the generated kvoffload.v1 stubs that dials the unix socket and packs keys.
+// Other clients (the Python one) must behave the same on the same inputs.
+package client
+
+import (
+	"context"
+	"fmt"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+// Client is a connection to one daemon. It is safe for concurrent use.
+type Client struct {
+	conn *grpc.ClientConn
+	API  pb.KVOffloadClient
+}
+
+// Dial connects to the daemon's unix socket. The connection is made lazily;
+// the first call fails if nobody listens.
+func Dial(socket string, opts ...grpc.DialOption) (*Client, error) {
+	opts = append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20), grpc.MaxCallSendMsgSize(16<<20)),
+	}, opts...)
+	conn, err := grpc.NewClient("unix:"+socket, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", socket, err)
+	}
+	return &Client{conn: conn, API: pb.NewKVOffloadClient(conn)}, nil
+}
+
+// Close closes the connection; the daemon then releases every registration
+// made over it.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Conn is the underlying connection.
+func (c *Client) Conn() *grpc.ClientConn { return c.conn }
+
+// Healthy reports whether the daemon's health service says SERVING.
+func (c *Client) Healthy(ctx context.Context) (bool, error) {
+	r, err := healthpb.NewHealthClient(c.conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		return false, err
+	}
+	return r.GetStatus() == healthpb.HealthCheckResponse_SERVING, nil
+}
+
+// Keys packs block hashes of one group, each hashBytes long, into a KeyList.
+// It refuses hashes of another length.
+func Keys(group uint32, hashBytes int, hashes ...[]byte) (*pb.KeyList, error) {
+	buf := make([]byte, 0, len(hashes)*hashBytes)
+	for i, h := range hashes {
+		if len(h) != hashBytes {
+			return nil, fmt.Errorf("hash %d is %d bytes, want %d", i, len(h), hashBytes)
+		}
+		buf = append(buf, h...)
+	}
+	return &pb.KeyList{Group: group, Hashes: buf}, nil
+}
+
+// Register registers regions (one per layout segment) under a fingerprint.
+func (c *Client) Register(ctx context.Context, fingerprint []byte, layout *pb.Layout, regions []*pb.Region, name string) (*pb.RegisterResponse, error) {
+	return c.API.Register(ctx, &pb.RegisterRequest{Fingerprint: fingerprint, Layout: layout, Regions: regions, ClientName: name})
+}
+
+// Lookup returns how many leading keys are ready in every namespace.
+func (c *Client) Lookup(ctx context.Context, namespaces []uint32, keys *pb.KeyList, leaseMs uint32) (*pb.LookupResponse, error) {
+	return c.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: namespaces, Keys: keys, LeaseMs: leaseMs})
+}
+
+// Store submits store jobs; with wait it returns their results.
+func (c *Client) Store(ctx context.Context, registration uint64, jobs []*pb.Job, wait bool) ([]*pb.JobResult, error) {
+	r, err := c.API.Store(ctx, &pb.TransferRequest{RegistrationId: registration, Jobs: jobs, Wait: wait})
+	return r.GetResults(), err
+}
+
+// Load submits load jobs; with wait it returns their results.
+func (c *Client) Load(ctx context.Context, registration uint64, jobs []*pb.Job, wait bool) ([]*pb.JobResult, error) {
+	r, err := c.API.Load(ctx, &pb.TransferRequest{RegistrationId: registration, Jobs: jobs, Wait: wait})
+	return r.GetResults(), err
+}
+
+// Completions returns finished jobs, waiting up to waitMs for one.
+func (c *Client) Completions(ctx context.Context, registration uint64, waitMs uint32) (*pb.CompletionsResponse, error) {
+	return c.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: registration, WaitMs: waitMs})
+}
+
+// WaitJobs reads completions until every job id in ids has finished, and
+// returns their results by job id.
+func (c *Client) WaitJobs(ctx context.Context, registration uint64, ids ...uint64) (map[uint64]*pb.JobResult, error) {
+	want := make(map[uint64]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+	}
+	got := make(map[uint64]*pb.JobResult, len(ids))
+	for len(got) < len(want) {
+		r, err := c.Completions(ctx, registration, 1000)
+		if err != nil {
+			return got, err
+		}
+		for _, jr := range r.GetResults() {
+			if want[jr.GetJobId()] {
+				got[jr.GetJobId()] = jr
+			}
+		}
+	}
+	return got, nil
+}
+
+// Invalidate drops keys (or, with keys nil, every block) of namespaces.
+func (c *Client) Invalidate(ctx context.Context, namespaces []uint32, keys *pb.KeyList) (uint64, error) {
+	r, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: namespaces, Keys: keys})
+	return r.GetRemoved(), err
+}
+
+// Stats returns the daemon's statistics.
+func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
+	return c.API.Stats(ctx, &pb.StatsRequest{})
+}
+
+// Unregister releases a registration.
+func (c *Client) Unregister(ctx context.Context, registration uint64) error {
+	_, err := c.API.Unregister(ctx, &pb.UnregisterRequest{RegistrationId: registration})
+	return err
+}

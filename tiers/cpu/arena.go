@@ -1,0 +1,36 @@
+// Package cpu owns the CPU tier: one host arena mapped once outside the Go
+// heap, cut into fixed-size chunks that each serve one slot size, the pins
+// that keep a slot alive while a copy reads it, and the admission and
+// eviction policy (ristretto's TinyLFU) that decides which blocks to keep.
+//
+// The tier never decides what is cached: that is the index's job. It hands
+// out slots, counts pins, and tells its owner (through callbacks) which keys
+// the policy wants gone.
+package cpu
+
+import (
+	"fmt"
+	"log/slog"
+
+	"golang.org/x/sys/unix"
+)
+
+// mapArena maps size bytes of anonymous memory, advises huge pages and locks
+// it in memory where RLIMIT_MEMLOCK allows. It reports whether it is locked.
+func mapArena(size uint64, log *slog.Logger) ([]byte, bool, error) {
+	mem, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		return nil, false, fmt.Errorf("mmap %d-byte arena: %w", size, err)
+	}
+	if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
+		log.Debug("transparent huge pages not available for the arena", "err", err)
+	}
+	if err := unix.Mlock(mem); err != nil {
+		var lim unix.Rlimit
+		_ = unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim)
+		log.Warn("arena is not locked in memory: it may be swapped out; raise RLIMIT_MEMLOCK (ulimit -l) or run with CAP_IPC_LOCK",
+			"bytes", size, "memlock_limit", lim.Cur, "err", err)
+		return mem, false, nil
+	}
+	return mem, true, nil
+}
