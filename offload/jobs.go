@@ -518,7 +518,10 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if !found || e.CPU != ref.slot || e.State != index.Writing {
 					// Evicted or invalidated while written; whoever
-					// removed it released the slot.
+					// removed it released the slot. Not stored.
+					if copyErr == nil {
+						res.Failures = append(res.Failures, r.failure(job, ref.i, Rejected))
+					}
 					return found
 				}
 				if copyErr != nil {

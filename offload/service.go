@@ -469,11 +469,13 @@ func (s *Service) nsByID(id uint32) *Namespace {
 func (s *Service) onPolicyEvict(k index.Key) {
 	dropped := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		if !found || e.CPU == index.NoSlot {
-			return found
+		if !found {
+			return false
 		}
+		// A store claimed but not yet given a slot simply goes; its store
+		// reports the block as rejected.
+		dropped = e.CPU != index.NoSlot
 		s.dropEntryLocked(e)
-		dropped = true
 		return false
 	})
 	if dropped {

@@ -169,12 +169,18 @@ func (t *Tier) Class(slotBytes uint64) (*Class, error) {
 	if c, ok := t.mu.classes[slotBytes]; ok {
 		return c, nil
 	}
-	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes}
+	// ristretto refuses a zero capacity; the first grow sets the real one.
+	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, maxCost: 1}
 	maxSlots := int64(uint64(len(t.mem)) / slotBytes)
 	p, err := ristretto.NewCache(&ristretto.Config[uint64, index.Key]{
-		NumCounters:        max(10*maxSlots, 1024),
-		MaxCost:            0,
-		BufferItems:        64,
+		// TinyLFU's frequency window: ten times the blocks the class can
+		// hold, and never so small that a burst of one-off keys ages the
+		// hot set away.
+		NumCounters: max(10*maxSlots, 1<<14),
+		MaxCost:     1,
+		// Accesses reach the sketch in batches of this many; a smaller
+		// batch loses less when the runtime drops a pooled buffer.
+		BufferItems:        16,
 		IgnoreInternalCost: true,
 		OnEvict: func(it *ristretto.Item[index.Key]) {
 			if t.cfg.Evict != nil {

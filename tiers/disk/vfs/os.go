@@ -1,0 +1,156 @@
+package vfs
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Default is the operating system's filesystem.
+var Default FS = osFS{}
+
+type osFS struct{}
+
+func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
+	flag := os.O_RDWR | os.O_CREATE
+	if direct {
+		flag |= unix.O_DIRECT
+	}
+	f, err := os.OpenFile(path, flag, 0o600)
+	if err != nil {
+		if direct {
+			return nil, directError(err, path)
+		}
+		return nil, err
+	}
+	file := &osFile{f: f, direct: direct}
+	if size > 0 {
+		if err := file.Preallocate(size); err != nil {
+			return nil, errors.Join(err, f.Close())
+		}
+	}
+	return file, nil
+}
+
+func (osFS) Remove(path string) error                    { return os.Remove(path) }
+func (osFS) Stat(path string) (os.FileInfo, error)       { return os.Stat(path) }
+func (osFS) MkdirAll(dir string, perm os.FileMode) error { return os.MkdirAll(dir, perm) }
+
+type osFile struct {
+	f      *os.File
+	direct bool
+}
+
+func (f *osFile) ReadAt(p []byte, off int64) (int, error) {
+	if f.direct {
+		if err := CheckAlignment(p, off); err != nil {
+			return 0, fmt.Errorf("read %s: %w", f.f.Name(), err)
+		}
+	}
+	return f.f.ReadAt(p, off)
+}
+
+func (f *osFile) WriteAt(p []byte, off int64) (int, error) {
+	if f.direct {
+		if err := CheckAlignment(p, off); err != nil {
+			return 0, fmt.Errorf("write %s: %w", f.f.Name(), err)
+		}
+	}
+	return f.f.WriteAt(p, off)
+}
+
+func (f *osFile) Preallocate(size int64) error {
+	if size <= 0 {
+		return nil
+	}
+	rc, err := f.f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var ferr error
+	err = rc.Control(func(fd uintptr) {
+		// Mode 0 allocates blocks and extends the size; it never shrinks,
+		// and a large allocation may be interrupted by a signal.
+		for {
+			ferr = unix.Fallocate(int(fd), 0, 0, size)
+			if ferr != unix.EINTR {
+				return
+			}
+		}
+	})
+	if err != nil {
+		// Control fails only once the file is closed.
+		return &os.PathError{Op: "fallocate", Path: f.f.Name(), Err: fmt.Errorf("%w (%w)", os.ErrClosed, err)}
+	}
+	if ferr != nil {
+		return &os.PathError{Op: "fallocate", Path: f.f.Name(), Err: ferr}
+	}
+	return nil
+}
+
+func (f *osFile) Sync() error  { return f.f.Sync() }
+func (f *osFile) Close() error { return f.f.Close() }
+func (f *osFile) Name() string { return f.f.Name() }
+
+// directError explains the EINVAL of an O_DIRECT open: the filesystem of
+// path does not do direct I/O.
+func directError(err error, path string) error {
+	if !errors.Is(err, unix.EINVAL) {
+		return err
+	}
+	return fmt.Errorf("%w: the filesystem of %s has no direct I/O (tmpfs before Linux 6.6, for example): %w", ErrDirectUnsupported, path, err)
+}
+
+// ProbeDirect tells whether the filesystem holding dir accepts O_DIRECT
+// reads and writes of Alignment-sized aligned blocks. It writes, reads back
+// and removes one small temporary file. A filesystem that refuses (tmpfs
+// does, with EINVAL at open) gives an error wrapping ErrDirectUnsupported;
+// any other failure (missing directory, no permission) is returned as is.
+// tmpfs accepts O_DIRECT since Linux 6.6 (the flag is then a no-op there).
+func ProbeDirect(dir string) error {
+	tmp, err := os.CreateTemp(dir, ".kvoffloadd-direct-probe-*")
+	if err != nil {
+		return err
+	}
+	name := tmp.Name()
+	defer os.Remove(name)
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+
+	f, err := os.OpenFile(name, os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		return directError(err, dir)
+	}
+	defer f.Close()
+
+	buf, err := AlignedBuffer(2 * Alignment)
+	if err != nil {
+		return err
+	}
+	defer FreeBuffer(buf)
+	out, in := buf[:Alignment], buf[Alignment:]
+	for i := range out {
+		out[i] = byte(i*7 + 1)
+	}
+	if _, err := f.WriteAt(out, 0); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("%w: %s accepts O_DIRECT at open but refuses an aligned %d-byte write: %w", ErrDirectUnsupported, filepath.Clean(dir), Alignment, err)
+		}
+		return err
+	}
+	if _, err := f.ReadAt(in, 0); err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("%w: %s accepts O_DIRECT at open but refuses an aligned %d-byte read: %w", ErrDirectUnsupported, filepath.Clean(dir), Alignment, err)
+		}
+		return err
+	}
+	if !bytes.Equal(in, out) {
+		return fmt.Errorf("vfs: direct I/O probe in %s read back different bytes than it wrote", dir)
+	}
+	return nil
+}
