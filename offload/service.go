@@ -20,6 +20,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
 // Limits bound everything a request may ask for before anything is allocated.
@@ -84,8 +85,8 @@ type Namespace struct {
 	ID          uint32
 	Fingerprint []byte
 	Layout      layout.Layout
-	classes     []*cpu.Class // per group
-	regs        int          // guarded by Service.mu
+	classes     []*slots.Class // per group
+	regs        int            // guarded by Service.mu
 }
 
 // New builds the service: it maps the CPU arena and hands it to the copy engine.
@@ -156,7 +157,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	if len(specs) != len(l.Segments) {
 		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
 	}
-	classes := make([]*cpu.Class, l.NumGroups())
+	classes := make([]*slots.Class, l.NumGroups())
 	for g := range classes {
 		c, err := s.cpu.Class(l.SlotBytes(uint32(g)))
 		if err != nil {

@@ -1,11 +1,7 @@
 // Package cpu owns the CPU tier: one host arena mapped once outside the Go
-// heap, cut into fixed-size chunks that each serve one slot size, the pins
-// that keep a slot alive while a copy reads it, and the admission and
-// eviction policy (ristretto's TinyLFU) that decides which blocks to keep.
-//
-// The tier never decides what is cached: that is the index's job. It hands
-// out slots, counts pins, and tells its owner (through callbacks) which keys
-// the policy wants gone.
+// heap (page aligned, huge pages advised, locked where RLIMIT_MEMLOCK
+// allows) whose slots are managed by package slots. Slots are 4 KiB aligned
+// so the disk tier reads and writes them with O_DIRECT.
 package cpu
 
 import (

@@ -1,459 +1,70 @@
 package cpu
 
 import (
-	"errors"
 	"fmt"
-	"hash/maphash"
-	"log/slog"
-	"sync"
-	"unsafe"
 
-	"github.com/dgraph-io/ristretto/v2"
 	"golang.org/x/sys/unix"
 
-	"github.com/kvoffloadd/kvoffloadd/index"
-	"github.com/kvoffloadd/kvoffloadd/layout"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
-// SlotID names a slot by its arena offset in layout.SlotAlign units.
-type SlotID = uint32
+// Config sizes the CPU tier; see slots.Config.
+type Config = slots.Config
+
+// SlotID names a slot of the arena.
+type SlotID = slots.SlotID
 
 // Offset is the arena byte offset of slot s.
-func Offset(s SlotID) uint64 { return uint64(s) * layout.SlotAlign }
+func Offset(s SlotID) uint64 { return slots.Offset(s) }
 
-// ErrSlotTooLarge means a block does not fit in one arena chunk.
-var ErrSlotTooLarge = errors.New("block larger than an arena chunk")
-
-// Config sizes the tier and names its owner's callbacks.
-type Config struct {
-	Bytes      uint64 // arena size; rounded down to whole chunks
-	ChunkBytes uint64 // 0 picks a default from Bytes
-	// Reserve is the fraction of each slot size's slots the policy keeps
-	// free, so stores find room while evicted blocks are still being
-	// written elsewhere (write-back). 0 in a CPU-only daemon.
-	Reserve float64
-	Logger  *slog.Logger
-	// Evict is called with each key the policy evicted, on the policy's
-	// goroutine. The owner removes the key from the index and calls Release
-	// on its slot; it must not call Forget or Admit from here.
-	Evict func(index.Key)
-	// Reject is called with each key the policy declined to admit.
-	Reject func(index.Key)
-	// EvictRange asks the owner to drop every block whose slot lies in
-	// [lo, hi): the tier is giving that chunk to another slot size. The
-	// owner releases each slot and forgets each key.
-	EvictRange func(lo, hi SlotID)
-}
-
-// DefaultChunkBytes is the chunk size for an arena of n bytes.
-func DefaultChunkBytes(n uint64) uint64 {
-	c := min(max(n/16, 4<<20), 256<<20)
-	return layout.AlignUp(c)
-}
-
-const (
-	slotFree uint8 = iota
-	slotUsed
-	slotReleased // owner let go; freed when the last pin drops
-)
-
-// Tier is the CPU tier. Its methods are safe for concurrent use.
+// Tier is the CPU tier: the arena and its slots.
 type Tier struct {
-	mem        []byte
-	locked     bool
-	chunkBytes uint64
-	slotsPer   uint64 // SlotIDs per chunk
-	cfg        Config
-	seed       maphash.Seed
-
-	mu struct {
-		sync.Mutex
-		classes    map[uint64]*Class
-		freeChunks []uint32
-		chunkOwner []*Class // nil: free
-		draining   []bool
-		chunkLive  []uint32
-		pins       []uint16
-		state      []uint8
-		slotClass  []*Class
-		usedBytes  uint64
-		blocks     uint64
-	}
-}
-
-// Class is the set of chunks serving one slot size, with its own policy.
-type Class struct {
-	t         *Tier
-	slotBytes uint64
-	perChunk  uint64
-	policy    *ristretto.Cache[uint64, index.Key]
-	// guarded by t.mu
-	free    []SlotID
-	chunks  int
-	maxCost int64
+	*slots.Space
+	mem    []byte
+	locked bool
 }
 
 // New maps the arena and returns the tier.
 func New(cfg Config) (*Tier, error) {
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
+	cfg.Name = "cpu"
+	if cfg.ChunkBytes == 0 {
+		cfg.ChunkBytes = slots.DefaultChunkBytes(cfg.Bytes)
 	}
-	chunk := cfg.ChunkBytes
-	if chunk == 0 {
-		chunk = DefaultChunkBytes(cfg.Bytes)
-	}
-	if chunk%layout.SlotAlign != 0 {
-		return nil, fmt.Errorf("chunk size %d is not a multiple of %d", chunk, layout.SlotAlign)
-	}
-	nChunks := cfg.Bytes / chunk
-	if nChunks == 0 {
-		return nil, fmt.Errorf("arena of %d bytes holds no %d-byte chunk", cfg.Bytes, chunk)
-	}
-	if nChunks*chunk/layout.SlotAlign > uint64(^uint32(0)) {
-		return nil, fmt.Errorf("arena of %d bytes is too large", cfg.Bytes)
-	}
-	mem, locked, err := mapArena(nChunks*chunk, cfg.Logger)
+	sp, err := slots.New(cfg)
 	if err != nil {
 		return nil, err
 	}
-	t := &Tier{mem: mem, locked: locked, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, cfg: cfg, seed: maphash.MakeSeed()}
-	nSlots := nChunks * t.slotsPer
-	t.mu.classes = map[uint64]*Class{}
-	t.mu.chunkOwner = make([]*Class, nChunks)
-	t.mu.draining = make([]bool, nChunks)
-	t.mu.chunkLive = make([]uint32, nChunks)
-	t.mu.pins = make([]uint16, nSlots)
-	t.mu.state = make([]uint8, nSlots)
-	t.mu.slotClass = make([]*Class, nChunks)
-	for c := int(nChunks) - 1; c >= 0; c-- {
-		t.mu.freeChunks = append(t.mu.freeChunks, uint32(c))
+	mem, locked, err := mapArena(sp.Capacity(), cfg.Logger)
+	if err != nil {
+		sp.Close()
+		return nil, err
 	}
-	return t, nil
+	return &Tier{Space: sp, mem: mem, locked: locked}, nil
 }
 
-// Mem is the arena. Slot s is Mem()[Offset(s):Offset(s)+slot bytes].
+// Mem is the arena. Slot s starts at Mem()[Offset(s)].
 func (t *Tier) Mem() []byte { return t.mem }
 
 // Locked reports whether the arena is locked in memory.
 func (t *Tier) Locked() bool { return t.locked }
 
-// ChunkBytes is the size of one chunk: the largest slot the tier takes.
-func (t *Tier) ChunkBytes() uint64 { return t.chunkBytes }
-
-// Capacity is the arena size in bytes.
-func (t *Tier) Capacity() uint64 { return uint64(len(t.mem)) }
-
-// Usage reports bytes and blocks held in slots.
-func (t *Tier) Usage() (usedBytes, blocks uint64) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.mu.usedBytes, t.mu.blocks
-}
-
-// PolicyKey is the 64-bit key the policy tracks for k.
-func (t *Tier) PolicyKey(k *index.Key) uint64 {
-	return maphash.Bytes(t.seed, unsafe.Slice((*byte)(unsafe.Pointer(k)), unsafe.Sizeof(*k)))
-}
-
-// Class returns the class for slots of slotBytes (a multiple of
-// layout.SlotAlign), creating it on first use.
-func (t *Tier) Class(slotBytes uint64) (*Class, error) {
-	if slotBytes == 0 || slotBytes%layout.SlotAlign != 0 {
-		return nil, fmt.Errorf("slot size %d is not a positive multiple of %d", slotBytes, layout.SlotAlign)
-	}
-	if slotBytes > t.chunkBytes {
-		return nil, fmt.Errorf("%w: block slot is %d bytes, chunk is %d bytes (raise --cpu-chunk-bytes)", ErrSlotTooLarge, slotBytes, t.chunkBytes)
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if c, ok := t.mu.classes[slotBytes]; ok {
-		return c, nil
-	}
-	// ristretto refuses a zero capacity; the first grow sets the real one.
-	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, maxCost: 1}
-	maxSlots := int64(uint64(len(t.mem)) / slotBytes)
-	p, err := ristretto.NewCache(&ristretto.Config[uint64, index.Key]{
-		// TinyLFU's frequency window: ten times the blocks the class can
-		// hold, and never so small that a burst of one-off keys ages the
-		// hot set away.
-		NumCounters: max(10*maxSlots, 1<<14),
-		MaxCost:     1,
-		// Accesses reach the sketch in batches of this many; a smaller
-		// batch loses less when the runtime drops a pooled buffer.
-		BufferItems:        16,
-		IgnoreInternalCost: true,
-		OnEvict: func(it *ristretto.Item[index.Key]) {
-			if t.cfg.Evict != nil {
-				t.cfg.Evict(it.Value)
-			}
-		},
-		OnReject: func(it *ristretto.Item[index.Key]) {
-			if t.cfg.Reject != nil {
-				t.cfg.Reject(it.Value)
-			}
-		},
-	})
-	if err != nil {
-		return nil, fmt.Errorf("admission policy: %w", err)
-	}
-	c.policy = p
-	t.mu.classes[slotBytes] = c
-	return c, nil
-}
-
-// SlotBytes is the slot size of the class.
-func (c *Class) SlotBytes() uint64 { return c.slotBytes }
-
-// Touch records an access to k (a lookup, hit or miss) for the policy's
-// frequency estimate.
-func (c *Class) Touch(k *index.Key) { c.policy.Get(c.t.PolicyKey(k)) }
-
-// Admit offers new keys to the policy, which may evict others (Evict) or
-// decline some (Reject) before Admit returns. Call it without holding any
-// index lock.
-func (c *Class) Admit(keys []index.Key) {
-	if len(keys) == 0 {
-		return
-	}
-	c.grow(len(keys))
-	for i := range keys {
-		if !c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1) && c.t.cfg.Reject != nil {
-			c.t.cfg.Reject(keys[i])
-		}
-	}
-	c.policy.Wait()
-}
-
-// Forget removes k from the policy after its owner dropped it for a reason
-// of its own (failure, invalidation). Call it without holding any index lock.
-func (c *Class) Forget(k *index.Key) { c.policy.Del(c.t.PolicyKey(k)) }
-
-// Alloc takes a free slot for a block being written. The slot starts with
-// one pin, the writer's; Unpin it when the write has drained.
-func (c *Class) Alloc() (SlotID, bool) {
-	t := c.t
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	n := len(c.free)
-	if n == 0 {
-		return index.NoSlot, false
-	}
-	s := c.free[n-1]
-	c.free = c.free[:n-1]
-	t.mu.state[s] = slotUsed
-	t.mu.pins[s] = 1
-	t.mu.chunkLive[uint64(s)/t.slotsPer]++
-	t.mu.usedBytes += c.slotBytes
-	t.mu.blocks++
-	return s, true
-}
-
-// grow gives the class chunks until it has n free slots or no chunk is left,
-// taking one from another slot size when the class has none at all.
-func (c *Class) grow(n int) {
-	t := c.t
-	t.mu.Lock()
-	before := c.maxCost
-	for len(c.free) < n && len(t.mu.freeChunks) > 0 {
-		k := len(t.mu.freeChunks) - 1
-		ch := t.mu.freeChunks[k]
-		t.mu.freeChunks = t.mu.freeChunks[:k]
-		c.addChunkLocked(ch)
-	}
-	var steal = -1
-	if c.chunks == 0 {
-		steal = t.pickDonorLocked(c)
-	}
-	after := c.maxCost
-	t.mu.Unlock()
-	if after != before {
-		c.policy.UpdateMaxCost(after)
-	}
-	if steal >= 0 {
-		t.drainChunk(uint32(steal))
-		t.mu.Lock()
-		if len(t.mu.freeChunks) > 0 && c.chunks == 0 {
-			k := len(t.mu.freeChunks) - 1
-			ch := t.mu.freeChunks[k]
-			t.mu.freeChunks = t.mu.freeChunks[:k]
-			c.addChunkLocked(ch)
-		}
-		after = c.maxCost
-		t.mu.Unlock()
-		c.policy.UpdateMaxCost(after)
-	}
-}
-
-func (c *Class) addChunkLocked(ch uint32) {
-	t := c.t
-	t.mu.chunkOwner[ch] = c
-	t.mu.slotClass[ch] = c
-	base := uint64(ch) * t.slotsPer
-	step := c.slotBytes / layout.SlotAlign
-	for i := int(c.perChunk) - 1; i >= 0; i-- {
-		c.free = append(c.free, SlotID(base+uint64(i)*step))
-	}
-	c.chunks++
-	c.setMaxCostLocked()
-}
-
-func (c *Class) setMaxCostLocked() {
-	slots := int64(uint64(c.chunks) * c.perChunk)
-	reserve := int64(float64(slots) * c.t.cfg.Reserve)
-	c.maxCost = max(slots-reserve, min(slots, 1))
-}
-
-// pickDonorLocked chooses a chunk to take from the class with the most
-// chunks (it keeps at least one), preferring the chunk with fewest live slots.
-func (t *Tier) pickDonorLocked(needy *Class) int {
-	var donor *Class
-	for _, c := range t.mu.classes {
-		if c != needy && c.chunks > 1 && (donor == nil || c.chunks > donor.chunks) {
-			donor = c
-		}
-	}
-	if donor == nil {
-		return -1
-	}
-	best := -1
-	for ch, o := range t.mu.chunkOwner {
-		if o == donor && !t.mu.draining[ch] && (best < 0 || t.mu.chunkLive[ch] < t.mu.chunkLive[best]) {
-			best = ch
-		}
-	}
-	if best < 0 {
-		return -1
-	}
-	t.mu.draining[best] = true
-	t.mu.chunkOwner[best] = nil
-	donor.chunks--
-	donor.setMaxCostLocked()
-	lo, hi := SlotID(uint64(best)*t.slotsPer), SlotID(uint64(best+1)*t.slotsPer)
-	kept := donor.free[:0]
-	for _, s := range donor.free {
-		if s < lo || s >= hi {
-			kept = append(kept, s)
-		}
-	}
-	donor.free = kept
-	t.cfg.Logger.Info("moving an arena chunk between block sizes", "chunk", best, "from_slot_bytes", donor.slotBytes)
-	return best
-}
-
-func (t *Tier) drainChunk(ch uint32) {
-	t.mu.Lock()
-	donor := t.mu.slotClass[ch]
-	t.mu.Unlock()
-	donor.policy.UpdateMaxCost(donor.maxCostSnapshot())
-	lo, hi := SlotID(uint64(ch)*t.slotsPer), SlotID(uint64(ch+1)*t.slotsPer)
-	if t.cfg.EvictRange != nil {
-		t.cfg.EvictRange(lo, hi)
-	}
-	t.mu.Lock()
-	t.maybeFreeChunkLocked(ch)
-	t.mu.Unlock()
-}
-
-func (c *Class) maxCostSnapshot() int64 {
-	c.t.mu.Lock()
-	defer c.t.mu.Unlock()
-	return c.maxCost
-}
-
-func (t *Tier) maybeFreeChunkLocked(ch uint32) {
-	if t.mu.draining[ch] && t.mu.chunkLive[ch] == 0 {
-		t.mu.draining[ch] = false
-		t.mu.slotClass[ch] = nil
-		t.mu.freeChunks = append(t.mu.freeChunks, ch)
-	}
-}
-
-// Pin keeps slot s from being reused until Unpin. The caller holds the
-// index entry that names s, so s is in use.
-func (t *Tier) Pin(s SlotID) {
-	t.mu.Lock()
-	if t.mu.state[s] != slotUsed {
-		t.mu.Unlock()
-		panic(fmt.Sprintf("cpu: pin of slot %d in state %d", s, t.mu.state[s]))
-	}
-	t.mu.pins[s]++
-	t.mu.Unlock()
-}
-
-// Unpin drops a pin; the slot is freed if its owner already released it.
-func (t *Tier) Unpin(s SlotID) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.mu.pins[s] == 0 {
-		panic(fmt.Sprintf("cpu: unpin of unpinned slot %d", s))
-	}
-	t.mu.pins[s]--
-	if t.mu.pins[s] == 0 && t.mu.state[s] == slotReleased {
-		t.freeLocked(s)
-	}
-}
-
-// Release is called once by whoever removed the index entry naming s. The
-// slot is freed now, or when its last pin drops.
-func (t *Tier) Release(s SlotID) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.mu.state[s] != slotUsed {
-		panic(fmt.Sprintf("cpu: release of slot %d in state %d", s, t.mu.state[s]))
-	}
-	if t.mu.pins[s] > 0 {
-		t.mu.state[s] = slotReleased
-		return
-	}
-	t.freeLocked(s)
-}
-
-func (t *Tier) freeLocked(s SlotID) {
-	ch := uint64(s) / t.slotsPer
-	c := t.mu.slotClass[ch]
-	t.mu.state[s] = slotFree
-	t.mu.chunkLive[ch]--
-	t.mu.usedBytes -= c.slotBytes
-	t.mu.blocks--
-	if t.mu.draining[ch] {
-		t.maybeFreeChunkLocked(uint32(ch))
-		return
-	}
-	c.free = append(c.free, s)
-}
-
-// Slot returns the bytes of slot s for n bytes.
+// Slot returns the first n bytes of slot s.
 func (t *Tier) Slot(s SlotID, n uint64) []byte {
 	off := Offset(s)
 	return t.mem[off : off+n : off+n]
 }
 
-// Pinned counts slots with pins, for leak checks and metrics.
-func (t *Tier) Pinned() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	n := 0
-	for _, p := range t.mu.pins {
-		if p > 0 {
-			n++
-		}
-	}
-	return n
-}
-
-// Close stops the policies and unmaps the arena. No copy may be in flight.
+// Close stops the policy and unmaps the arena. No copy may be in flight.
+// It may be called more than once.
 func (t *Tier) Close() error {
-	t.mu.Lock()
-	classes := t.mu.classes
-	t.mu.classes = nil
-	t.mu.Unlock()
-	for _, c := range classes {
-		c.policy.Close()
-	}
 	if t.mem == nil {
 		return nil
 	}
+	t.Space.Close()
 	err := unix.Munmap(t.mem)
 	t.mem = nil
-	return err
+	if err != nil {
+		return fmt.Errorf("unmap arena: %w", err)
+	}
+	return nil
 }
