@@ -48,6 +48,9 @@ func (s RegionSpec) Span() (uint64, error) {
 	if s.NumBlocks > 1 && s.BlockStride < s.SegmentBytes {
 		return 0, fmt.Errorf("block_stride %d is smaller than the segment (%d bytes): blocks would overlap", s.BlockStride, s.SegmentBytes)
 	}
+	if s.Offset > ^uint64(0)-s.SegmentBytes {
+		return 0, fmt.Errorf("offset+segment overflows")
+	}
 	last := uint64(s.NumBlocks - 1)
 	if s.BlockStride != 0 && last > (^uint64(0)-s.Offset-s.SegmentBytes)/s.BlockStride {
 		return 0, fmt.Errorf("offset+num_blocks*block_stride overflows")

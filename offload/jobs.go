@@ -111,8 +111,15 @@ func newRegistration(s *Service, id uint64, ns *Namespace, reg *layout.Regions, 
 // Namespace is the registration's namespace.
 func (r *Registration) Namespace() *Namespace { return r.ns }
 
-func (r *Registration) close() {
+// close refuses new jobs, waits for the registration's jobs to drain and
+// unmaps its regions. It reports false if the registration was already
+// closing.
+func (r *Registration) close() bool {
 	r.mu.Lock()
+	if r.mu.closed {
+		r.mu.Unlock()
+		return false
+	}
 	r.mu.closed = true
 	r.mu.Unlock()
 	r.jobs.Wait()
@@ -126,6 +133,7 @@ func (r *Registration) close() {
 	close(r.mu.notify)
 	r.mu.notify = make(chan struct{})
 	r.mu.Unlock()
+	return true
 }
 
 // Completions returns finished jobs not yet returned, waiting up to wait for
@@ -139,7 +147,7 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 	}
 	for {
 		r.mu.Lock()
-		if r.mu.closed && len(r.mu.done) == 0 && len(r.mu.pending) == 0 {
+		if r.mu.closed && len(r.mu.pending) == 0 {
 			r.mu.Unlock()
 			return nil, 0, fmt.Errorf("%w: registration_id %d was unregistered", ErrUnknownRegistration, r.ID)
 		}
@@ -164,7 +172,7 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			timer = nil
 		case <-ctx.Done():
 			return nil, 0, ctx.Err()
-		case <-r.s.stop:
+		case <-r.s.closing:
 			timer = nil
 		}
 	}
@@ -204,7 +212,9 @@ func (r *Registration) deliver(w *waiter, slot int, res Result) {
 func (r *Registration) finish(res Result, queue bool) {
 	r.mu.Lock()
 	delete(r.mu.pending, res.JobID)
-	if queue && !r.mu.closed {
+	if queue {
+		// Kept while the registration drains, so a client that lost its
+		// connection can still read them; close drops what is left.
 		r.mu.done = append(r.mu.done, res)
 	}
 	close(r.mu.notify)

@@ -56,16 +56,19 @@ type Config struct {
 
 // Service is the daemon's core. Its methods are safe for concurrent use.
 type Service struct {
-	log    *slog.Logger
-	lim    Limits
-	ix     *index.Index
-	cpu    *cpu.Tier
-	dma    dma.Engine
-	m      *metrics
-	c      counters
-	jobs   sync.WaitGroup // accepted jobs not yet finished
-	stop   chan struct{}
-	reaper sync.WaitGroup
+	log  *slog.Logger
+	lim  Limits
+	ix   *index.Index
+	cpu  *cpu.Tier
+	dma  dma.Engine
+	m    *metrics
+	c    counters
+	jobs sync.WaitGroup // accepted jobs not yet finished
+	stop chan struct{}  // closed by Close: background goroutines exit
+	// closing is closed by BeginShutdown: long polls return at once.
+	closing     chan struct{}
+	closingOnce sync.Once
+	reaper      sync.WaitGroup
 
 	mu struct {
 		sync.Mutex
@@ -97,7 +100,7 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Limits == (Limits{}) {
 		cfg.Limits = DefaultLimits
 	}
-	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{})}
+	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{})}
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
 	s.mu.regs = map[uint64]*Registration{}
@@ -217,6 +220,22 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	return r, joined, nil
 }
 
+// Resolve returns the namespace id of each fingerprint, 0 where none.
+func (s *Service) Resolve(fingerprints [][]byte) ([]uint32, error) {
+	if len(fingerprints) > s.lim.MaxNamespaces {
+		return nil, fmt.Errorf("%w: fingerprints has %d entries, at most %d", ErrInvalid, len(fingerprints), s.lim.MaxNamespaces)
+	}
+	out := make([]uint32, len(fingerprints))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, f := range fingerprints {
+		if ns, ok := s.mu.byPrint[string(f)]; ok {
+			out[i] = ns.ID
+		}
+	}
+	return out, nil
+}
+
 // Registration looks up a live registration.
 func (s *Service) Registration(id uint64) (*Registration, error) {
 	s.mu.Lock()
@@ -228,21 +247,25 @@ func (s *Service) Registration(id uint64) (*Registration, error) {
 	return r, nil
 }
 
-// Unregister waits for the registration's jobs to drain, unmaps its regions
-// and drops its unread completions. Cached blocks stay.
+// Unregister refuses the registration's new jobs, waits for its jobs to
+// drain, then unmaps its regions and forgets it. Until then Completions
+// still answers for it, so a client that reconnects can tell when the old
+// registration's copies have all landed. Cached blocks stay.
 func (s *Service) Unregister(id uint64) error {
 	s.mu.Lock()
 	r, ok := s.mu.regs[id]
-	if ok {
-		delete(s.mu.regs, id)
-		r.ns.regs--
-		s.m.regs.Dec()
-	}
 	s.mu.Unlock()
 	if !ok {
 		return fmt.Errorf("%w: registration_id %d", ErrUnknownRegistration, id)
 	}
-	r.close()
+	if !r.close() {
+		return fmt.Errorf("%w: registration_id %d is already being unregistered", ErrUnknownRegistration, id)
+	}
+	s.mu.Lock()
+	delete(s.mu.regs, id)
+	r.ns.regs--
+	s.m.regs.Dec()
+	s.mu.Unlock()
 	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)
 	return nil
 }
@@ -313,7 +336,7 @@ const (
 
 // Lookup counts the leading keys ready in every namespace. With a lease it
 // also pins that prefix until the lease ends.
-func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration) (LookupResult, error) {
+func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek bool) (LookupResult, error) {
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
 		return LookupResult{}, err
@@ -342,6 +365,9 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration) (Loo
 	// hit or not: that is how a prefix many requests want earns its place
 	// before its first store, and a one-off prompt does not.
 	for _, ns := range nss {
+		if peek {
+			break
+		}
 		c := ns.classes[keys.Group]
 		for i := 0; i < n; i++ {
 			k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
@@ -515,6 +541,7 @@ func (s *Service) BeginShutdown() {
 	s.mu.Lock()
 	s.mu.closing = true
 	s.mu.Unlock()
+	s.closingOnce.Do(func() { close(s.closing) })
 }
 
 // Drain waits until every accepted job has finished, or ctx ends.
@@ -549,6 +576,7 @@ func (s *Service) Close() error {
 	for _, r := range regs {
 		r.close()
 	}
+	s.m.regs.Set(0)
 	s.releaseLeases(time.Time{}, true)
 	return errors.Join(s.cpu.Close())
 }

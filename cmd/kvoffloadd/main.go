@@ -20,7 +20,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/kvoffloadd/kvoffloadd/dma/host"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
@@ -62,7 +61,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
-	copier := host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, Logger: log})
+	copier, err := newCopier(cfg, log, reg)
+	if err != nil {
+		return fmt.Errorf("copy engine: %w", err)
+	}
 	svc, err := offload.New(offload.Config{
 		CPU:        cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
 		DMA:        copier,

@@ -270,7 +270,8 @@ func (e *Engine) run(copies []dma.Copy, toArena bool) (err error) {
 	}()
 	for _, c := range copies {
 		reg := c.Region.(*region).mem
-		if c.RegionOff+c.Len > uint64(len(reg)) || c.ArenaOff+c.Len > uint64(len(e.arena)) {
+		if c.Len > uint64(len(reg)) || c.RegionOff > uint64(len(reg))-c.Len ||
+			c.Len > uint64(len(e.arena)) || c.ArenaOff > uint64(len(e.arena))-c.Len {
 			return fmt.Errorf("%w: copy out of bounds", dma.ErrCopy)
 		}
 		r := reg[c.RegionOff : c.RegionOff+c.Len]

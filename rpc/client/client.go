@@ -68,6 +68,12 @@ func (c *Client) Register(ctx context.Context, fingerprint []byte, layout *pb.La
 	return c.API.Register(ctx, &pb.RegisterRequest{Fingerprint: fingerprint, Layout: layout, Regions: regions, ClientName: name})
 }
 
+// Resolve returns the namespace id of each fingerprint (0 where unknown).
+func (c *Client) Resolve(ctx context.Context, fingerprints ...[]byte) ([]uint32, error) {
+	r, err := c.API.Resolve(ctx, &pb.ResolveRequest{Fingerprints: fingerprints})
+	return r.GetNamespaceIds(), err
+}
+
 // Lookup returns how many leading keys are ready in every namespace.
 func (c *Client) Lookup(ctx context.Context, namespaces []uint32, keys *pb.KeyList, leaseMs uint32) (*pb.LookupResponse, error) {
 	return c.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: namespaces, Keys: keys, LeaseMs: leaseMs})

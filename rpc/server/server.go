@@ -199,6 +199,15 @@ func (s *Server) Unregister(ctx context.Context, req *pb.UnregisterRequest) (*pb
 	return &pb.UnregisterResponse{}, nil
 }
 
+// Resolve implements pb.KVOffloadServer.
+func (s *Server) Resolve(ctx context.Context, req *pb.ResolveRequest) (*pb.ResolveResponse, error) {
+	ids, err := s.svc.Resolve(req.GetFingerprints())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.ResolveResponse{NamespaceIds: ids}, nil
+}
+
 func keysOf(k *pb.KeyList) offload.Keys {
 	return offload.Keys{Group: k.GetGroup(), Hashes: k.GetHashes()}
 }
@@ -208,7 +217,7 @@ func (s *Server) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.LookupR
 	if req.GetKeys() == nil {
 		return nil, invalid("keys is missing")
 	}
-	res, err := s.svc.Lookup(req.GetNamespaceIds(), keysOf(req.GetKeys()), time.Duration(req.GetLeaseMs())*time.Millisecond)
+	res, err := s.svc.Lookup(req.GetNamespaceIds(), keysOf(req.GetKeys()), time.Duration(req.GetLeaseMs())*time.Millisecond, req.GetPeek())
 	if err != nil {
 		return nil, toStatus(err)
 	}

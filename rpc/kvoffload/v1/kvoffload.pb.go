@@ -695,6 +695,95 @@ func (*UnregisterResponse) Descriptor() ([]byte, []int) {
 	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{7}
 }
 
+type ResolveRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Fingerprints  [][]byte               `protobuf:"bytes,1,rep,name=fingerprints,proto3" json:"fingerprints,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveRequest) Reset() {
+	*x = ResolveRequest{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveRequest) ProtoMessage() {}
+
+func (x *ResolveRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveRequest.ProtoReflect.Descriptor instead.
+func (*ResolveRequest) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ResolveRequest) GetFingerprints() [][]byte {
+	if x != nil {
+		return x.Fingerprints
+	}
+	return nil
+}
+
+type ResolveResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per fingerprint, in order; 0 when no namespace has that fingerprint.
+	NamespaceIds  []uint32 `protobuf:"varint,1,rep,packed,name=namespace_ids,json=namespaceIds,proto3" json:"namespace_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResolveResponse) Reset() {
+	*x = ResolveResponse{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResolveResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResolveResponse) ProtoMessage() {}
+
+func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResolveResponse.ProtoReflect.Descriptor instead.
+func (*ResolveResponse) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ResolveResponse) GetNamespaceIds() []uint32 {
+	if x != nil {
+		return x.NamespaceIds
+	}
+	return nil
+}
+
 // Keys of one KV cache group, packed: hashes is the concatenation of the
 // block hashes, each Layout.hash_bytes long.
 type KeyList struct {
@@ -707,7 +796,7 @@ type KeyList struct {
 
 func (x *KeyList) Reset() {
 	*x = KeyList{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[8]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -719,7 +808,7 @@ func (x *KeyList) String() string {
 func (*KeyList) ProtoMessage() {}
 
 func (x *KeyList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[8]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -732,7 +821,7 @@ func (x *KeyList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyList.ProtoReflect.Descriptor instead.
 func (*KeyList) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{8}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *KeyList) GetGroup() uint32 {
@@ -757,14 +846,17 @@ type LookupRequest struct {
 	Keys *KeyList `protobuf:"bytes,2,opt,name=keys,proto3" json:"keys,omitempty"`
 	// When > 0, the ready prefix is pinned in the CPU tier for this long, so
 	// it cannot be evicted before the Load that names the lease comes.
-	LeaseMs       uint32 `protobuf:"varint,3,opt,name=lease_ms,json=leaseMs,proto3" json:"lease_ms,omitempty"`
+	LeaseMs uint32 `protobuf:"varint,3,opt,name=lease_ms,json=leaseMs,proto3" json:"lease_ms,omitempty"`
+	// Do not count this lookup as an access for the admission policy (a
+	// scheduler asking again for a request that is still waiting).
+	Peek          bool `protobuf:"varint,4,opt,name=peek,proto3" json:"peek,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -776,7 +868,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -789,7 +881,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{9}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *LookupRequest) GetNamespaceIds() []uint32 {
@@ -813,6 +905,13 @@ func (x *LookupRequest) GetLeaseMs() uint32 {
 	return 0
 }
 
+func (x *LookupRequest) GetPeek() bool {
+	if x != nil {
+		return x.Peek
+	}
+	return false
+}
+
 type LookupResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Number of leading keys ready in every namespace.
@@ -827,7 +926,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -839,7 +938,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -852,7 +951,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{10}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *LookupResponse) GetReady() uint32 {
@@ -894,7 +993,7 @@ type Job struct {
 
 func (x *Job) Reset() {
 	*x = Job{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -906,7 +1005,7 @@ func (x *Job) String() string {
 func (*Job) ProtoMessage() {}
 
 func (x *Job) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -919,7 +1018,7 @@ func (x *Job) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Job.ProtoReflect.Descriptor instead.
 func (*Job) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{11}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Job) GetJobId() uint64 {
@@ -973,7 +1072,7 @@ type TransferRequest struct {
 
 func (x *TransferRequest) Reset() {
 	*x = TransferRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -985,7 +1084,7 @@ func (x *TransferRequest) String() string {
 func (*TransferRequest) ProtoMessage() {}
 
 func (x *TransferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -998,7 +1097,7 @@ func (x *TransferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferRequest.ProtoReflect.Descriptor instead.
 func (*TransferRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{12}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TransferRequest) GetRegistrationId() uint64 {
@@ -1039,7 +1138,7 @@ type TransferResponse struct {
 
 func (x *TransferResponse) Reset() {
 	*x = TransferResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1051,7 +1150,7 @@ func (x *TransferResponse) String() string {
 func (*TransferResponse) ProtoMessage() {}
 
 func (x *TransferResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1064,7 +1163,7 @@ func (x *TransferResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferResponse.ProtoReflect.Descriptor instead.
 func (*TransferResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *TransferResponse) GetResults() []*JobResult {
@@ -1088,7 +1187,7 @@ type BlockFailure struct {
 
 func (x *BlockFailure) Reset() {
 	*x = BlockFailure{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1100,7 +1199,7 @@ func (x *BlockFailure) String() string {
 func (*BlockFailure) ProtoMessage() {}
 
 func (x *BlockFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1113,7 +1212,7 @@ func (x *BlockFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockFailure.ProtoReflect.Descriptor instead.
 func (*BlockFailure) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BlockFailure) GetIndex() uint32 {
@@ -1161,7 +1260,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1173,7 +1272,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1186,7 +1285,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *JobResult) GetJobId() uint64 {
@@ -1251,7 +1350,7 @@ type CompletionsRequest struct {
 
 func (x *CompletionsRequest) Reset() {
 	*x = CompletionsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1263,7 +1362,7 @@ func (x *CompletionsRequest) String() string {
 func (*CompletionsRequest) ProtoMessage() {}
 
 func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1276,7 +1375,7 @@ func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsRequest.ProtoReflect.Descriptor instead.
 func (*CompletionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CompletionsRequest) GetRegistrationId() uint64 {
@@ -1311,7 +1410,7 @@ type CompletionsResponse struct {
 
 func (x *CompletionsResponse) Reset() {
 	*x = CompletionsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1323,7 +1422,7 @@ func (x *CompletionsResponse) String() string {
 func (*CompletionsResponse) ProtoMessage() {}
 
 func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1336,7 +1435,7 @@ func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsResponse.ProtoReflect.Descriptor instead.
 func (*CompletionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CompletionsResponse) GetResults() []*JobResult {
@@ -1364,7 +1463,7 @@ type InvalidateRequest struct {
 
 func (x *InvalidateRequest) Reset() {
 	*x = InvalidateRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1376,7 +1475,7 @@ func (x *InvalidateRequest) String() string {
 func (*InvalidateRequest) ProtoMessage() {}
 
 func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1389,7 +1488,7 @@ func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRequest.ProtoReflect.Descriptor instead.
 func (*InvalidateRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *InvalidateRequest) GetNamespaceIds() []uint32 {
@@ -1416,7 +1515,7 @@ type InvalidateResponse struct {
 
 func (x *InvalidateResponse) Reset() {
 	*x = InvalidateResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1428,7 +1527,7 @@ func (x *InvalidateResponse) String() string {
 func (*InvalidateResponse) ProtoMessage() {}
 
 func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1441,7 +1540,7 @@ func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateResponse.ProtoReflect.Descriptor instead.
 func (*InvalidateResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *InvalidateResponse) GetRemoved() uint64 {
@@ -1459,7 +1558,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1471,7 +1570,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1484,7 +1583,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
 }
 
 type TierStats struct {
@@ -1499,7 +1598,7 @@ type TierStats struct {
 
 func (x *TierStats) Reset() {
 	*x = TierStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1511,7 +1610,7 @@ func (x *TierStats) String() string {
 func (*TierStats) ProtoMessage() {}
 
 func (x *TierStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1524,7 +1623,7 @@ func (x *TierStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierStats.ProtoReflect.Descriptor instead.
 func (*TierStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TierStats) GetName() string {
@@ -1567,7 +1666,7 @@ type NamespaceStats struct {
 
 func (x *NamespaceStats) Reset() {
 	*x = NamespaceStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1579,7 +1678,7 @@ func (x *NamespaceStats) String() string {
 func (*NamespaceStats) ProtoMessage() {}
 
 func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1592,7 +1691,7 @@ func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NamespaceStats.ProtoReflect.Descriptor instead.
 func (*NamespaceStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *NamespaceStats) GetNamespaceId() uint32 {
@@ -1640,7 +1739,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1652,7 +1751,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1665,7 +1764,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *StatsResponse) GetTiers() []*TierStats {
@@ -1768,14 +1867,19 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x0fjoined_existing\x18\x03 \x01(\bR\x0ejoinedExisting\"<\n" +
 	"\x11UnregisterRequest\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\"\x14\n" +
-	"\x12UnregisterResponse\"7\n" +
+	"\x12UnregisterResponse\"4\n" +
+	"\x0eResolveRequest\x12\"\n" +
+	"\ffingerprints\x18\x01 \x03(\fR\ffingerprints\"6\n" +
+	"\x0fResolveResponse\x12#\n" +
+	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\"7\n" +
 	"\aKeyList\x12\x14\n" +
 	"\x05group\x18\x01 \x01(\rR\x05group\x12\x16\n" +
-	"\x06hashes\x18\x02 \x01(\fR\x06hashes\"z\n" +
+	"\x06hashes\x18\x02 \x01(\fR\x06hashes\"\x8e\x01\n" +
 	"\rLookupRequest\x12#\n" +
 	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\x12)\n" +
 	"\x04keys\x18\x02 \x01(\v2\x15.kvoffload.v1.KeyListR\x04keys\x12\x19\n" +
-	"\blease_ms\x18\x03 \x01(\rR\aleaseMs\"k\n" +
+	"\blease_ms\x18\x03 \x01(\rR\aleaseMs\x12\x12\n" +
+	"\x04peek\x18\x04 \x01(\bR\x04peek\"k\n" +
 	"\x0eLookupResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\rR\x05ready\x12(\n" +
 	"\x05tiers\x18\x02 \x03(\x0e2\x12.kvoffload.v1.TierR\x05tiers\x12\x19\n" +
@@ -1863,11 +1967,12 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x02Op\x12\x12\n" +
 	"\x0eOP_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bOP_STORE\x10\x01\x12\v\n" +
-	"\aOP_LOAD\x10\x022\xe2\x04\n" +
+	"\aOP_LOAD\x10\x022\xaa\x05\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
-	"Unregister\x12\x1f.kvoffload.v1.UnregisterRequest\x1a .kvoffload.v1.UnregisterResponse\x12C\n" +
+	"Unregister\x12\x1f.kvoffload.v1.UnregisterRequest\x1a .kvoffload.v1.UnregisterResponse\x12F\n" +
+	"\aResolve\x12\x1c.kvoffload.v1.ResolveRequest\x1a\x1d.kvoffload.v1.ResolveResponse\x12C\n" +
 	"\x06Lookup\x12\x1b.kvoffload.v1.LookupRequest\x1a\x1c.kvoffload.v1.LookupResponse\x12F\n" +
 	"\x05Store\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12E\n" +
 	"\x04Load\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12R\n" +
@@ -1889,7 +1994,7 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 }
 
 var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(BlockStatus)(0),            // 0: kvoffload.v1.BlockStatus
 	(Tier)(0),                   // 1: kvoffload.v1.Tier
@@ -1902,58 +2007,62 @@ var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(*RegisterResponse)(nil),    // 8: kvoffload.v1.RegisterResponse
 	(*UnregisterRequest)(nil),   // 9: kvoffload.v1.UnregisterRequest
 	(*UnregisterResponse)(nil),  // 10: kvoffload.v1.UnregisterResponse
-	(*KeyList)(nil),             // 11: kvoffload.v1.KeyList
-	(*LookupRequest)(nil),       // 12: kvoffload.v1.LookupRequest
-	(*LookupResponse)(nil),      // 13: kvoffload.v1.LookupResponse
-	(*Job)(nil),                 // 14: kvoffload.v1.Job
-	(*TransferRequest)(nil),     // 15: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),    // 16: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),        // 17: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),           // 18: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),  // 19: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil), // 20: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),   // 21: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),  // 22: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),        // 23: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),           // 24: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),      // 25: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),       // 26: kvoffload.v1.StatsResponse
+	(*ResolveRequest)(nil),      // 11: kvoffload.v1.ResolveRequest
+	(*ResolveResponse)(nil),     // 12: kvoffload.v1.ResolveResponse
+	(*KeyList)(nil),             // 13: kvoffload.v1.KeyList
+	(*LookupRequest)(nil),       // 14: kvoffload.v1.LookupRequest
+	(*LookupResponse)(nil),      // 15: kvoffload.v1.LookupResponse
+	(*Job)(nil),                 // 16: kvoffload.v1.Job
+	(*TransferRequest)(nil),     // 17: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),    // 18: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),        // 19: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),           // 20: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),  // 21: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil), // 22: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),   // 23: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),  // 24: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),        // 25: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),           // 26: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),      // 27: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),       // 28: kvoffload.v1.StatsResponse
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	3,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
 	5,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
 	4,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
 	6,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
-	11, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
+	13, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
 	1,  // 5: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
-	11, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	14, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	18, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	13, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
+	16, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	20, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
 	0,  // 9: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
 	2,  // 10: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	17, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	18, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
-	11, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	24, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	25, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	19, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	20, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	13, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
+	26, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	27, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
 	7,  // 16: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
 	9,  // 17: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
-	12, // 18: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	15, // 19: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	15, // 20: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	19, // 21: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	21, // 22: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	23, // 23: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	8,  // 24: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	10, // 25: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	13, // 26: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	16, // 27: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	16, // 28: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	20, // 29: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	22, // 30: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	26, // 31: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	24, // [24:32] is the sub-list for method output_type
-	16, // [16:24] is the sub-list for method input_type
+	11, // 18: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
+	14, // 19: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
+	17, // 20: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	17, // 21: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	21, // 22: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	23, // 23: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	25, // 24: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	8,  // 25: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	10, // 26: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	12, // 27: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	15, // 28: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	18, // 29: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	18, // 30: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	22, // 31: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	24, // 32: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	28, // 33: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	25, // [25:34] is the sub-list for method output_type
+	16, // [16:25] is the sub-list for method input_type
 	16, // [16:16] is the sub-list for extension type_name
 	16, // [16:16] is the sub-list for extension extendee
 	0,  // [0:16] is the sub-list for field type_name
@@ -1974,7 +2083,7 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   24,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

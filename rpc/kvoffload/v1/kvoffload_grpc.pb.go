@@ -25,6 +25,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	KVOffload_Register_FullMethodName    = "/kvoffload.v1.KVOffload/Register"
 	KVOffload_Unregister_FullMethodName  = "/kvoffload.v1.KVOffload/Unregister"
+	KVOffload_Resolve_FullMethodName     = "/kvoffload.v1.KVOffload/Resolve"
 	KVOffload_Lookup_FullMethodName      = "/kvoffload.v1.KVOffload/Lookup"
 	KVOffload_Store_FullMethodName       = "/kvoffload.v1.KVOffload/Store"
 	KVOffload_Load_FullMethodName        = "/kvoffload.v1.KVOffload/Load"
@@ -44,6 +45,9 @@ type KVOffloadClient interface {
 	// Unregister waits for the registration's jobs to drain, unmaps its
 	// regions and drops its unread completions. Blocks stay cached.
 	Unregister(ctx context.Context, in *UnregisterRequest, opts ...grpc.CallOption) (*UnregisterResponse, error)
+	// Resolve finds the namespace ids of fingerprints (e.g. every TP rank's),
+	// so a scheduler that registered nothing can Lookup.
+	Resolve(ctx context.Context, in *ResolveRequest, opts ...grpc.CallOption) (*ResolveResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
 	// Store copies engine blocks into the cache.
@@ -80,6 +84,16 @@ func (c *kVOffloadClient) Unregister(ctx context.Context, in *UnregisterRequest,
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(UnregisterResponse)
 	err := c.cc.Invoke(ctx, KVOffload_Unregister_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *kVOffloadClient) Resolve(ctx context.Context, in *ResolveRequest, opts ...grpc.CallOption) (*ResolveResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResolveResponse)
+	err := c.cc.Invoke(ctx, KVOffload_Resolve_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -157,6 +171,9 @@ type KVOffloadServer interface {
 	// Unregister waits for the registration's jobs to drain, unmaps its
 	// regions and drops its unread completions. Blocks stay cached.
 	Unregister(context.Context, *UnregisterRequest) (*UnregisterResponse, error)
+	// Resolve finds the namespace ids of fingerprints (e.g. every TP rank's),
+	// so a scheduler that registered nothing can Lookup.
+	Resolve(context.Context, *ResolveRequest) (*ResolveResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
 	// Store copies engine blocks into the cache.
@@ -184,6 +201,9 @@ func (UnimplementedKVOffloadServer) Register(context.Context, *RegisterRequest) 
 }
 func (UnimplementedKVOffloadServer) Unregister(context.Context, *UnregisterRequest) (*UnregisterResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Unregister not implemented")
+}
+func (UnimplementedKVOffloadServer) Resolve(context.Context, *ResolveRequest) (*ResolveResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Resolve not implemented")
 }
 func (UnimplementedKVOffloadServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Lookup not implemented")
@@ -256,6 +276,24 @@ func _KVOffload_Unregister_Handler(srv interface{}, ctx context.Context, dec fun
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(KVOffloadServer).Unregister(ctx, req.(*UnregisterRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _KVOffload_Resolve_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResolveRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVOffloadServer).Resolve(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVOffload_Resolve_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVOffloadServer).Resolve(ctx, req.(*ResolveRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -382,6 +420,10 @@ var KVOffload_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Unregister",
 			Handler:    _KVOffload_Unregister_Handler,
+		},
+		{
+			MethodName: "Resolve",
+			Handler:    _KVOffload_Resolve_Handler,
 		},
 		{
 			MethodName: "Lookup",

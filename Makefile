@@ -1,0 +1,64 @@
+# kvoffloadd: `make run` starts the daemon on embedded defaults; `make test`
+# runs every test. See README.md.
+GO      ?= go
+PYTHON  ?= /usr/bin/python3
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+LDFLAGS := -X main.version=$(VERSION)
+
+# The CUDA build (docs/cuda.md): scripts/cuda-sdk.sh fetches cuda.h and the
+# libcuda.so stub once into ~/.cache and prints the cgo flags.
+CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
+
+.PHONY: all build run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check
+
+all: build
+
+build:
+	$(GO) build -ldflags "$(LDFLAGS)" -o bin/kvoffloadd ./cmd/kvoffloadd
+
+run: build
+	./bin/kvoffloadd
+
+# Everything: go vet, every Go test under the race detector, the admission
+# policy's tests without it (the race detector drops the policy's pooled
+# access buffers on purpose; see e2e/race_test.go), the Python client and
+# connector against the real daemon, and the CUDA build's compile check.
+test: vet test-go test-policy test-python cuda-check
+
+test-go:
+	$(GO) test -race -count=1 ./...
+
+test-policy:
+	$(GO) test -count=1 -run 'HotPrefix' ./e2e
+
+test-python: build
+	KVOFFLOADD_BIN=$(CURDIR)/bin/kvoffloadd $(PYTHON) -m pytest -q clients/python/tests
+
+vet:
+	$(GO) vet ./...
+
+fmt:
+	gofmt -l -w $$(git ls-files '*.go')
+
+# Regenerates the committed protobuf code (Go and Python) with pinned
+# generator versions.
+proto:
+	./scripts/protogen.sh
+
+# Benchmarks in benchstat's format: make bench > new.txt; benchstat old.txt new.txt
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem -count 6 ./index ./e2e
+
+build-cuda:
+	$(CUDA_ENV) && $(GO) build -tags cuda -ldflags "$(LDFLAGS)" -o bin/kvoffloadd ./cmd/kvoffloadd
+
+# On a machine without a GPU: the cuda-tagged tree builds and vets.
+cuda-check:
+	$(CUDA_ENV) && $(GO) build -tags cuda ./... && $(GO) vet -tags cuda ./dma/cuda/ ./scripts/gpucheck/ ./cmd/kvoffloadd/
+
+# By hand, on a machine with an NVIDIA GPU.
+gpu-check:
+	./scripts/gpu-check.sh
+
+clean:
+	rm -rf bin

@@ -1,0 +1,1 @@
+# Generated package: see scripts/protogen-python.sh.

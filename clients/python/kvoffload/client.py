@@ -1,0 +1,393 @@
+"""A typed Python client of kvoffloadd.
+
+It is a thin layer over the generated kvoffload.v1 stubs, like the reference
+Go client (rpc/client/client.go), and behaves the same on the same inputs:
+it dials the daemon's unix socket, packs keys, and turns protobuf messages
+into the plain values of :mod:`kvoffload.types`. Every failure is raised as
+a :class:`kvoffload.errors.KVOffloadError` subclass carrying the gRPC status
+code and the daemon's message.
+
+A registration belongs to the connection that made it: closing the client
+(or the process exiting) unregisters everything registered through it.
+
+    with Client("/run/user/1000/kvoffloadd/kvoffloadd.sock") as c:
+        reg = c.register(fingerprint, layout, regions, client_name="worker 0")
+        c.store(reg.registration_id, [Job(1, hashes, block_ids)])
+        done = c.wait_jobs(reg.registration_id, [1])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import grpc
+
+from ._proto.kvoffload.v1 import kvoffload_pb2 as pb
+from ._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
+from .errors import DeadlineExceeded, KVOffloadError, from_rpc_error
+from .types import (
+    BlockFailure,
+    BlockStatus,
+    Completions,
+    Job,
+    JobResult,
+    Layout,
+    LookupResult,
+    NamespaceStats,
+    Op,
+    Region,
+    Registration,
+    Stats,
+    Tier,
+    TierStats,
+    pack_hashes,
+)
+
+__all__ = ["Client", "MAX_MESSAGE_BYTES", "HEALTH_SERVING"]
+
+# The daemon refuses larger messages (rpc/server.MaxMessageBytes).
+MAX_MESSAGE_BYTES = 16 << 20
+
+# grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
+HEALTH_SERVING = 1
+
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _health_request(service: str) -> bytes:
+    # grpc.health.v1.HealthCheckRequest{service = 1: string}, encoded by hand:
+    # Debian's python3-grpcio ships no grpc_health module, and the message is
+    # one optional string.
+    if not service:
+        return b""
+    raw = service.encode()
+    return b"\x0a" + _varint(len(raw)) + raw
+
+
+def _health_status(raw: bytes) -> int:
+    # HealthCheckResponse{status = 1: enum}; absent means UNKNOWN (0).
+    i, status = 0, 0
+    while i < len(raw):
+        key, i = _read_varint(raw, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _read_varint(raw, i)
+            if field == 1:
+                status = v
+        elif wire == 2:
+            n, i = _read_varint(raw, i)
+            i += n
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            break
+    return status
+
+
+def _read_varint(raw: bytes, i: int) -> tuple[int, int]:
+    shift, v = 0, 0
+    while i < len(raw):
+        b = raw[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return v, i
+        shift += 7
+    return v, i
+
+
+def _key_list(group: int, hashes: Sequence[bytes] | bytes) -> pb.KeyList:
+    packed = bytes(hashes) if isinstance(hashes, (bytes, bytearray, memoryview)) else pack_hashes(hashes)
+    return pb.KeyList(group=group, hashes=packed)
+
+
+def _job_pb(j: Job) -> pb.Job:
+    return pb.Job(
+        job_id=j.job_id,
+        request_id=j.request_id,
+        keys=_key_list(j.group, j.hashes),
+        block_ids=list(j.block_ids),
+        lease_id=j.lease_id,
+    )
+
+
+def _result(r: pb.JobResult) -> JobResult:
+    return JobResult(
+        job_id=r.job_id,
+        request_id=r.request_id,
+        op=Op(r.op) if r.op in Op._value2member_map_ else Op.UNSPECIFIED,
+        ok=r.ok,
+        failures=tuple(
+            BlockFailure(
+                index=f.index,
+                block_id=f.block_id,
+                hash=bytes(f.hash),
+                status=BlockStatus(f.status) if f.status in BlockStatus._value2member_map_ else f.status,
+            )
+            for f in r.failures
+        ),
+        blocks=r.blocks,
+        bytes=r.bytes,
+    )
+
+
+def _region_pb(r: Region) -> pb.Region:
+    m = pb.Region(offset=r.offset, block_stride=r.block_stride, num_blocks=r.num_blocks)
+    if r.shm_path is not None and r.cuda_handle is not None:
+        raise ValueError("a region names either shm_path or a CUDA handle, not both")
+    if r.shm_path is not None:
+        m.shm_path = r.shm_path
+    elif r.cuda_handle is not None:
+        m.cuda.CopyFrom(pb.CudaIpcMemory(handle=r.cuda_handle, device=r.cuda_device, alloc_size=r.cuda_alloc_size))
+    return m
+
+
+class Client:
+    """A connection to one kvoffloadd. Safe to share between threads.
+
+    Args:
+        socket: path of the daemon's unix socket.
+        timeout: default deadline of each call in seconds (None: no deadline).
+            Calls that wait (``wait=True`` transfers, ``completions`` with
+            ``wait_ms``) extend it by what they ask to wait.
+    """
+
+    def __init__(self, socket: str, *, timeout: float | None = 30.0, options: Iterable[tuple[str, object]] = ()):
+        self.socket = socket
+        self.timeout = timeout
+        target = socket if socket.startswith("unix:") else "unix:" + socket
+        opts = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # A registration lives as long as the connection that made it: give
+            # every Client a connection of its own (gRPC shares subchannels
+            # between channels to the same target by default).
+            ("grpc.use_local_subchannel_pool", 1),
+            # A local daemon restarts in well under a second: retry the
+            # socket quickly instead of gRPC's default 1 s..120 s backoff.
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            *options,
+        ]
+        self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.KVOffloadStub(self._channel)
+        self._health = self._channel.unary_unary(_HEALTH_CHECK)
+        # Watching the connectivity state keeps gRPC reading the socket while
+        # no call is running, so the client answers the daemon's GOAWAY at
+        # once: without it a daemon stopping gracefully waits seconds for an
+        # idle Python client to let go.
+        self.state: grpc.ChannelConnectivity | None = None
+        self._channel.subscribe(self._on_state, try_to_connect=False)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        self.state = state
+
+    # -- plumbing -------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connection; the daemon then releases every registration
+        made over it."""
+        try:
+            self._channel.unsubscribe(self._on_state)
+        except ValueError:
+            pass
+        # grpcio's watcher thread notices the unsubscribe within 0.2 s; closing
+        # the channel under it makes the thread raise (grpcio 1.51), so let it
+        # go first.
+        st = getattr(self._channel, "_connectivity_state", None)
+        end = time.monotonic() + 0.5
+        while st is not None and getattr(st, "polling", False) and time.monotonic() < end:
+            time.sleep(0.005)
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._channel
+
+    def _deadline(self, extra_s: float = 0.0) -> float | None:
+        return None if self.timeout is None else self.timeout + extra_s
+
+    def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None):
+        fn = getattr(self._stub, method)
+        try:
+            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+
+    # -- health ---------------------------------------------------------
+
+    def health(self, service: str = "", timeout: float | None = 5.0, wait_for_ready: bool = False) -> int:
+        """The grpc.health.v1 status of ``service`` ("" = the whole server):
+        1 SERVING, 2 NOT_SERVING (the daemon is shutting down), 0 UNKNOWN.
+        With ``wait_for_ready`` the call waits (up to ``timeout``) for the
+        socket to accept instead of failing at once."""
+        try:
+            raw = self._health(_health_request(service), timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "Health.Check") from None
+        return _health_status(raw)
+
+    def healthy(self, timeout: float | None = 5.0, wait_for_ready: bool = False) -> bool:
+        """True when the daemon reports SERVING."""
+        return self.health("", timeout=timeout, wait_for_ready=wait_for_ready) == HEALTH_SERVING
+
+    def wait_ready(self, timeout: float = 10.0, poll_s: float = 0.05) -> None:
+        """Waits until the daemon answers SERVING, or raises DeadlineExceeded
+        with the last error seen."""
+        end = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < end:
+            try:
+                # wait_for_ready: connect as soon as the socket accepts; a
+                # fail-fast call would wait out gRPC's reconnect backoff.
+                if self.healthy(timeout=max(0.05, min(1.0, end - time.monotonic())), wait_for_ready=True):
+                    return
+                last = None
+            except KVOffloadError as e:
+                last = e
+            time.sleep(poll_s)
+        raise DeadlineExceeded(None, f"kvoffloadd on {self.socket} not serving after {timeout}s"
+                               + (f" (last error: {last})" if last else ""), "Health.Check", from_daemon=False)
+
+    # -- the API ----------------------------------------------------------
+
+    def register(
+        self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = ""
+    ) -> Registration:
+        """Maps ``regions`` (one per layout segment, same order) and joins or
+        creates the namespace named by ``fingerprint`` (1 to 256 bytes)."""
+        req = pb.RegisterRequest(
+            fingerprint=bytes(fingerprint),
+            layout=pb.Layout(
+                hash_bytes=layout.hash_bytes,
+                segments=[pb.Segment(group=s.group, bytes=s.bytes) for s in layout.segments],
+            ),
+            regions=[_region_pb(r) for r in regions],
+            client_name=client_name,
+        )
+        r = self._call("Register", req)
+        return Registration(r.registration_id, r.namespace_id, r.joined_existing)
+
+    def unregister(self, registration_id: int) -> None:
+        """Waits for the registration's jobs to drain, unmaps its regions and
+        drops its unread completions. Cached blocks stay."""
+        self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
+
+    def lookup(
+        self, namespace_ids: Sequence[int], hashes: Sequence[bytes] | bytes, *, group: int = 0, lease_ms: int = 0
+    ) -> LookupResult:
+        """How many leading ``hashes`` (of ``group``) are ready in every
+        namespace. With ``lease_ms`` the ready prefix is pinned that long."""
+        r = self._call(
+            "Lookup",
+            pb.LookupRequest(namespace_ids=list(namespace_ids), keys=_key_list(group, hashes), lease_ms=lease_ms),
+        )
+        tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
+        return LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id)
+
+    def _transfer(
+        self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes, timeout: float | None
+    ) -> list[JobResult] | None:
+        req = pb.TransferRequest(
+            registration_id=registration_id, jobs=[_job_pb(j) for j in jobs], wait=wait, ready_event=ready_event
+        )
+        r = self._call(method, req, timeout=timeout)
+        return [_result(x) for x in r.results] if wait else None
+
+    def store(
+        self,
+        registration_id: int,
+        jobs: Sequence[Job],
+        *,
+        wait: bool = False,
+        ready_event: bytes = b"",
+        timeout: float | None = None,
+    ) -> list[JobResult] | None:
+        """Copies engine blocks into the cache. The daemon accepts every job
+        or none. Without ``wait`` the results come through :meth:`completions`;
+        with it they are returned here, one per job, in order."""
+        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
+
+    def load(
+        self, registration_id: int, jobs: Sequence[Job], *, wait: bool = False, timeout: float | None = None
+    ) -> list[JobResult] | None:
+        """Copies cached blocks into engine blocks; see :meth:`store`."""
+        return self._transfer("Load", registration_id, jobs, wait, b"", timeout)
+
+    def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
+        """Jobs finished since the last call. With ``wait_ms`` the daemon waits
+        that long for one when none is ready (it caps the wait at 10 s)."""
+        r = self._call(
+            "Completions",
+            pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs),
+            extra_s=wait_ms / 1000.0,
+        )
+        return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending)
+
+    def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:
+        """Reads completions until every job in ``job_ids`` has finished and
+        returns their results by job id. Results of other jobs read on the way
+        are dropped (like the Go client's WaitJobs); raises DeadlineExceeded."""
+        want = set(job_ids)
+        got: dict[int, JobResult] = {}
+        end = time.monotonic() + timeout
+        while len(got) < len(want):
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = sorted(want - set(got))
+                raise DeadlineExceeded(None, f"jobs {missing} not finished after {timeout}s", "Completions",
+                                       from_daemon=False)
+            c = self.completions(registration_id, wait_ms=int(min(left, 1.0) * 1000))
+            for r in c.results:
+                if r.job_id in want:
+                    got[r.job_id] = r
+        return got
+
+    def invalidate(
+        self, namespace_ids: Sequence[int], hashes: Sequence[bytes] | bytes | None = None, *, group: int = 0
+    ) -> int:
+        """Drops ``hashes`` of ``group`` (or, with hashes None, every block) of
+        the namespaces; returns how many blocks were removed."""
+        req = pb.InvalidateRequest(namespace_ids=list(namespace_ids))
+        if hashes is not None:
+            req.keys.CopyFrom(_key_list(group, hashes))
+        return self._call("Invalidate", req).removed
+
+    def stats(self) -> Stats:
+        """Tier use, namespaces and counters."""
+        r = self._call("Stats", pb.StatsRequest())
+        return Stats(
+            tiers=tuple(TierStats(t.name, t.capacity_bytes, t.used_bytes, t.blocks) for t in r.tiers),
+            namespaces=tuple(
+                NamespaceStats(n.namespace_id, bytes(n.fingerprint), n.registrations, n.blocks) for n in r.namespaces
+            ),
+            lookups=r.lookups,
+            lookup_hits=r.lookup_hits,
+            blocks_stored=r.blocks_stored,
+            blocks_loaded=r.blocks_loaded,
+            blocks_failed=r.blocks_failed,
+            evictions=r.evictions,
+            version=r.version,
+        )

@@ -1,0 +1,262 @@
+"""Regions and layout read off an engine's KV cache tensors.
+
+vLLM hands a connector its KV caches as ``{layer_name: tensor}`` (or a tuple
+of tensors per layer for state-space layers). Every attention backend puts
+the engine block index on one dimension of size ``num_blocks``; the rest of
+the shape differs: FlashAttention uses ``(2, num_blocks, block_size, heads,
+head_size)`` (K and V apart), FlashInfer ``(num_blocks, 2, ...)`` (K and V
+together), MLA ``(num_blocks, block_size, dim)``, and a backend may permute
+the physical order (HND) through the strides. So nothing here knows a
+backend: from each tensor's shape and strides it finds
+
+- the block dimension (the only one of size ``num_blocks``) and its stride,
+  which is the region's ``block_stride``;
+- the *inner* dimensions (stride below the block stride), which must tile
+  one dense run of bytes: the segment;
+- the *outer* dimensions (stride at or above the block stride, like K/V in
+  FlashAttention), each index of which is a separate region.
+
+A tensor is described by a small protocol that torch tensors satisfy:
+``shape``, ``stride()``, ``element_size()``, ``data_ptr()`` and ``device``
+(with ``.type`` "cpu" or "cuda" and ``.index``). CPU tensors must live in a
+/dev/shm file mapped shared (found through /proc/self/maps), CUDA tensors are
+exported as CUDA IPC handles.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .shm import shm_location
+from .types import Layout, Region, Segment
+
+__all__ = [
+    "LayoutError",
+    "SegmentGeometry",
+    "split_block_tensor",
+    "KVRegistration",
+    "regions_from_kv_caches",
+    "torch_cuda_exporter",
+]
+
+
+class LayoutError(ValueError):
+    """The KV tensors cannot be described as kvoffload regions."""
+
+
+@dataclass(frozen=True)
+class SegmentGeometry:
+    """One region cut out of a tensor: block ``b`` is at
+    ``data_ptr + offset + b*block_stride``, ``nbytes`` long."""
+
+    offset: int
+    nbytes: int
+    block_stride: int
+
+
+def _geometry(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    shape = tuple(int(s) for s in t.shape)
+    strides = tuple(int(s) for s in t.stride())
+    if len(shape) != len(strides):
+        raise LayoutError(f"tensor has shape {shape} but strides {strides}")
+    return shape, strides, int(t.element_size())
+
+
+def split_block_tensor(
+    shape: Sequence[int], strides: Sequence[int], element_size: int, num_blocks: int, *, name: str = "tensor"
+) -> list[SegmentGeometry]:
+    """Cuts a KV tensor into regions, one per index of its outer dimensions.
+
+    ``strides`` are in elements, as torch reports them. Raises LayoutError
+    when no single dimension has ``num_blocks`` entries, or when the bytes of
+    one block are not one dense run.
+    """
+    shape, strides = tuple(shape), tuple(strides)
+    cands = [d for d, s in enumerate(shape) if s == num_blocks]
+    if len(cands) > 1:
+        # Only in toy configurations does another dimension (K/V, heads)
+        # have exactly num_blocks entries; refuse rather than guess.
+        raise LayoutError(
+            f"{name}: shape {shape} has {len(cands)} dimensions of size num_blocks={num_blocks} "
+            f"(dims {cands}); cannot tell which one indexes blocks"
+        )
+    if not cands:
+        raise LayoutError(f"{name}: shape {shape} has no dimension of size num_blocks={num_blocks}")
+    bd = cands[0]
+    bstride_el = strides[bd]
+    if bstride_el <= 0 and num_blocks > 1:
+        raise LayoutError(f"{name}: block dimension {bd} has stride {bstride_el}")
+    inner, outer = [], []
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if d == bd or n == 1:
+            continue
+        if st <= 0:
+            raise LayoutError(f"{name}: dimension {d} has stride {st}")
+        (inner if st < bstride_el else outer).append((n, st, d))
+    expected = 1
+    for n, st, d in sorted(inner, key=lambda x: x[1]):
+        if st != expected:
+            raise LayoutError(
+                f"{name}: the bytes of one block are not contiguous (shape {shape}, strides {strides}: "
+                f"dimension {d} has stride {st}, want {expected})"
+            )
+        expected *= n
+    nbytes = expected * element_size
+    bstride = bstride_el * element_size
+    if num_blocks > 1 and nbytes > bstride:
+        raise LayoutError(f"{name}: a block is {nbytes} bytes but blocks are {bstride} apart")
+    out = []
+    ranges = [range(n) for n, _, _ in outer]
+    for idx in itertools.product(*ranges):
+        off = sum(i * st for i, (_, st, _) in zip(idx, outer)) * element_size
+        out.append(SegmentGeometry(offset=off, nbytes=nbytes, block_stride=bstride))
+    # Two regions of one tensor must not share a byte of any block.
+    for a, b in itertools.combinations(out, 2):
+        if _blocks_overlap(abs(a.offset - b.offset), nbytes, bstride, num_blocks):
+            raise LayoutError(f"{name}: shape {shape} with strides {strides} makes blocks of two regions overlap")
+    return out
+
+
+def _blocks_overlap(d: int, nbytes: int, bstride: int, num_blocks: int) -> bool:
+    """Whether block i of a region at offset 0 and block j of one at offset d
+    overlap for some i, j < num_blocks: |d + (j-i)*bstride| < nbytes."""
+    if bstride == 0 or num_blocks == 1:
+        return d < nbytes
+    lim = num_blocks - 1
+    m0 = max(-lim, min(lim, -round(d / bstride)))
+    return any(abs(d + m * bstride) < nbytes for m in (m0 - 1, m0, m0 + 1) if -lim <= m <= lim)
+
+
+# A CUDA exporter turns a CUDA tensor into (ipc handle, device, offset of the
+# tensor's first byte within the exported allocation, allocation size).
+CudaExporter = Callable[[Any], tuple[bytes, int, int, int]]
+
+
+def torch_cuda_exporter(t: Any) -> tuple[bytes, int, int, int]:
+    """Exports a torch CUDA tensor's memory the way PyTorch shares it between
+    processes: ``UntypedStorage._share_cuda_()`` gives the cudaIpcMemHandle of
+    the caching allocator's block holding the storage and the storage's
+    offset in it. The allocation size reported is the end of the storage,
+    which is all the daemon needs for its bounds checks."""
+    storage = t.untyped_storage()
+    shared = storage._share_cuda_()
+    device, handle, size_bytes, offset_bytes = shared[0], shared[1], shared[2], shared[3]
+    tensor_off = int(t.data_ptr()) - int(storage.data_ptr())
+    return bytes(handle), int(device), int(offset_bytes) + tensor_off, int(offset_bytes) + int(size_bytes)
+
+
+@dataclass
+class KVRegistration:
+    """What Register needs, read off the KV tensors, plus for each region the
+    layer it came from (for logs)."""
+
+    layout: Layout
+    regions: list[Region]
+    region_layers: list[str]
+    num_blocks: int
+    device: str  # "cpu" or "cuda"
+
+
+def _tensors_of(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_tensors_of(v))
+        return out
+    return [value]
+
+
+def regions_from_kv_caches(
+    kv_caches: Mapping[str, Any],
+    layer_groups: Mapping[str, int] | Sequence[Iterable[str]],
+    num_blocks: int,
+    hash_bytes: int,
+    *,
+    cuda_exporter: CudaExporter | None = None,
+    shm_locator: Callable[[int], Any] = shm_location,
+) -> KVRegistration:
+    """Builds the layout and regions of one worker's KV caches.
+
+    ``layer_groups`` maps each layer name to its KV cache group (or lists the
+    layer names of each group, in group order, as vLLM's
+    ``kv_cache_config.kv_cache_groups[g].layer_names`` does). Segments are
+    ordered by group, then by layer name order within the group, then by
+    outer index, so every worker of the same model gets the same layout.
+    Layers whose tensors alias memory already registered for the same group
+    (shared KV) are registered once.
+    """
+    if not isinstance(layer_groups, Mapping):
+        mapping: dict[str, int] = {}
+        for g, names in enumerate(layer_groups):
+            for n in names:
+                mapping.setdefault(n, g)
+        layer_groups = mapping
+    order = {name: i for i, name in enumerate(layer_groups)}
+    names = [n for n in kv_caches if n in layer_groups]
+    unknown = [n for n in kv_caches if n not in layer_groups]
+    if unknown:
+        raise LayoutError(f"layers {unknown[:4]} are in kv_caches but in no KV cache group")
+    if not names:
+        raise LayoutError("no KV cache tensors to register")
+    names.sort(key=lambda n: (layer_groups[n], order[n]))
+
+    segments: list[Segment] = []
+    regions: list[Region] = []
+    region_layers: list[str] = []
+    seen: set[tuple] = set()
+    device_kind = None
+    exported: dict[int, tuple[bytes, int, int, int]] = {}
+    for name in names:
+        g = int(layer_groups[name])
+        for ti, t in enumerate(_tensors_of(kv_caches[name])):
+            label = name if ti == 0 else f"{name}[{ti}]"
+            shape, strides, esize = _geometry(t)
+            kind = getattr(getattr(t, "device", None), "type", "cpu")
+            if device_kind is None:
+                device_kind = kind
+            elif kind != device_kind:
+                raise LayoutError(f"{label} is on {kind}, earlier layers on {device_kind}: all KV tensors must share a device kind")
+            base = int(t.data_ptr())
+            for geo in split_block_tensor(shape, strides, esize, num_blocks, name=label):
+                addr = base + geo.offset
+                key = (g, kind, addr, geo.nbytes, geo.block_stride)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if kind == "cuda":
+                    exporter = cuda_exporter or torch_cuda_exporter
+                    handle, device, t_off, alloc = exported.setdefault(id(t), exporter(t))
+                    off = t_off + geo.offset
+                    span = off + (num_blocks - 1) * geo.block_stride + geo.nbytes
+                    if span > alloc:
+                        raise LayoutError(f"{label}: blocks reach byte {span} of an exported allocation of {alloc}")
+                    region = Region.cuda(
+                        handle, device=device, alloc_size=alloc, offset=off,
+                        block_stride=geo.block_stride, num_blocks=num_blocks,
+                    )
+                elif kind == "cpu":
+                    loc = shm_locator(addr)
+                    if loc is None:
+                        raise LayoutError(
+                            f"{label}: CPU KV cache memory at {addr:#x} is not a /dev/shm file mapped shared; "
+                            "the daemon can only map /dev/shm files (allocate the CPU KV cache over "
+                            "kvoffload.ShmRegion or another /dev/shm mapping)"
+                        )
+                    need = (num_blocks - 1) * geo.block_stride + geo.nbytes
+                    if loc.file_bytes_after < need:
+                        raise LayoutError(
+                            f"{label}: the /dev/shm mapping of {loc.path} ends {loc.file_bytes_after} bytes "
+                            f"after the first block, the blocks need {need}"
+                        )
+                    region = Region.shm(loc.path, offset=loc.offset, block_stride=geo.block_stride, num_blocks=num_blocks)
+                else:
+                    raise LayoutError(f"{label}: KV tensors on device {kind!r} are not supported")
+                segments.append(Segment(group=g, bytes=geo.nbytes))
+                regions.append(region)
+                region_layers.append(label)
+    groups = sorted({s.group for s in segments})
+    if groups != list(range(len(groups))):
+        raise LayoutError(f"KV cache groups {groups} are not numbered 0..n-1")
+    return KVRegistration(Layout(hash_bytes, segments), regions, region_layers, num_blocks, device_kind or "cpu")

@@ -1,0 +1,162 @@
+"""Fixtures: the real kvoffloadd on a temporary socket.
+
+The daemon binary is $KVOFFLOADD_BIN, else bin/kvoffloadd at the repository
+root, built with `go build -o bin/kvoffloadd ./cmd/kvoffloadd` when missing.
+Each daemon runs with --metrics-addr "" on a socket in a fresh directory,
+is waited for through the gRPC health service, and is stopped with SIGTERM;
+the fixture fails the test if it does not exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PKG_ROOT = HERE.parent  # clients/python
+REPO_ROOT = PKG_ROOT.parent.parent
+
+if str(PKG_ROOT) not in sys.path:
+    sys.path.insert(0, str(PKG_ROOT))
+
+import kvoffload  # noqa: E402
+
+
+def daemon_binary() -> Path:
+    env = os.environ.get("KVOFFLOADD_BIN")
+    if env:
+        return Path(env)
+    path = REPO_ROOT / "bin" / "kvoffloadd"
+    if not path.exists():
+        if shutil.which("go") is None:
+            raise RuntimeError(f"{path} is missing and there is no Go toolchain to build it (or set KVOFFLOADD_BIN)")
+        subprocess.run(["go", "build", "-o", str(path), "./cmd/kvoffloadd"], cwd=REPO_ROOT, check=True)
+    return path
+
+
+def daemon_help() -> str:
+    """`kvoffloadd --help` ("" when the daemon cannot be built: the tests
+    that start it report why)."""
+    try:
+        r = subprocess.run([str(daemon_binary()), "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return ""
+    return r.stdout + r.stderr
+
+
+class Daemon:
+    """A running kvoffloadd."""
+
+    def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB"):
+        self.dir = tempfile.mkdtemp(prefix="kvo-")
+        self.socket = os.path.join(self.dir, "run", "kv.sock")
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        self._log = open(self.log_path, "wb")
+        cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
+               "--log-level", "debug", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._clients: list[kvoffload.Client] = []
+        probe = self.client()
+        try:
+            probe.wait_ready(timeout=15)
+        except kvoffload.KVOffloadError as e:
+            self.proc.kill()
+            raise RuntimeError(f"kvoffloadd did not come up: {e}\n{self.log()}") from None
+
+    def client(self, **kw) -> kvoffload.Client:
+        c = kvoffload.Client(self.socket, **kw)
+        self._clients.append(c)
+        return c
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-4000:]
+
+    def stop(self, timeout: float = 15.0) -> int:
+        for c in self._clients:
+            c.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._log.close()
+        return rc
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _stop_checked(d: Daemon) -> None:
+    rc = d.stop()
+    log = d.log()
+    d.cleanup()
+    assert rc == 0, f"kvoffloadd exited {rc} on SIGTERM\n{log}"
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    """One daemon shared by the tests that use distinct fingerprints."""
+    d = Daemon()
+    yield d
+    _stop_checked(d)
+
+
+@pytest.fixture
+def fresh_daemon():
+    """A daemon of the test's own; call it with extra flags or not at all."""
+    started: list[Daemon] = []
+
+    def start(*args: str, cpu_bytes: str = "64MiB") -> Daemon:
+        d = Daemon(list(args), cpu_bytes=cpu_bytes)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        _stop_checked(d)
+
+
+@pytest.fixture
+def client(daemon):
+    c = daemon.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def shm():
+    """Factory of /dev/shm regions, unlinked after the test."""
+    made: list[kvoffload.ShmRegion] = []
+
+    def make(size: int) -> kvoffload.ShmRegion:
+        r = kvoffload.ShmRegion(size)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+_counter = [0]
+
+
+@pytest.fixture
+def fingerprint(request):
+    """A fingerprint no other test uses."""
+    _counter[0] += 1
+    return f"test:{request.node.name}:{_counter[0]}:{time.time_ns()}".encode()[:250]
+

@@ -1,0 +1,210 @@
+"""The typed client against the real daemon."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+from conftest import daemon_help
+from helpers import wait_for
+
+import kvoffload as kv
+from kvoffload.client import _health_request, _health_status
+
+SEG = 4096  # bytes of one segment (one of K or V of one block)
+NBLK = 16
+
+
+def kv_region(shm):
+    """A /dev/shm file holding K then V of NBLK blocks: two regions, one layout
+    of two segments of group 0."""
+    r = shm(2 * NBLK * SEG)
+    layout = kv.Layout(32, [kv.Segment(0, SEG), kv.Segment(0, SEG)])
+    regions = [
+        kv.Region.shm(r.path, offset=0, block_stride=SEG, num_blocks=NBLK),
+        kv.Region.shm(r.path, offset=NBLK * SEG, block_stride=SEG, num_blocks=NBLK),
+    ]
+    return r, layout, regions
+
+
+def fill(r, block: int, tag: int) -> None:
+    r.write(block * SEG, bytes([tag % 256]) * 8 + os.urandom(SEG - 8))
+    r.write(NBLK * SEG + block * SEG, bytes([(tag + 1) % 256]) * 8 + os.urandom(SEG - 8))
+
+
+def block_bytes(r, block: int) -> bytes:
+    return r.read(block * SEG, SEG) + r.read(NBLK * SEG + block * SEG, SEG)
+
+
+def keys(n: int, salt: bytes = b"") -> list[bytes]:
+    import hashlib
+
+    return [hashlib.sha256(salt + i.to_bytes(4, "little")).digest() for i in range(n)]
+
+
+def test_health_encoding_roundtrip():
+    assert _health_request("") == b""
+    assert _health_request("kvoffload.v1.KVOffload")[:2] == b"\x0a\x16"
+    assert _health_status(b"\x08\x01") == 1
+    assert _health_status(b"") == 0
+    assert _health_status(b"\x08\x02") == 2
+
+
+def test_health_and_stats(daemon, client):
+    assert client.healthy()
+    assert client.health("kvoffload.v1.KVOffload") == kv.client.HEALTH_SERVING
+    st = client.stats()
+    assert st.version
+    assert any(t.name == "cpu" and t.capacity_bytes == 64 << 20 for t in st.tiers)
+
+
+def test_store_lookup_load_compare_bytes(client, shm, fingerprint):
+    r, layout, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout, regions, client_name="pytest")
+    assert reg.registration_id > 0 and not reg.joined_existing
+    hs = keys(4, fingerprint)
+    for b in range(4):
+        fill(r, b, 10 + b)
+    want = [block_bytes(r, b) for b in range(4)]
+
+    res = client.store(reg.registration_id, [kv.Job(1, hs, [0, 1, 2, 3], request_id="req-a")], wait=True)
+    assert len(res) == 1 and res[0].ok and res[0].op == kv.Op.STORE and res[0].blocks == 4
+    assert res[0].bytes == 4 * 2 * SEG
+
+    look = client.lookup([reg.namespace_id], hs)
+    assert look.ready == 4 and look.tiers == (kv.Tier.CPU,) * 4 and look.lease_id == 0
+    # Only the leading ready prefix counts.
+    assert client.lookup([reg.namespace_id], [hs[0], keys(1, b"x")[0], hs[2]]).ready == 1
+
+    # Load into other blocks, through Completions.
+    client.load(reg.registration_id, [kv.Job(2, hs, [8, 9, 10, 11], request_id="req-b")])
+    done = client.wait_jobs(reg.registration_id, [2])
+    assert done[2].ok and done[2].request_id == "req-b" and done[2].op == kv.Op.LOAD
+    assert [block_bytes(r, b) for b in (8, 9, 10, 11)] == want
+
+    # A store of blocks already cached is a no-op that succeeds.
+    again = client.store(reg.registration_id, [kv.Job(3, hs[:2], [5, 6])], wait=True)
+    assert again[0].ok
+    assert client.completions(reg.registration_id).pending == 0
+
+
+def test_failed_load_reports_exact_engine_block_ids(client, shm, fingerprint):
+    r, layout, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout, regions)
+    hs = keys(6, fingerprint)
+    for b in range(6):
+        fill(r, b, b)
+    assert client.store(reg.registration_id, [kv.Job(1, hs, list(range(6)))], wait=True)[0].ok
+    want = {b: block_bytes(r, b) for b in range(6)}
+
+    # Blocks 1 and 4 of the prefix go (evicted, or invalidated: both MISSING).
+    assert client.invalidate([reg.namespace_id], [hs[1], hs[4]]) == 2
+    assert client.lookup([reg.namespace_id], hs).ready == 1
+
+    dst = [15, 3, 12, 7, 9, 14]  # engine blocks in no particular order
+    client.load(reg.registration_id, [kv.Job(7, hs, dst, request_id="r")])
+    res = client.wait_jobs(reg.registration_id, [7])[7]
+    assert not res.ok
+    assert sorted(res.failed_block_ids) == [3, 9]
+    assert {(f.index, f.block_id, f.hash, f.status) for f in res.failures} == {
+        (1, 3, hs[1], kv.BlockStatus.MISSING),
+        (4, 9, hs[4], kv.BlockStatus.MISSING),
+    }
+    # The blocks that did load carry the right bytes.
+    for i in (0, 2, 3, 5):
+        assert block_bytes(r, dst[i]) == want[i]
+
+
+def test_bad_input_raises_invalid_argument(client, shm, fingerprint):
+    r, layout, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout, regions)
+    hs = keys(2, fingerprint)
+
+    with pytest.raises(kv.InvalidArgument) as ei:
+        client.store(reg.registration_id, [kv.Job(1, hs, [0, NBLK])])
+    e = ei.value
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and e.code_name == "INVALID_ARGUMENT"
+    assert e.from_daemon and e.method == "Store"
+    assert "out of range" in e.message and "block_ids[1]" in e.message
+    assert isinstance(e, kv.KVOffloadError) and isinstance(e, ValueError)
+
+    # Hashes of another length than the namespace's.
+    with pytest.raises(kv.InvalidArgument, match="multiple of the namespace's 32-byte hash"):
+        client.load(reg.registration_id, [kv.Job(2, [b"x" * 20], [0])])
+    # Keys and block ids that do not pair up.
+    with pytest.raises(kv.InvalidArgument, match="2 keys and 1 block_ids"):
+        client.load(reg.registration_id, [kv.Job(3, hs, [0])])
+    # An unknown namespace.
+    with pytest.raises(kv.InvalidArgument, match="namespace"):
+        client.lookup([999_999], hs)
+    # A region outside /dev/shm.
+    with pytest.raises(kv.InvalidArgument, match="not under /dev/shm"):
+        client.register(fingerprint + b"-2", layout, [kv.Region.shm("/etc/passwd", block_stride=SEG, num_blocks=1)] * 2)
+    # A CUDA region on the host build.
+    with pytest.raises(kv.InvalidArgument):
+        client.register(fingerprint + b"-3", layout,
+                        [kv.Region.cuda(b"\0" * 64, device=0, alloc_size=1 << 20, block_stride=SEG, num_blocks=4)] * 2)
+    # Refused by the client before sending: hashes of different lengths.
+    with pytest.raises(kv.InvalidArgument) as ei:
+        client.lookup([reg.namespace_id], [b"a" * 32, b"b" * 16])
+    assert not ei.value.from_daemon
+    # Nothing was accepted by the failed calls.
+    assert client.completions(reg.registration_id).pending == 0
+
+
+def test_other_status_codes(client, shm, fingerprint):
+    r, layout, regions = kv_region(shm)
+    with pytest.raises(kv.NotFound) as ei:
+        client.store(987_654, [kv.Job(1, keys(1), [0])])
+    assert ei.value.code == grpc.StatusCode.NOT_FOUND
+    client.register(fingerprint, layout, regions)
+    other = kv.Layout(32, [kv.Segment(0, SEG)])
+    with pytest.raises(kv.FailedPrecondition):
+        client.register(fingerprint, other, regions[:1])
+
+
+def test_closing_the_channel_unregisters(daemon, shm, fingerprint):
+    r, layout, regions = kv_region(shm)
+    c1 = daemon.client()
+    reg = c1.register(fingerprint, layout, regions)
+    c2 = daemon.client()
+    assert c2.completions(reg.registration_id).pending == 0
+    c1.close()
+
+    def gone():
+        try:
+            c2.completions(reg.registration_id)
+            return False
+        except kv.NotFound:
+            return True
+
+    assert wait_for(gone, timeout=5)
+    # A new registration with the same fingerprint joins the namespace.
+    again = c2.register(fingerprint, layout, regions)
+    assert again.joined_existing and again.namespace_id == reg.namespace_id
+
+
+def test_unregister_and_unavailable(fresh_daemon, shm, fingerprint):
+    d = fresh_daemon()
+    c = d.client()
+    r, layout, regions = kv_region(shm)
+    reg = c.register(fingerprint, layout, regions)
+    c.unregister(reg.registration_id)
+    with pytest.raises(kv.NotFound):
+        c.unregister(reg.registration_id)
+    # Nobody listening: Unavailable.
+    gone = kv.Client(os.path.join(d.dir, "nope.sock"), timeout=2)
+    with pytest.raises(kv.Unavailable):
+        gone.stats()
+    gone.close()
+
+
+@pytest.mark.skipif(
+    "--fault-spec" not in daemon_help() or "--disk-dir" not in daemon_help(),
+    reason="kvoffloadd has no disk tier with --fault-spec/--disk-dir yet (being built separately); "
+    "add the disk read-fault test (a faulted read must come back as exactly those engine block ids) "
+    "once `kvoffloadd --help` lists both flags",
+)
+def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint):  # pragma: no cover
+    pytest.fail("the disk tier exists now: write this test against its --fault-spec syntax")

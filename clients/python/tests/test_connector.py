@@ -1,0 +1,372 @@
+"""The connector's logic (kvoffload.connector) against the real daemon,
+driven step by step the way vLLM drives it, with stand-ins that carry vLLM's
+field names (helpers.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from helpers import (
+    CachedRequestData,
+    Engine,
+    KVCacheBlocks,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+    wait_for,
+)
+
+from kvoffload.connector import GroupJob, KeyMapper, SchedulerSide, StepPlan, WorkerSide, namespace_fingerprint
+from kvoffload.regions import regions_from_kv_caches
+
+NB = 40
+
+
+class Harness:
+    """A scheduler side and ``tp`` worker sides, each worker with its own
+    engine memory, its own connection and its own namespace."""
+
+    def __init__(self, daemon, shm, fp: bytes, *, block_sizes=(4,), layers=None, tp=1, request_level=False,
+                 hash_block_size=4):
+        layers = layers or {0: ["layers.0.attn", "layers.1.attn"]}
+        self.fps = [fp + b"/tp%d" % r for r in range(tp)]
+        self.daemon = daemon
+        self.sched = SchedulerSide(daemon.socket, self.fps, hash_block_size, block_sizes, 32, namespace_retry_s=0)
+        self.engines = [Engine(shm, layers, block_sizes, NB) for _ in range(tp)]
+        self.workers = [WorkerSide(daemon.socket, f, len(block_sizes), request_level_failures=request_level)
+                        for f in self.fps]
+        for w, e in zip(self.workers, self.engines):
+            w.register(regions_from_kv_caches(e.kv_caches, e.layer_groups(), NB, 32))
+        self.sent: list[set[str]] = [set() for _ in range(tp)]
+        self.recv: list[set[str]] = [set() for _ in range(tp)]
+        self.failed: list[set[int]] = [set() for _ in range(tp)]
+        self.failed_reqs: list[set[str]] = [set() for _ in range(tp)]
+
+    def step(self, out: SchedulerOutput | None = None, forward=None) -> StepPlan:
+        """One engine step: build the plan in the scheduler, ship it (pickled,
+        as vLLM does) to every worker, run the worker calls in vLLM's order."""
+        out = out or SchedulerOutput()
+        plan = self.sched.build_connector_meta(out)
+        shipped = pickle.loads(pickle.dumps(plan))
+        all_recv = None
+        for i, (w, e) in enumerate(zip(self.workers, self.engines)):
+            w.handle_preemptions(shipped)
+            w.start_load_kv(shipped)
+            if forward:
+                forward(e)
+            w.wait_for_save(shipped)
+            s, r = w.get_finished(out.finished_req_ids)
+            self.sent[i] |= s or set()
+            self.recv[i] |= r or set()
+            self.failed[i] |= w.get_block_ids_with_load_errors()
+            self.failed_reqs[i] |= w.take_failed_requests()
+            all_recv = set(r or ()) if all_recv is None else all_recv & set(r or ())
+        self.sched.update_connector_output(all_recv)
+        return plan
+
+    def run_until(self, pred, timeout=5.0):
+        return wait_for(lambda: (self.step(), pred())[1], timeout=timeout)
+
+    def idle(self):
+        return all(w.pending() == 0 for w in self.workers)
+
+    def close(self):
+        for w in self.workers:
+            w.shutdown()
+        self.sched.close()
+
+
+@pytest.fixture
+def harness(daemon, shm, fingerprint):
+    made = []
+
+    def make(**kw):
+        h = Harness(daemon, shm, fingerprint, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def prefill(h: Harness, req: Request, blocks: list[int], tag=b""):
+    """Schedules a new request with no external tokens for its whole prompt
+    and runs the step: the forward pass writes every block it computes."""
+    assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    h.sched.update_state_after_alloc(req, KVCacheBlocks(blocks), 0)
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData(req.request_id, (list(blocks),))],
+                          num_scheduled_tokens={req.request_id: req.num_tokens})
+
+    def forward(e):
+        for i, b in enumerate(blocks[: len(req.block_hashes)]):
+            e.write(0, b, req.block_hashes[i] + tag)
+
+    plan = h.step(out, forward)
+    req.num_computed_tokens = req.num_tokens  # vLLM's _update_after_schedule
+    return plan
+
+
+def test_key_mapper_units_and_group_keys():
+    m = KeyMapper(4, (4, 8))
+    assert m.unit_tokens == 8 and m.blocks_per_unit == (2, 1) and m.factors == (1, 2)
+    hs = [bytes([i]) * 32 for i in range(6)]
+    assert m.units_in(6) == 3 and m.units_in(6, num_tokens=19) == 2
+    assert m.keys(hs, 0, m.block_range(0, 1, 3)) == hs[2:6]
+    assert m.keys(hs, 1, m.block_range(1, 1, 3)) == [hs[3], hs[5]]  # the hash that ends each 8-token block
+    with pytest.raises(ValueError):
+        KeyMapper(4, (6,))
+
+
+def test_fingerprint_covers_every_identity_field():
+    base = {"model": "m", "dtype": "float16", "hash_algo": "sha256", "hash_seed": "0", "tp_rank": 0}
+    fp = namespace_fingerprint(base)
+    assert fp == namespace_fingerprint(dict(reversed(list(base.items()))))
+    assert 1 <= len(fp) <= 256 and fp.startswith(b"kvoffload.vllm/1:")
+    for k, v in [("model", "n"), ("dtype", "bfloat16"), ("hash_algo", "xxhash"), ("hash_seed", "1"), ("tp_rank", 1)]:
+        assert namespace_fingerprint({**base, k: v}) != fp
+
+
+def test_store_then_hit_then_load_back_bytes(harness):
+    h = harness()
+    tokens = list(range(22))
+    r1 = Request("r1", tokens)  # 5 full blocks of 4 tokens
+    plan = prefill(h, r1, [1, 2, 3, 4, 5, 6])
+    assert plan.stores == {"r1": [GroupJob(0, r1.block_hashes[:5], [1, 2, 3, 4, 5])]}
+    assert plan.loads == {}
+    assert h.run_until(h.idle)
+    assert h.workers[0].counters["blocks_stored"] == 5
+
+    # r1 ends: its stores may be in flight, so vLLM keeps its blocks until a
+    # worker reports it finished sending.
+    assert h.sched.request_finished(r1) == (True, None)
+    plan = h.step(SchedulerOutput(finished_req_ids={"r1"}))
+    assert plan.delay_free == {"r1"}
+    assert h.sent[0] == {"r1"}
+
+    # r2 shares r1's first 20 tokens: 5 blocks are offered, loaded async.
+    r2 = Request("r2", tokens[:20] + [99] * 9)
+    assert r2.block_hashes[:5] == r1.block_hashes[:5]
+    assert h.sched.get_num_new_matched_tokens(r2, 0) == (20, True)
+    assert h.sched.get_num_new_matched_tokens(r2, 0) == (20, True)  # side-effect free
+    h.sched.update_state_after_alloc(r2, KVCacheBlocks([10, 11, 12, 13, 14, 15, 16, 17]), 20)
+    plan = h.step()  # r2 waits for its KV: not scheduled this step
+    assert plan.loads == {"r2": [GroupJob(0, r2.block_hashes[:5], [10, 11, 12, 13, 14])]}
+    assert h.run_until(lambda: "r2" in h.recv[0])
+    assert h.failed[0] == set()
+    e = h.engines[0]
+    for src, dst in zip([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]):
+        assert e.read(0, dst) == e.read(0, src)
+
+    # Once loaded, r2 runs; its stores start after the loaded prefix.
+    r2.num_computed_tokens = 20
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("r2", ([10, 11, 12, 13, 14, 15, 16, 17],), 20)],
+                          num_scheduled_tokens={"r2": 9})
+    plan = h.step(out, lambda e: [e.write(0, b, b"x") for b in (15, 16)])
+    assert plan.stores == {"r2": [GroupJob(0, r2.block_hashes[5:7], [15, 16])]}
+
+
+def test_failed_load_reports_exactly_the_failed_engine_blocks(harness, client):
+    h = harness()
+    r1 = Request("a", list(range(100, 126)))  # 6 full blocks
+    prefill(h, r1, [1, 2, 3, 4, 5, 6, 7])
+    assert h.run_until(h.idle)
+
+    r2 = Request("b", list(range(100, 126)) + [7])
+    assert h.sched.get_num_new_matched_tokens(r2, 0) == (24, True)
+    # Between the lookup and the load, two blocks of the prefix are evicted.
+    ns = h.workers[0].namespace_id
+    assert client.invalidate([ns], [r1.block_hashes[1], r1.block_hashes[4]]) == 2
+    dst = [21, 22, 23, 24, 25, 26, 27]
+    h.sched.update_state_after_alloc(r2, KVCacheBlocks(dst), 24)
+    h.step()
+    assert h.run_until(lambda: "b" in h.recv[0])
+    assert h.failed[0] == {22, 25}  # exactly the engine blocks of the evicted keys
+    e = h.engines[0]
+    for i in (0, 2, 3, 5):
+        assert e.read(0, dst[i]) == e.read(0, i + 1)
+    # Request-level reporting is off for one KV cache group.
+    assert h.failed_reqs[0] == set()
+
+
+def test_full_prompt_hit_leaves_the_last_token_and_local_prefix_is_skipped(harness):
+    h = harness()
+    toks = list(range(300, 320))  # exactly 5 blocks
+    prefill(h, Request("p", toks), [1, 2, 3, 4, 5])
+    assert h.run_until(h.idle)
+    # All 20 tokens are cached, but vLLM must compute at least one: 16 offered.
+    assert h.sched.get_num_new_matched_tokens(Request("q", toks), 0) == (16, True)
+    # 8 tokens already in vLLM's own prefix cache: only blocks 2..3 come from us.
+    q = Request("q2", toks + [1, 2, 3])
+    assert h.sched.get_num_new_matched_tokens(q, 8) == (12, True)
+    h.sched.update_state_after_alloc(q, KVCacheBlocks([31, 32, 33, 34, 35, 36]), 12)
+    plan = h.step()
+    assert plan.loads == {"q2": [GroupJob(0, q.block_hashes[2:5], [33, 34, 35])]}
+    assert h.run_until(lambda: "q2" in h.recv[0])
+    assert h.failed[0] == set()
+    # An unaligned local prefix, and a miss, offer nothing.
+    assert h.sched.get_num_new_matched_tokens(q, 6) == (0, False)
+    assert h.sched.get_num_new_matched_tokens(Request("z", list(range(40))), 0) == (0, False)
+
+
+def test_chunked_prefill_decode_and_preemption(harness):
+    h = harness()
+    toks = list(range(500, 530))
+    r = Request("c", toks[:30])
+    h.sched.get_num_new_matched_tokens(r, 0)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([1, 2, 3]), 0)
+    # Chunk 1: 10 tokens -> 2 full blocks.
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("c", ([1, 2, 3],))], num_scheduled_tokens={"c": 10})
+    plan = h.step(out, lambda e: [e.write(0, b, b"c") for b in (1, 2)])
+    assert plan.stores == {"c": [GroupJob(0, r.block_hashes[:2], [1, 2])]}
+    r.num_computed_tokens = 10
+    # Chunk 2: 12 more tokens in two new blocks -> blocks 2..4 are full.
+    out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["c"], set(), [([4, 5],)], [10]),
+                          num_scheduled_tokens={"c": 12})
+    plan = h.step(out, lambda e: [e.write(0, b, b"c") for b in (3, 4, 5)])
+    assert plan.stores == {"c": [GroupJob(0, r.block_hashes[2:5], [3, 4, 5])]}
+    r.num_computed_tokens = 22
+    # Preempted: its stores drain before vLLM reuses its blocks.
+    plan = h.step(SchedulerOutput(preempted_req_ids={"c"}))
+    assert plan.preempted == {"c"} and h.workers[0]._pending_stores.get("c") is None
+    # Resumed with new blocks: they replace the old ones; stores go on from
+    # block 5 (the first 5 are cached).
+    r.num_computed_tokens = 20
+    out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["c"], {"c"}, [([9, 8, 7, 6, 11, 12, 13, 14],)], [20]),
+                          num_scheduled_tokens={"c": 10})
+    plan = h.step(out)
+    assert plan.stores == {"c": [GroupJob(0, r.block_hashes[5:7], [12, 13])]}
+    # No store since the preemption drained... until this one: delay free.
+    assert h.sched.request_finished(r) == (True, None)
+
+
+def test_every_rank_must_hold_a_block(harness):
+    h = harness(tp=2)
+    toks = list(range(700, 713))
+    r = Request("t", toks)
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([1, 2, 3, 4]), 0)
+    # Only rank 0 stores (rank 1's store is skipped): nothing is offered.
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("t", ([1, 2, 3, 4],))], num_scheduled_tokens={"t": 13})
+    plan = h.sched.build_connector_meta(out)
+    h.workers[0].wait_for_save(plan)
+    assert wait_for(lambda: (h.workers[0].get_finished(set()), h.workers[0].pending() == 0)[1])
+    assert h.sched.get_num_new_matched_tokens(Request("u", toks), 0) == (0, False)
+    # Rank 1 stores too: now the prefix counts.
+    h.workers[1].wait_for_save(plan)
+    assert wait_for(lambda: (h.workers[1].get_finished(set()), h.workers[1].pending() == 0)[1])
+    assert h.sched.get_num_new_matched_tokens(Request("u", toks), 0) == (12, True)
+
+
+def test_hybrid_groups_carry_the_group_in_every_key(harness, client):
+    # Group 0: 4-token blocks; group 1: 8-token blocks (a unit is 8 tokens).
+    h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
+    toks = list(range(900, 926))  # 6 hashes -> 3 units of 8 tokens
+    r = Request("h", toks)
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    g0, g1 = [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14]
+    h.sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("h", (g0, g1))], num_scheduled_tokens={"h": 26})
+
+    def forward(e):
+        for i in range(6):
+            e.write(0, g0[i], b"g0" + r.block_hashes[i])
+        for i in range(3):
+            e.write(1, g1[i], b"g1" + r.block_hashes[2 * i + 1])
+
+    plan = h.step(out, forward)
+    hs = r.block_hashes
+    assert plan.stores == {"h": [GroupJob(0, hs[:6], g0[:6]), GroupJob(1, [hs[1], hs[3], hs[5]], g1[:3])]}
+    assert h.run_until(h.idle)
+    ns = h.workers[0].namespace_id
+    # The same hash is a different key in each group.
+    assert client.lookup([ns], [hs[1]], group=0).ready == 1
+    assert client.lookup([ns], [hs[0]], group=1).ready == 0
+
+    r2 = Request("h2", toks + [5])
+    assert h.sched.get_num_new_matched_tokens(r2, 0) == (24, True)
+    d0, d1 = [21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]
+    h.sched.update_state_after_alloc(r2, KVCacheBlocks(d0, d1), 24)
+    h.step()
+    assert h.run_until(lambda: "h2" in h.recv[0])
+    e = h.engines[0]
+    assert [e.read(0, b) for b in d0[:6]] == [e.read(0, b) for b in g0[:6]]
+    assert [e.read(1, b) for b in d1[:3]] == [e.read(1, b) for b in g1[:3]]
+    assert h.failed_reqs[0] == set()
+
+    # A failure in group 1 fails the request as a whole (newer vLLM wants
+    # request-level failures when there are several groups).
+    client.invalidate([ns], [hs[3]], group=1)
+    r3 = Request("h3", toks + [6])
+    assert h.sched.get_num_new_matched_tokens(r3, 0) == (8, True)  # only the first unit is whole
+    client.invalidate([ns], [hs[0]], group=0)
+    h.sched.update_state_after_alloc(r3, KVCacheBlocks(d0, d1), 8)
+    h.step()
+    assert h.run_until(lambda: "h3" in h.recv[0])
+    assert h.failed_reqs[0] == {"h3"} and h.failed[0] == set()
+
+
+def test_null_blocks_are_skipped(harness):
+    h = harness()
+    toks = list(range(40, 60))
+    prefill(h, Request("n0", toks), [1, 2, 3, 4, 5])
+    assert h.run_until(h.idle)
+    r = Request("n1", toks + [1])
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    # Block 0 is vLLM's null block (e.g. out of a sliding window): not loaded.
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([0, 0, 8, 9, 10, 11]), 20)
+    plan = h.step()
+    assert plan.loads == {"n1": [GroupJob(0, r.block_hashes[2:5], [8, 9, 10])]}
+
+
+def test_daemon_gone(fresh_daemon, shm, fingerprint):
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    toks = list(range(60, 81))
+    prefill(h, Request("g0", toks), [1, 2, 3, 4, 5, 6])
+    assert h.run_until(h.idle)
+    r = Request("g1", toks)
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([11, 12, 13, 14, 15, 16]), 20)
+    # The daemon stops before the load goes out.
+    d.proc.terminate()
+    assert d.proc.wait(timeout=20) == 0
+    h.step()
+    assert "g1" in h.recv[0]
+    assert h.failed[0] == {11, 12, 13, 14, 15}
+    # The scheduler answers "nothing" instead of raising.
+    assert h.sched.get_num_new_matched_tokens(Request("g2", toks), 0) == (0, False)
+    h.close()
+
+
+def test_request_finished_while_its_load_runs(harness):
+    h = harness()
+    toks = list(range(80, 101))
+    prefill(h, Request("w0", toks), [1, 2, 3, 4, 5, 6])
+    assert h.run_until(h.idle)
+    assert h.sched.request_finished(Request("w0", toks)) == (True, None)
+    r = Request("w1", toks)
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([11, 12, 13, 14, 15, 16]), 20)
+    # Aborted while waiting for its KV: vLLM itself keeps the blocks until the
+    # receive is reported, so the connector does not ask to delay them, and
+    # the load still goes out and is reported.
+    assert h.sched.request_finished(r) == (False, None)
+    plan = h.step(SchedulerOutput(finished_req_ids={"w0", "w1"}))
+    assert "w1" in plan.loads and plan.delay_free == {"w0"}
+    assert h.run_until(lambda: "w1" in h.recv[0] and "w0" in h.sent[0])
+    assert "w1" not in h.sent[0]
+
+
+def test_iter_scheduled_reads_old_and_new_field_names():
+    from types import SimpleNamespace as ns
+
+    from kvoffload.connector import iter_scheduled
+
+    new = SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", ([1],))],
+                          scheduled_cached_reqs=CachedRequestData(["b", "c"], {"c"}, [([2],), None], [0, 0]))
+    assert list(iter_scheduled(new)) == [("a", ([1],), True), ("b", ([2],), False), ("c", None, True)]
+    old = ns(scheduled_new_reqs=[], scheduled_cached_reqs=ns(req_ids=["b"], new_block_ids=[([3],)],
+                                                            resumed_from_preemption=[True]))
+    assert list(iter_scheduled(old)) == [("b", ([3],), True)]

@@ -1,0 +1,18 @@
+//go:build !cuda
+
+package main
+
+import (
+	"log/slog"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/dma/host"
+)
+
+// newCopier returns the copy engine this build has: regions are /dev/shm
+// files; a CUDA region is refused with dma.ErrNoCUDA.
+func newCopier(cfg *config, log *slog.Logger, _ prometheus.Registerer) (dma.Engine, error) {
+	return host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, Logger: log}), nil
+}

@@ -1,0 +1,272 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+func TestHelpExplainsEveryFlag(t *testing.T) {
+	var out bytes.Buffer
+	err := run(context.Background(), []string{"--help"}, io.Discard, &out)
+	if !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("--help: %v", err)
+	}
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version"} {
+		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
+			t.Errorf("--help does not mention %s", f)
+		}
+	}
+}
+
+func TestBadFlagsRefuseToStart(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--cpu-bytes", "12potatoes"}, "not a size"},
+		{[]string{"--cpu-bytes", "1MiB"}, "--cpu-bytes 1MiB: want at least 4MiB"},
+		{[]string{"--cpu-chunk-bytes", "5000"}, "--cpu-chunk-bytes"},
+		{[]string{"--socket", "relative.sock"}, "--socket \"relative.sock\": want an absolute path"},
+		{[]string{"--socket-mode", "0666"}, "--socket-mode"},
+		{[]string{"--io-workers", "0"}, "--io-workers 0"},
+		{[]string{"--shm-dir", "/nonexistent"}, "--shm-dir"},
+		{[]string{"--metrics-addr", "0.0.0.0:9464"}, "loopback"},
+		{[]string{"--log-level", "chatty"}, "--log-level"},
+		{[]string{"--log-format", "xml"}, "--log-format"},
+		{[]string{"--shutdown-timeout", "-1s"}, "--shutdown-timeout"},
+		{[]string{"stray"}, "unexpected argument"},
+	}
+	for _, tc := range cases {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			args := append([]string{"--socket", sock, "--metrics-addr", ""}, tc.args...)
+			err := run(context.Background(), args, io.Discard, io.Discard)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("got %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestParseBytes(t *testing.T) {
+	for in, want := range map[string]uint64{"4096": 4096, "64MiB": 64 << 20, "2G": 2 << 30, "1TiB": 1 << 40, " 8 KiB": 8 << 10} {
+		if got, err := parseBytes(in); err != nil || got != want {
+			t.Errorf("parseBytes(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "MiB", "-1", "1.5GiB", "99999999999TiB"} {
+		if _, err := parseBytes(in); err == nil {
+			t.Errorf("parseBytes(%q) accepted", in)
+		}
+	}
+}
+
+// TestSocketSafety: the socket is private, a stale one is replaced, a live
+// one is never stolen, and a file that is not a socket is never removed.
+func TestSocketSafety(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "kv.sock")
+	lis, err := listenUnix(sock, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(sock)
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode: %v %v", st.Mode(), err)
+	}
+	if _, err := listenUnix(sock, 0o600); err == nil || !strings.Contains(err.Error(), "another process is serving") {
+		t.Fatalf("second listener: %v", err)
+	}
+	lis.Close() // leaves the file behind: a stale socket
+	lis2, err := listenUnix(sock, 0o600)
+	if err != nil {
+		t.Fatalf("stale socket not replaced: %v", err)
+	}
+	lis2.Close()
+	regular := filepath.Join(dir, "file")
+	os.WriteFile(regular, []byte("keep me"), 0o600)
+	if _, err := listenUnix(regular, 0o600); err == nil {
+		t.Fatal("listened over a regular file")
+	}
+	if b, _ := os.ReadFile(regular); string(b) != "keep me" {
+		t.Fatal("regular file was touched")
+	}
+	open := filepath.Join(t.TempDir(), "open")
+	os.Mkdir(open, 0o777)
+	os.Chmod(open, 0o777)
+	if _, err := listenUnix(filepath.Join(open, "s"), 0o600); err == nil || !strings.Contains(err.Error(), "writable by others") {
+		t.Fatalf("socket in a world-writable directory: %v", err)
+	}
+}
+
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func buildDaemon(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "kvoffloadd")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		ok, _ := c.Healthy(ctx)
+		cancel()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) || proc.ProcessState != nil {
+			t.Fatal("daemon did not become healthy")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSIGTERMDuringLoad runs the real binary, stores blocks, starts a large
+// load and sends SIGTERM while it runs: the load either completes with every
+// byte right, or is refused whole; the daemon exits 0 and removes its socket.
+func TestSIGTERMDuringLoad(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	var logs bytes.Buffer
+	proc := exec.Command(bin, "--socket", sock, "--cpu-bytes", "256MiB", "--metrics-addr", metrics)
+	proc.Stderr = &logs
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	var exitErr error
+	go func() { exitErr = proc.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		proc.Process.Kill()
+		<-exited
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", logs.String())
+		}
+	})
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitHealthy(t, c, proc)
+
+	m := testenv.Model{Layers: 32, SegBytes: 64 << 10, Blocks: 96} // 2 MiB blocks
+	r := testenv.NewRegion(t, m.RegionBytes())
+	ctx := context.Background()
+	reg, err := c.Register(ctx, []byte("sigterm"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 48
+	hs := make([][]byte, n)
+	blocks := make([]uint32, n)
+	for i := range hs {
+		hs[i] = m.Hash(1, i)
+		blocks[i] = uint32(i)
+		m.Fill(r, i, hs[i])
+	}
+	res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, hs, blocks)}, true)
+	if err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	body := scrape(t, metrics)
+	for _, want := range []string{`kvoffload_blocks_total{op="store",status="ok"} 48`, `kvoffload_tier_blocks{tier="cpu"} 48`, "kvoffload_job_duration_seconds_bucket"} {
+		if !strings.Contains(body, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+
+	into := make([]uint32, n)
+	for i := range into {
+		into[i] = uint32(n + i)
+	}
+	type outcome struct {
+		res []*pb.JobResult
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		r, err := c.Load(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(2, hs, into)}, true)
+		done <- outcome{r, err}
+	}()
+	time.Sleep(time.Millisecond) // let the load start; either order must be safe
+	if err := proc.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	o := <-done
+	switch {
+	case o.err == nil:
+		if !o.res[0].Ok {
+			t.Fatalf("load during shutdown: %+v", o.res[0])
+		}
+		for i, b := range into {
+			if err := m.Check(r, int(b), hs[i]); err != nil {
+				t.Fatalf("load reported OK during shutdown: %v", err)
+			}
+		}
+	case status.Code(o.err) == codes.Unavailable:
+		t.Logf("load refused whole during shutdown: %v", o.err)
+	default:
+		t.Fatalf("load during shutdown: %v", o.err)
+	}
+	select {
+	case <-exited:
+		if exitErr != nil {
+			t.Fatalf("daemon exit: %v", exitErr)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("daemon did not exit after SIGTERM")
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatalf("socket left behind: %v", err)
+	}
+	if !strings.Contains(logs.String(), "shutting down") || !strings.Contains(logs.String(), "stopped") {
+		t.Fatalf("shutdown not logged:\n%s", logs.String())
+	}
+}
+
+func scrape(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get(fmt.Sprintf("http://%s/metrics", addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
