@@ -290,19 +290,34 @@ class Client:
         r = self._call("Register", req)
         return Registration(r.registration_id, r.namespace_id, r.joined_existing)
 
+    def resolve(self, fingerprints: Sequence[bytes]) -> list[int]:
+        """The namespace id of each fingerprint, 0 where none is registered."""
+        r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]))
+        return list(r.namespace_ids)
+
     def unregister(self, registration_id: int) -> None:
         """Waits for the registration's jobs to drain, unmaps its regions and
         drops its unread completions. Cached blocks stay."""
         self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
 
     def lookup(
-        self, namespace_ids: Sequence[int], hashes: Sequence[bytes] | bytes, *, group: int = 0, lease_ms: int = 0
+        self,
+        namespace_ids: Sequence[int],
+        hashes: Sequence[bytes] | bytes,
+        *,
+        group: int = 0,
+        lease_ms: int = 0,
+        peek: bool = False,
     ) -> LookupResult:
         """How many leading ``hashes`` (of ``group``) are ready in every
-        namespace. With ``lease_ms`` the ready prefix is pinned that long."""
+        namespace. With ``lease_ms`` the ready prefix is pinned that long;
+        with ``peek`` the lookup does not count as an access for the
+        daemon's admission policy."""
         r = self._call(
             "Lookup",
-            pb.LookupRequest(namespace_ids=list(namespace_ids), keys=_key_list(group, hashes), lease_ms=lease_ms),
+            pb.LookupRequest(
+                namespace_ids=list(namespace_ids), keys=_key_list(group, hashes), lease_ms=lease_ms, peek=peek
+            ),
         )
         tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
         return LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id)

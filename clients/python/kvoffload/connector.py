@@ -248,22 +248,20 @@ class SchedulerSide:
             log.warning(msg, *args)
 
     def namespace_ids(self) -> list[int] | None:
-        """The namespace id of every rank's fingerprint, resolved through
-        Stats (the API has no lookup by fingerprint) and cached; None until
-        every rank has registered."""
+        """The namespace id of every rank's fingerprint, resolved with one
+        Resolve call and cached; None until every rank has registered."""
         now = self._clock()
         if self._ns_ids is not None and now < self._ns_next:
             return self._ns_ids
         if self._ns_ids is None and now < self._ns_next:
             return None
         try:
-            stats = self._client.stats()
+            ids = self._client.resolve(self.fingerprints)
         except KVOffloadError as e:
-            self._warn_once("stats", "kvoffload: cannot reach the daemon (%s); no offloaded prefixes until it answers", e)
+            self._warn_once("resolve", "kvoffload: cannot reach the daemon (%s); no offloaded prefixes until it answers", e)
             self._ns_ids, self._ns_next = None, now + self._ns_retry
             return None
-        ids = [stats.namespace_for(fp) for fp in self.fingerprints]
-        if any(i is None for i in ids):
+        if any(i == 0 for i in ids):
             self._ns_ids, self._ns_next = None, now + self._ns_retry
             return None
         self._ns_ids, self._ns_next = [int(i) for i in ids], now + self._ns_refresh
