@@ -67,6 +67,10 @@ const (
 
 var seed = maphash.MakeSeed()
 
+// HashKey is the 64-bit hash the index files k under; callers that need a
+// hash of the key for something else (the policy) reuse it.
+func HashKey(k *Key) uint64 { return hashKey(k) }
+
 // hashKey hashes the key's bytes in place (maphash.Comparable would make the
 // key escape to the heap on every call).
 func hashKey(k *Key) uint64 {
@@ -166,8 +170,10 @@ func (s *shard) remove(pos int) {
 }
 
 // Get returns the entry of k.
-func (ix *Index) Get(k *Key) (Entry, bool) {
-	h := hashKey(k)
+func (ix *Index) Get(k *Key) (Entry, bool) { return ix.GetHashed(k, hashKey(k)) }
+
+// GetHashed is Get with h = HashKey(k) already computed.
+func (ix *Index) GetHashed(k *Key, h uint64) (Entry, bool) {
 	s := ix.shardOf(h)
 	s.mu.Lock()
 	pos, ok := s.find(k, h)

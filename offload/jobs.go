@@ -395,9 +395,10 @@ func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 	n := len(job.BlockIDs)
 	res := Result{JobID: job.ID, RequestID: job.RequestID, Op: OpLoad, Blocks: uint32(n)}
 	refs := make([]blockRef, 0, n)
-	c := r.ns.classes[g]
+	touched := make([]uint64, 0, n)
 	for i := 0; i < n; i++ {
 		k := makeKey(r.ns.ID, g, job.Keys.Hashes[i*hb:(i+1)*hb])
+		touched = append(touched, index.HashKey(&k))
 		slotID := index.NoSlot
 		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 			if found && e.State == index.Ready && e.CPU != index.NoSlot {
@@ -406,13 +407,13 @@ func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 			}
 			return found
 		})
-		c.Touch(&k)
 		if slotID == index.NoSlot {
 			res.Failures = append(res.Failures, r.failure(job, i, Missing))
 			continue
 		}
 		refs = append(refs, blockRef{key: k, slot: slotID, i: i})
 	}
+	r.ns.classes[g].Touch(touched)
 	if job.LeaseID != 0 {
 		s.releaseLease(job.LeaseID)
 	}

@@ -364,44 +364,48 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 	// Every key looked up counts as an access for the admission policy,
 	// hit or not: that is how a prefix many requests want earns its place
 	// before its first store, and a one-off prompt does not.
-	for _, ns := range nss {
-		if peek {
-			break
-		}
-		c := ns.classes[keys.Group]
-		for i := 0; i < n; i++ {
-			k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
-			c.Touch(&k)
-		}
+	var touched [][]uint64
+	if !peek {
+		touched = make([][]uint64, len(nss))
 	}
-	for i := 0; i < n; i++ {
+	ready := true
+	for i := 0; i < n && (ready || touched != nil); i++ {
 		hash := keys.Hashes[i*hb : (i+1)*hb]
-		ok := true
-		for _, ns := range nss {
-			if !ok {
-				break
-			}
+		for j, ns := range nss {
 			k := makeKey(ns.ID, keys.Group, hash)
+			h := index.HashKey(&k)
+			if touched != nil {
+				touched[j] = append(touched[j], h)
+			}
+			if !ready {
+				continue // past the ready prefix: only counting accesses
+			}
 			if ls == nil {
-				e, found := s.ix.Get(&k)
-				ok = found && e.State == index.Ready && e.CPU != index.NoSlot
+				e, found := s.ix.GetHashed(&k, h)
+				ready = found && e.State == index.Ready && e.CPU != index.NoSlot
 				continue
 			}
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-				ok = found && e.State == index.Ready && e.CPU != index.NoSlot
-				if ok {
+				ready = found && e.State == index.Ready && e.CPU != index.NoSlot
+				if ready {
 					s.cpu.Pin(e.CPU)
 					ls.slots = append(ls.slots, e.CPU)
 				}
 				return found
 			})
 		}
-		if !ok {
-			s.m.lookupBlocks.WithLabelValues("miss").Inc()
-			break
+		if ready {
+			res.Ready++
+			res.Tiers = append(res.Tiers, TierCPU)
 		}
-		res.Ready++
-		res.Tiers = append(res.Tiers, TierCPU)
+	}
+	for j, ns := range nss {
+		if touched != nil {
+			ns.classes[keys.Group].Touch(touched[j])
+		}
+	}
+	if res.Ready < n {
+		s.m.lookupBlocks.WithLabelValues("miss").Inc()
 	}
 	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
 	s.c.lookupHits.Add(uint64(res.Ready))

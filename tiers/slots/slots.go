@@ -10,10 +10,9 @@ package slots
 import (
 	"errors"
 	"fmt"
-	"hash/maphash"
 	"log/slog"
 	"sync"
-	"unsafe"
+	"sync/atomic"
 
 	"github.com/dgraph-io/ristretto/v2"
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -61,7 +60,8 @@ func DefaultChunkBytes(n uint64) uint64 {
 const (
 	slotFree uint8 = iota
 	slotUsed
-	slotReleased // owner let go; freed when the last pin drops
+	slotReleased    // owner let go; freed when the last pin drops
+	slotQuarantined // never reused; counts as used space
 )
 
 // Space is a tier's slots. Its methods are safe for concurrent use.
@@ -70,20 +70,25 @@ type Space struct {
 	chunkBytes uint64
 	slotsPer   uint64 // SlotIDs per chunk
 	cfg        Config
-	seed       maphash.Seed
+
+	touches        chan touchBatch
+	touchesDropped atomic.Uint64
+	stop           chan struct{}
+	wg             sync.WaitGroup
 
 	mu struct {
 		sync.Mutex
-		classes    map[uint64]*Class
-		freeChunks []uint32
-		chunkOwner []*Class // nil: free
-		draining   []bool
-		chunkLive  []uint32
-		pins       []uint16
-		state      []uint8
-		slotClass  []*Class
-		usedBytes  uint64
-		blocks     uint64
+		classes     map[uint64]*Class
+		freeChunks  []uint32
+		chunkOwner  []*Class // nil: free
+		draining    []bool
+		chunkLive   []uint32
+		pins        []uint16
+		state       []uint8
+		slotClass   []*Class
+		usedBytes   uint64
+		blocks      uint64
+		quarantined int
 	}
 }
 
@@ -119,7 +124,8 @@ func New(cfg Config) (*Space, error) {
 	if nChunks*chunk/layout.SlotAlign > uint64(^uint32(0)) {
 		return nil, fmt.Errorf("%s tier of %d bytes is too large (at most 16TiB)", cfg.Name, cfg.Bytes)
 	}
-	t := &Space{capacity: nChunks * chunk, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, cfg: cfg, seed: maphash.MakeSeed()}
+	t := &Space{capacity: nChunks * chunk, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, cfg: cfg,
+		touches: make(chan touchBatch, 1024), stop: make(chan struct{})}
 	nSlots := nChunks * t.slotsPer
 	t.mu.classes = map[uint64]*Class{}
 	t.mu.chunkOwner = make([]*Class, nChunks)
@@ -131,6 +137,8 @@ func New(cfg Config) (*Space, error) {
 	for c := int(nChunks) - 1; c >= 0; c-- {
 		t.mu.freeChunks = append(t.mu.freeChunks, uint32(c))
 	}
+	t.wg.Add(1)
+	go t.toucher()
 	return t, nil
 }
 
@@ -147,10 +155,8 @@ func (t *Space) Usage() (usedBytes, blocks uint64) {
 	return t.mu.usedBytes, t.mu.blocks
 }
 
-// PolicyKey is the 64-bit key the policy tracks for k.
-func (t *Space) PolicyKey(k *index.Key) uint64 {
-	return maphash.Bytes(t.seed, unsafe.Slice((*byte)(unsafe.Pointer(k)), unsafe.Sizeof(*k)))
-}
+// PolicyKey is the 64-bit key the policy tracks for k: the index's hash.
+func (t *Space) PolicyKey(k *index.Key) uint64 { return index.HashKey(k) }
 
 // Class returns the class for slots of slotBytes (a multiple of
 // layout.SlotAlign), creating it on first use.
@@ -201,9 +207,45 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 // SlotBytes is the slot size of the class.
 func (c *Class) SlotBytes() uint64 { return c.slotBytes }
 
-// Touch records an access to k (a lookup, hit or miss) for the policy's
-// frequency estimate.
-func (c *Class) Touch(k *index.Key) { c.policy.Get(c.t.PolicyKey(k)) }
+// Touch records accesses (lookups, hit or miss) to the keys whose
+// PolicyKeys are hs, for the policy's frequency estimate. It does not wait:
+// the accesses reach the policy from the space's toucher goroutine, and are
+// dropped (and counted) if it falls behind. Recording accesses is lossy in
+// ristretto too; this keeps its cost off the Lookup's latency. Touch takes
+// ownership of hs.
+func (c *Class) Touch(hs []uint64) {
+	if len(hs) == 0 {
+		return
+	}
+	select {
+	case c.t.touches <- touchBatch{c: c, hs: hs}:
+	default:
+		c.t.touchesDropped.Add(uint64(len(hs)))
+	}
+}
+
+type touchBatch struct {
+	c  *Class
+	hs []uint64
+}
+
+// toucher feeds accesses to the policies until the space closes.
+func (t *Space) toucher() {
+	defer t.wg.Done()
+	for {
+		select {
+		case b := <-t.touches:
+			for _, h := range b.hs {
+				b.c.policy.Get(h)
+			}
+		case <-t.stop:
+			return
+		}
+	}
+}
+
+// TouchesDropped counts accesses not recorded because the toucher lagged.
+func (t *Space) TouchesDropped() uint64 { return t.touchesDropped.Load() }
 
 // Admit offers new keys to the policy, which may evict others (Evict) or
 // decline some (Reject) before Admit returns. Call it without holding any
@@ -231,12 +273,19 @@ func (c *Class) Alloc() (SlotID, bool) {
 	t := c.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n := len(c.free)
-	if n == 0 {
-		return index.NoSlot, false
+	var s SlotID
+	for {
+		n := len(c.free)
+		if n == 0 {
+			return index.NoSlot, false
+		}
+		s = c.free[n-1]
+		c.free = c.free[:n-1]
+		// Restore may have taken a slot still on the free list.
+		if t.mu.state[s] == slotFree {
+			break
+		}
 	}
-	s := c.free[n-1]
-	c.free = c.free[:n-1]
 	t.mu.state[s] = slotUsed
 	t.mu.pins[s] = 1
 	t.mu.chunkLive[uint64(s)/t.slotsPer]++
@@ -365,6 +414,84 @@ func (t *Space) maybeFreeChunkLocked(ch uint32) {
 	}
 }
 
+// Restore marks slot s, found holding key k when the tier's storage was
+// scanned at start, as in use by this class, and tells the policy about k.
+// Call it before the first Alloc. The slot has no pins.
+func (c *Class) Restore(s SlotID, k index.Key) error {
+	t := c.t
+	t.mu.Lock()
+	ch := uint64(s) / t.slotsPer
+	if ch >= uint64(len(t.mu.chunkOwner)) {
+		t.mu.Unlock()
+		return fmt.Errorf("restore: slot %d is beyond the %s tier", s, t.cfg.Name)
+	}
+	base := ch * t.slotsPer
+	step := c.slotBytes / layout.SlotAlign
+	if (uint64(s)-base)%step != 0 || (uint64(s)-base)/step >= c.perChunk {
+		t.mu.Unlock()
+		return fmt.Errorf("restore: slot %d is not a %d-byte slot boundary", s, c.slotBytes)
+	}
+	switch owner := t.mu.chunkOwner[ch]; {
+	case owner == nil:
+		for i, f := range t.mu.freeChunks {
+			if uint64(f) == ch {
+				t.mu.freeChunks = append(t.mu.freeChunks[:i], t.mu.freeChunks[i+1:]...)
+				break
+			}
+		}
+		c.addChunkLocked(uint32(ch))
+	case owner != c:
+		t.mu.Unlock()
+		return fmt.Errorf("restore: slot %d lies in a chunk of %d-byte slots, not %d", s, owner.slotBytes, c.slotBytes)
+	}
+	if t.mu.state[s] != slotFree {
+		t.mu.Unlock()
+		return fmt.Errorf("restore: slot %d restored twice", s)
+	}
+	t.mu.state[s] = slotUsed
+	t.mu.chunkLive[ch]++
+	t.mu.usedBytes += c.slotBytes
+	t.mu.blocks++
+	maxCost := c.maxCost
+	t.mu.Unlock()
+	c.policy.UpdateMaxCost(maxCost)
+	c.policy.Set(t.PolicyKey(&k), k, 1)
+	c.policy.Wait()
+	return nil
+}
+
+// ChunkOf reports the chunk of slot s and the slot size that chunk serves
+// (0 when free).
+func (t *Space) ChunkOf(s SlotID) (chunk uint32, slotBytes uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ch := uint64(s) / t.slotsPer
+	if c := t.mu.slotClass[ch]; c != nil {
+		return uint32(ch), c.slotBytes
+	}
+	return uint32(ch), 0
+}
+
+// Quarantine takes slot s out of use for good (its storage returned an I/O
+// error). The caller removed the index entry naming s; the slot's pins
+// still drop as usual but it never returns to a free list.
+func (t *Space) Quarantine(s SlotID) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.mu.state[s] != slotUsed {
+		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, t.mu.state[s]))
+	}
+	t.mu.state[s] = slotQuarantined
+	t.mu.quarantined++
+}
+
+// Quarantined counts slots taken out of use.
+func (t *Space) Quarantined() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.mu.quarantined
+}
+
 // Pin keeps slot s from being reused until Unpin. The caller holds the
 // index entry that names s, so s is in use.
 func (t *Space) Pin(s SlotID) {
@@ -432,8 +559,15 @@ func (t *Space) Pinned() int {
 	return n
 }
 
-// Close stops the policies. No copy may be in flight.
+// Close stops the toucher and the policies. No copy may be in flight.
 func (t *Space) Close() {
+	select {
+	case <-t.stop:
+		return
+	default:
+	}
+	close(t.stop)
+	t.wg.Wait()
 	t.mu.Lock()
 	classes := t.mu.classes
 	t.mu.classes = nil
