@@ -41,6 +41,7 @@ func ctx(t testing.TB) context.Context {
 
 // engine is one client's registered KV cache.
 type engine struct {
+	d   *testenv.Daemon
 	m   testenv.Model
 	r   *testenv.Region
 	c   *client.Client
@@ -55,7 +56,7 @@ func register(t testing.TB, d *testenv.Daemon, m testenv.Model, fingerprint stri
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &engine{m: m, r: r, c: c, reg: reg}
+	return &engine{d: d, m: m, r: r, c: c, reg: reg}
 }
 
 func (e *engine) hashes(seed uint64, n int) [][]byte {
@@ -499,8 +500,8 @@ func TestConcurrentClients(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	if n := d.Svc.CPU().Pinned(); n != 0 {
-		t.Fatalf("%d slots pinned after all jobs finished", n)
+	if err := d.Svc.CheckAccounting(); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -610,12 +611,9 @@ func TestBadInputIsInvalidArgument(t *testing.T) {
 		{"no layout", func() error { _, err := c.Register(ctx(t), []byte("x"), nil, small.Regions(target), ""); return err }, codes.InvalidArgument, "layout"},
 		{"no fingerprint", func() error { _, err := c.Register(ctx(t), nil, small.Layout(), small.Regions(target), ""); return err }, codes.InvalidArgument, "fingerprint"},
 		{"block larger than a chunk", func() error {
-			l := small.Layout()
-			for _, s := range l.Segments {
-				s.Bytes = 16 << 20
-			}
-			_, err := c.Register(ctx(t), []byte("x"), l, small.Regions(target), "")
-			return err
+			// 4 layers of 2 MiB: an 8 MiB block, a 4 MiB chunk.
+			big := testenv.Model{Layers: 4, SegBytes: 2 << 20, Blocks: 1}
+			return registerErr(c, big, testenv.NewRegion(t, big.RegionBytes()))
 		}, codes.InvalidArgument, "chunk"},
 		{"same fingerprint, other layout", func() error {
 			m := small
@@ -639,6 +637,11 @@ func TestBadInputIsInvalidArgument(t *testing.T) {
 		t.Fatalf("after bad input: %d ready", lr.Ready)
 	}
 	e.verify(t, e.load(t, 77, hs, seq(40, 4)), hs, seq(40, 4))
+}
+
+func registerErr(c *client.Client, m testenv.Model, r *testenv.Region) error {
+	_, err := c.Register(context.Background(), []byte("x"), m.Layout(), m.Regions(r), "")
+	return err
 }
 
 func TestInvalidate(t *testing.T) {

@@ -37,11 +37,15 @@ const (
 
 // Entry flags.
 const (
-	// DiskWriting: a copy to the disk tier is in flight.
+	// DiskWriting: a copy to the disk tier is in flight (write-through,
+	// or a demotion of a block the CPU tier's policy evicted).
 	DiskWriting uint8 = 1 << iota
-	// Doomed: dropped from the index's point of view once pins reach zero;
-	// set on an entry that must go while a load still reads it.
-	Doomed
+	// DiskEvicted: the disk tier's policy evicted the block while its
+	// disk write was in flight; the write's slot is released when it ends.
+	DiskEvicted
+	// Promoting: a load is copying the block from disk into the CPU tier
+	// and has offered it to the CPU tier's policy.
+	Promoting
 )
 
 // Entry is what the index keeps per key.

@@ -3,6 +3,7 @@ package offload
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -12,6 +13,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 )
 
 // Status is the outcome of one block of a job, numbered as the wire's.
@@ -227,6 +229,9 @@ type blockRef struct {
 	key  index.Key
 	slot cpu.SlotID
 	i    int // position in the job
+	// release: the slot was staged for this load only; it goes when the
+	// copy has drained.
+	release bool
 }
 
 // Transfer validates every job of a Store or Load request, accepts them all
@@ -386,38 +391,221 @@ func (r *Registration) failure(job *Job, i int, st Status) Failure {
 	return Failure{Index: uint32(i), BlockID: job.BlockIDs[i], Hash: bytes.Clone(job.Keys.Hashes[i*hb : (i+1)*hb]), Status: st}
 }
 
-// startLoad pins the job's ready blocks and copies them into engine memory.
+// startLoad pins the job's ready blocks and copies them into engine
+// memory. Blocks only on disk are first read into CPU slots and verified.
 func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 	s := r.s
-	start := time.Now()
+	lj := &loadJob{r: r, job: *job, w: w, wslot: slot, start: time.Now()}
 	hb := r.ns.Layout.HashBytes
 	g := job.Keys.Group
 	n := len(job.BlockIDs)
-	res := Result{JobID: job.ID, RequestID: job.RequestID, Op: OpLoad, Blocks: uint32(n)}
-	refs := make([]blockRef, 0, n)
+	lj.res = Result{JobID: job.ID, RequestID: job.RequestID, Op: OpLoad, Blocks: uint32(n)}
+	lj.refs = make([]blockRef, 0, n)
+	var ls *lease
+	if job.LeaseID != 0 {
+		ls = s.takeLease(job.LeaseID)
+	}
 	touched := make([]uint64, 0, n)
+	var reads []diskRead
 	for i := 0; i < n; i++ {
 		k := makeKey(r.ns.ID, g, job.Keys.Hashes[i*hb:(i+1)*hb])
 		touched = append(touched, index.HashKey(&k))
-		slotID := index.NoSlot
+		cslot, dslot := index.NoSlot, index.NoSlot
 		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-			if found && e.State == index.Ready && e.CPU != index.NoSlot {
+			if !found || e.State != index.Ready {
+				return found
+			}
+			if e.CPU != index.NoSlot {
 				s.cpu.Pin(e.CPU)
-				slotID = e.CPU
+				cslot = e.CPU
+			} else if e.Disk != index.NoSlot {
+				s.disk.Pin(e.Disk)
+				dslot = e.Disk
+			}
+			return true
+		})
+		if lp, ok := ls.take(k); ok {
+			// The lease's pin holds the block even if the index has
+			// dropped it since; a CPU copy is the faster of the two.
+			switch {
+			case !lp.disk:
+				s.unpinSlots(cslot, dslot)
+				cslot, dslot = lp.slot, index.NoSlot
+			case cslot == index.NoSlot:
+				s.unpinSlots(index.NoSlot, dslot)
+				dslot = lp.slot
+			default:
+				s.unpin(lp)
+			}
+		}
+		switch {
+		case cslot != index.NoSlot:
+			lj.refs = append(lj.refs, blockRef{key: k, slot: cslot, i: i})
+		case dslot != index.NoSlot:
+			reads = append(reads, diskRead{key: k, dslot: dslot, i: i})
+		default:
+			lj.res.Failures = append(lj.res.Failures, r.failure(job, i, Missing))
+		}
+	}
+	if ls != nil {
+		s.unpinLease(ls) // pins of keys this job did not name
+	}
+	r.ns.classes[g].Touch(touched)
+	if len(reads) == 0 {
+		lj.copy()
+		return
+	}
+	lj.promote(reads)
+}
+
+// unpinSlots drops pins taken on a block's CPU or disk slot.
+func (s *Service) unpinSlots(cslot, dslot cpu.SlotID) {
+	if cslot != index.NoSlot {
+		s.cpu.Unpin(cslot)
+	}
+	if dslot != index.NoSlot {
+		s.disk.Unpin(dslot)
+	}
+}
+
+// loadJob is a load in flight: its disk reads, then its copies.
+type loadJob struct {
+	r     *Registration
+	job   Job
+	w     *waiter
+	wslot int
+	start time.Time
+
+	mu   sync.Mutex
+	res  Result
+	refs []blockRef
+	left int // disk reads not yet done
+}
+
+// diskRead is a block of a load that is only on disk.
+type diskRead struct {
+	key     index.Key
+	dslot   cpu.SlotID
+	i       int
+	offered bool // offered to the CPU policy: kept in the CPU tier if admitted
+}
+
+func (lj *loadJob) copy() {
+	lj.r.runCopies(&lj.job, lj.refs, false, nil, lj.res, lj.start, lj.w, lj.wslot)
+}
+
+// promote reads disk-only blocks into CPU slots. Each block is offered to
+// the CPU policy first; an admitted one stays in the CPU tier, the others
+// use their slot for this load only.
+func (lj *loadJob) promote(reads []diskRead) {
+	r, s := lj.r, lj.r.s
+	g := lj.job.Keys.Group
+	c := r.ns.classes[g]
+	var offer []index.Key
+	for i := range reads {
+		rd := &reads[i]
+		s.ix.Mutate(&rd.key, func(e *index.Entry, found bool) bool {
+			if found && e.State == index.Ready && e.CPU == index.NoSlot && e.Flags&index.Promoting == 0 {
+				e.Flags |= index.Promoting
+				rd.offered = true
 			}
 			return found
 		})
-		if slotID == index.NoSlot {
-			res.Failures = append(res.Failures, r.failure(job, i, Missing))
+		if rd.offered {
+			offer = append(offer, rd.key)
+		}
+	}
+	c.Admit(offer)
+	payload := r.ns.Layout.PayloadBytes(g)
+	lj.left = len(reads)
+	for _, rd := range reads {
+		staging, ok := c.Alloc()
+		if !ok {
+			lj.readDone(rd, index.NoSlot, nil)
 			continue
 		}
-		refs = append(refs, blockRef{key: k, slot: slotID, i: i})
+		m := s.diskMeta(&rd.key)
+		s.disk.Read(rd.dslot, m, s.cpu.Slot(staging, layout.AlignUp(payload)), func(err error) {
+			lj.readDone(rd, staging, err)
+		})
 	}
-	r.ns.classes[g].Touch(touched)
-	if job.LeaseID != 0 {
-		s.releaseLease(job.LeaseID)
+}
+
+// readDone settles one disk read: a failed block's disk copy is dropped
+// from the index (and its slot quarantined after an I/O error) before the
+// job can complete; a good one joins the copies, kept in the CPU tier if
+// the policy admitted it.
+func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
+	r, s := lj.r, lj.r.s
+	st := OK
+	switch {
+	case staging == index.NoSlot:
+		st = NoSpace
+	case errors.Is(err, disk.ErrCorrupt):
+		st = Corrupt
+	case err != nil:
+		st = IOError
 	}
-	r.runCopies(job, refs, false, nil, res, start, w, slot)
+	attached, forgetCPU, forgetDisk := false, false, false
+	s.ix.Mutate(&rd.key, func(e *index.Entry, found bool) bool {
+		if !found {
+			return false
+		}
+		admitted := rd.offered && e.Flags&index.Promoting != 0
+		if rd.offered {
+			e.Flags &^= index.Promoting
+		}
+		if st == IOError || st == Corrupt {
+			if e.Disk == rd.dslot {
+				if st == IOError {
+					s.disk.Quarantine(e.Disk)
+				} else {
+					s.disk.Release(e.Disk)
+				}
+				e.Disk = index.NoSlot
+				forgetDisk = true
+			}
+			forgetCPU = admitted
+			return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+		}
+		if st == OK && admitted && e.CPU == index.NoSlot && e.State == index.Ready {
+			e.CPU = staging
+			attached = true
+		} else {
+			forgetCPU = admitted
+		}
+		return true
+	})
+	s.disk.Unpin(rd.dslot)
+	g := lj.job.Keys.Group
+	if forgetCPU {
+		r.ns.classes[g].Forget(&rd.key)
+	}
+	if forgetDisk {
+		r.ns.diskClasses[g].Forget(&rd.key)
+	}
+	if attached {
+		s.dm.promoted.Inc()
+	}
+	if st != OK && staging != index.NoSlot {
+		s.cpu.Release(staging)
+		s.cpu.Unpin(staging)
+	}
+	if st == IOError || st == Corrupt {
+		s.log.Warn("disk read failed; the block is dropped and reported failed", "status", st, "registration", r.ID, "job", lj.job.ID, "block_id", lj.job.BlockIDs[rd.i], "err", err)
+	}
+	lj.mu.Lock()
+	if st == OK {
+		lj.refs = append(lj.refs, blockRef{key: rd.key, slot: staging, i: rd.i, release: !attached})
+	} else {
+		lj.res.Failures = append(lj.res.Failures, r.failure(&lj.job, rd.i, st))
+	}
+	lj.left--
+	last := lj.left == 0
+	lj.mu.Unlock()
+	if last {
+		lj.copy()
+	}
 }
 
 // startStores claims the keys of every job, asks the policy to admit the
@@ -541,8 +729,19 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 					return false
 				}
 				e.State = index.Ready
+				if s.disk != nil && s.writeThrough {
+					s.cpu.Pin(e.CPU)
+					if s.demote(demotion{key: ref.key, cpuSlot: e.CPU, keepCPU: true}) {
+						e.Flags |= index.DiskWriting
+					} else {
+						s.cpu.Unpin(e.CPU)
+					}
+				}
 				return true
 			})
+		}
+		if ref.release {
+			s.cpu.Release(ref.slot)
 		}
 		s.cpu.Unpin(ref.slot)
 		if copyErr != nil {

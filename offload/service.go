@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,6 +21,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
@@ -47,22 +49,35 @@ var DefaultLimits = Limits{
 
 // Config wires the service to its parts.
 type Config struct {
-	CPU        cpu.Config // the service sets the callbacks
-	DMA        dma.Engine
-	Limits     Limits
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer
+	CPU cpu.Config // the service sets the callbacks
+	// Disk, when set, adds the disk tier behind the CPU tier (the service
+	// sets its callbacks, logger and registerer).
+	Disk *disk.Config
+	// WriteThrough writes every stored block to disk at once instead of
+	// when the CPU tier evicts it.
+	WriteThrough bool
+	DMA          dma.Engine
+	Limits       Limits
+	Logger       *slog.Logger
+	Registerer   prometheus.Registerer
 }
 
 // Service is the daemon's core. Its methods are safe for concurrent use.
 type Service struct {
-	log  *slog.Logger
-	lim  Limits
-	ix   *index.Index
-	cpu  *cpu.Tier
-	dma  dma.Engine
-	m    *metrics
-	c    counters
+	log *slog.Logger
+	lim Limits
+	ix  *index.Index
+	cpu *cpu.Tier
+	dma dma.Engine
+	m   *metrics
+	c   counters
+
+	disk         *disk.Tier // nil without a disk tier
+	writeThrough bool
+	dm           *diskMetrics
+	demotions    chan demotion
+	diskWrites   atomic.Int64 // demotions queued or in flight
+
 	jobs sync.WaitGroup // accepted jobs not yet finished
 	stop chan struct{}  // closed by Close: background goroutines exit
 	// closing is closed by BeginShutdown: long polls return at once.
@@ -88,7 +103,8 @@ type Namespace struct {
 	ID          uint32
 	Fingerprint []byte
 	Layout      layout.Layout
-	classes     []*slots.Class // per group
+	classes     []*slots.Class // CPU tier, per group
+	diskClasses []*slots.Class // disk tier, per group; nil without one
 	regs        int            // guarded by Service.mu
 }
 
@@ -107,6 +123,11 @@ func New(cfg Config) (*Service, error) {
 	s.mu.leases = map[uint64]*lease{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
+	if cfg.Disk != nil && !cfg.WriteThrough && cc.Reserve == 0 {
+		// Write-back: keep room for stores while evicted blocks are
+		// still on their way to disk.
+		cc.Reserve = 1.0 / 8
+	}
 	cc.Evict = s.onPolicyEvict
 	cc.Reject = s.onPolicyReject
 	cc.EvictRange = s.onEvictRange
@@ -120,6 +141,12 @@ func New(cfg Config) (*Service, error) {
 		return nil, fmt.Errorf("copy engine %s: %w", s.dma.Name(), err)
 	}
 	s.registerGauges(cfg.Registerer)
+	if cfg.Disk != nil {
+		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
+			t.Close()
+			return nil, fmt.Errorf("disk tier: %w", err)
+		}
+	}
 	s.reaper.Add(1)
 	go s.reapLeases()
 	return s, nil
@@ -149,6 +176,9 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 // CPU exposes the CPU tier (for stats and tests).
 func (s *Service) CPU() *cpu.Tier { return s.cpu }
 
+// Disk exposes the disk tier, nil without one (for stats and tests).
+func (s *Service) Disk() *disk.Tier { return s.disk }
+
 // Register maps a client's regions and joins or creates its namespace.
 func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, peer dma.Peer, name string) (*Registration, bool, error) {
 	if len(fingerprint) == 0 || len(fingerprint) > s.lim.MaxFingerprint {
@@ -159,14 +189,6 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	}
 	if len(specs) != len(l.Segments) {
 		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
-	}
-	classes := make([]*slots.Class, l.NumGroups())
-	for g := range classes {
-		c, err := s.cpu.Class(l.SlotBytes(uint32(g)))
-		if err != nil {
-			return nil, false, fmt.Errorf("%w: group %d: %v", ErrInvalid, g, err)
-		}
-		classes[g] = c
 	}
 	opened := make([]dma.Region, 0, len(specs))
 	closeAll := func() {
@@ -206,9 +228,18 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 		return nil, false, fmt.Errorf("%w: namespace %d", ErrLayoutMismatch, ns.ID)
 	}
 	if !joined {
-		ns = &Namespace{ID: uint32(len(s.mu.byID) + 1), Fingerprint: bytes.Clone(fingerprint), Layout: l, classes: classes}
-		s.mu.byID = append(s.mu.byID, ns)
-		s.mu.byPrint[string(fingerprint)] = ns
+		var err error
+		if ns, err = s.newNamespaceLocked(fingerprint, l); err != nil {
+			closeAll()
+			return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+		if err := s.saveNamespace(ns); err != nil {
+			// Blocks of it could not come back after a restart; refuse
+			// rather than cache what the disk cannot name.
+			s.dropNamespaceLocked(ns)
+			closeAll()
+			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", err)
+		}
 	}
 	ns.regs++
 	s.mu.nextReg++
@@ -234,6 +265,34 @@ func (s *Service) Resolve(fingerprints [][]byte) ([]uint32, error) {
 		}
 	}
 	return out, nil
+}
+
+// newNamespaceLocked creates a namespace with its tiers' classes.
+func (s *Service) newNamespaceLocked(fingerprint []byte, l layout.Layout) (*Namespace, error) {
+	ns := &Namespace{ID: uint32(len(s.mu.byID) + 1), Fingerprint: bytes.Clone(fingerprint), Layout: l}
+	for g := uint32(0); g < l.NumGroups(); g++ {
+		c, err := s.cpu.Class(l.SlotBytes(g))
+		if err != nil {
+			return nil, fmt.Errorf("group %d: %w", g, err)
+		}
+		ns.classes = append(ns.classes, c)
+		if s.disk != nil {
+			c, err := s.disk.Class(disk.SlotBytes(l.PayloadBytes(g)))
+			if err != nil {
+				return nil, fmt.Errorf("group %d: disk tier: %w", g, err)
+			}
+			ns.diskClasses = append(ns.diskClasses, c)
+		}
+	}
+	s.mu.byID = append(s.mu.byID, ns)
+	s.mu.byPrint[string(fingerprint)] = ns
+	return ns, nil
+}
+
+// dropNamespaceLocked undoes newNamespaceLocked for a namespace no one saw.
+func (s *Service) dropNamespaceLocked(ns *Namespace) {
+	s.mu.byID = s.mu.byID[:len(s.mu.byID)-1]
+	delete(s.mu.byPrint, string(ns.Fingerprint))
 }
 
 // Registration looks up a live registration.
@@ -371,6 +430,7 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 	ready := true
 	for i := 0; i < n && (ready || touched != nil); i++ {
 		hash := keys.Hashes[i*hb : (i+1)*hb]
+		tier := TierNone
 		for j, ns := range nss {
 			k := makeKey(ns.ID, keys.Group, hash)
 			h := index.HashKey(&k)
@@ -382,21 +442,22 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 			}
 			if ls == nil {
 				e, found := s.ix.GetHashed(&k, h)
-				ready = found && e.State == index.Ready && e.CPU != index.NoSlot
+				ready = found && e.State == index.Ready && (e.CPU != index.NoSlot || e.Disk != index.NoSlot)
+				tier = slowest(tier, j, e)
 				continue
 			}
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-				ready = found && e.State == index.Ready && e.CPU != index.NoSlot
+				ready = found && e.State == index.Ready && (e.CPU != index.NoSlot || e.Disk != index.NoSlot)
 				if ready {
-					s.cpu.Pin(e.CPU)
-					ls.slots = append(ls.slots, e.CPU)
+					tier = slowest(tier, j, *e)
+					ls.pin(s, k, e)
 				}
 				return found
 			})
 		}
 		if ready {
 			res.Ready++
-			res.Tiers = append(res.Tiers, TierCPU)
+			res.Tiers = append(res.Tiers, tier)
 		}
 	}
 	for j, ns := range nss {
@@ -412,12 +473,35 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 	if ls != nil {
 		// Pins taken for a key that turned out not ready in a later
 		// namespace are beyond the prefix; the lease releases them all.
-		if len(ls.slots) == 0 {
+		if ls.empty() {
 			return res, nil
 		}
 		res.LeaseID = s.addLease(ls, leaseFor)
 	}
 	return res, nil
+}
+
+// slowest combines where a key is in namespace j with where it is in the
+// namespaces before: the slowest tier wins (a copy only on disk must be read
+// from disk, whatever the other ranks have).
+func slowest(t Tier, j int, e index.Entry) Tier {
+	var here Tier
+	switch {
+	case e.CPU != index.NoSlot && e.Disk != index.NoSlot:
+		here = TierCPUAndDisk
+	case e.CPU != index.NoSlot:
+		here = TierCPU
+	case e.Disk != index.NoSlot:
+		here = TierDisk
+	}
+	if j == 0 {
+		return here
+	}
+	rank := func(t Tier) int { return [...]int{TierNone: 0, TierDisk: 1, TierCPU: 2, TierCPUAndDisk: 3}[t] }
+	if rank(here) < rank(t) {
+		return here
+	}
+	return t
 }
 
 // InvalidateAll drops every block of the namespaces; with keys, only those.
@@ -470,11 +554,21 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 }
 
 // dropEntryLocked lets go of an entry's slots; the caller holds the entry's
-// index lock and removes the entry.
+// index lock and removes the entry. A disk copy is also erased on disk, so
+// an invalidated block does not come back after a restart: the slot stays
+// pinned until its header is zeroed, so the zeros never land on a block
+// written there later.
 func (s *Service) dropEntryLocked(e *index.Entry) {
 	if e.CPU != index.NoSlot {
 		s.cpu.Release(e.CPU)
 		e.CPU = index.NoSlot
+	}
+	if e.Disk != index.NoSlot {
+		d := e.Disk
+		s.disk.Pin(d)
+		s.disk.Release(d)
+		s.disk.Discard(d, func() { s.disk.Unpin(d) })
+		e.Disk = index.NoSlot
 	}
 }
 
@@ -483,6 +577,9 @@ func (s *Service) forget(keys []index.Key) {
 	for i := range keys {
 		if ns := s.nsByID(keys[i].NS); ns != nil {
 			ns.classes[keys[i].Group].Forget(&keys[i])
+			if ns.diskClasses != nil {
+				ns.diskClasses[keys[i].Group].Forget(&keys[i])
+			}
 		}
 	}
 }
@@ -496,18 +593,35 @@ func (s *Service) nsByID(id uint32) *Namespace {
 	return s.mu.byID[id-1]
 }
 
-// onPolicyEvict runs on a policy goroutine for each key it evicted.
+// onPolicyEvict runs on the CPU policy's goroutine for each key it evicted.
+// Without a disk tier the block goes. With one (write-back) a ready block
+// that is not on disk yet is queued for the disk and stays readable from its
+// CPU slot until the write lands.
 func (s *Service) onPolicyEvict(k index.Key) {
 	dropped := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		if !found {
+		switch {
+		case !found:
 			return false
+		case e.CPU == index.NoSlot:
+			// A store claimed but not yet given a slot goes; its store
+			// reports the block rejected. A disk-only block stays, and
+			// a load promoting it no longer keeps it in the CPU tier.
+			e.Flags &^= index.Promoting
+			return e.State == index.Ready
+		case s.disk != nil && !s.writeThrough && e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
+			s.cpu.Pin(e.CPU)
+			if s.demote(demotion{key: k, cpuSlot: e.CPU}) {
+				e.Flags |= index.DiskWriting
+				return true
+			}
+			s.cpu.Unpin(e.CPU)
 		}
-		// A store claimed but not yet given a slot simply goes; its store
-		// reports the block as rejected.
-		dropped = e.CPU != index.NoSlot
-		s.dropEntryLocked(e)
-		return false
+		// The CPU copy goes (a disk write in flight holds its own pin).
+		s.cpu.Release(e.CPU)
+		e.CPU = index.NoSlot
+		dropped = true
+		return e.State == index.Ready && (e.Disk != index.NoSlot || e.Flags&index.DiskWriting != 0)
 	})
 	if dropped {
 		s.m.evictions.WithLabelValues("cpu", "policy").Inc()
@@ -515,11 +629,20 @@ func (s *Service) onPolicyEvict(k index.Key) {
 	}
 }
 
-// onPolicyReject runs for a key the policy declined: the store that inserted
-// it has not taken a slot yet, so the entry simply goes.
+// onPolicyReject runs for a key the CPU policy declined: a store that has
+// not taken a slot yet drops its claim; a load promoting the block from
+// disk keeps it out of the CPU tier.
 func (s *Service) onPolicyReject(k index.Key) {
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		return found && !(e.State == index.Writing && e.CPU == index.NoSlot)
+		switch {
+		case !found:
+			return false
+		case e.State == index.Writing && e.CPU == index.NoSlot:
+			return false
+		case e.Flags&index.Promoting != 0:
+			e.Flags &^= index.Promoting
+		}
+		return true
 	})
 }
 
@@ -531,11 +654,16 @@ func (s *Service) onEvictRange(lo, hi cpu.SlotID) {
 		if e.CPU == index.NoSlot || e.CPU < lo || e.CPU >= hi {
 			return true
 		}
-		s.dropEntryLocked(e)
+		s.cpu.Release(e.CPU)
+		e.CPU = index.NoSlot
 		dropped = append(dropped, *k)
-		return false
+		return e.State == index.Ready && (e.Disk != index.NoSlot || e.Flags&index.DiskWriting != 0)
 	})
-	s.forget(dropped)
+	for i := range dropped {
+		if ns := s.nsByID(dropped[i].NS); ns != nil {
+			ns.classes[dropped[i].Group].Forget(&dropped[i])
+		}
+	}
 	s.m.evictions.WithLabelValues("cpu", "rebalance").Add(float64(len(dropped)))
 	s.c.evictions.Add(uint64(len(dropped)))
 }
@@ -582,5 +710,12 @@ func (s *Service) Close() error {
 	}
 	s.m.regs.Set(0)
 	s.releaseLeases(time.Time{}, true)
-	return errors.Join(s.cpu.Close())
+	var diskErr error
+	if s.disk != nil {
+		s.dropQueuedDemotions()
+		// Drains the disk writes in flight (their callbacks touch the
+		// arena and the index), syncs and closes the files.
+		diskErr = s.disk.Close()
+	}
+	return errors.Join(diskErr, s.cpu.Close())
 }

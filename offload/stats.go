@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"fmt"
 	"sync/atomic"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -44,6 +45,10 @@ func (s *Service) Stats() Stats {
 		BlocksFailed: s.c.failed.Load(),
 		Evictions:    s.c.evictions.Load(),
 	}
+	if s.disk != nil {
+		used, blocks := s.disk.Usage()
+		st.Tiers = append(st.Tiers, TierStats{Name: "disk", CapacityBytes: s.disk.Capacity(), UsedBytes: used, Blocks: blocks})
+	}
 	perNS := map[uint32]uint64{}
 	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
 		if e.State == index.Ready {
@@ -57,4 +62,33 @@ func (s *Service) Stats() Stats {
 	}
 	s.mu.Unlock()
 	return st
+}
+
+// CheckAccounting compares the tiers' slot counts with the index, for tests
+// and debugging: with no job, lease or disk write in flight, every used slot
+// is named by exactly one index entry (or, on disk, quarantined) and no slot
+// is pinned.
+func (s *Service) CheckAccounting() error {
+	var cpuN, diskN uint64
+	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
+		if e.CPU != index.NoSlot {
+			cpuN++
+		}
+		if e.Disk != index.NoSlot {
+			diskN++
+		}
+		return true
+	})
+	_, cpuBlocks := s.cpu.Usage()
+	if cpuBlocks != cpuN || s.cpu.Pinned() != 0 {
+		return fmt.Errorf("cpu tier: %d slots used, %d named by the index, %d pinned", cpuBlocks, cpuN, s.cpu.Pinned())
+	}
+	if s.disk != nil {
+		_, diskBlocks := s.disk.Usage()
+		q := uint64(s.disk.Quarantined())
+		if diskBlocks != diskN+q || s.disk.Pinned() != 0 {
+			return fmt.Errorf("disk tier: %d slots used, %d named by the index, %d quarantined, %d pinned", diskBlocks, diskN, q, s.disk.Pinned())
+		}
+	}
+	return nil
 }

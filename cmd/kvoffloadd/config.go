@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
 )
 
 // config is every flag of the daemon, validated before anything starts.
@@ -28,6 +30,16 @@ type config struct {
 	logFormat       string
 	shutdownTimeout time.Duration
 	showVersion     bool
+
+	diskDirs       []string
+	diskBytes      uint64
+	diskChunkBytes uint64
+	diskQueueDepth int
+	diskDirect     string
+	diskReset      bool
+	writeThrough   bool
+	faultSpec      string
+	faultPlan      errorfs.Plan
 }
 
 func defaultSocket() string {
@@ -114,6 +126,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		metricsAddr:     "127.0.0.1:9464",
 		logFormat:       "text",
 		shutdownTimeout: 30 * time.Second,
+		diskBytes:       8 << 30,
+		diskQueueDepth:  8,
+		diskDirect:      "require",
 	}
 	fs := flag.NewFlagSet("kvoffloadd", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -127,6 +142,17 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
 	fs.StringVar(&c.logFormat, "log-format", c.logFormat, "log format on stderr: text or json.")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM/SIGINT, how long to let in-flight jobs and calls finish before closing connections.")
+	fs.Func("disk-dir", "directory of a disk-tier slot file; repeat to stripe across NVMe devices. Without it the daemon has no disk tier.", func(v string) error {
+		c.diskDirs = append(c.diskDirs, v)
+		return nil
+	})
+	fs.Var(byteSize{&c.diskBytes}, "disk-bytes", "size of the slot file in each --disk-dir, preallocated at start.")
+	fs.Var(byteSize{&c.diskChunkBytes}, "disk-chunk-bytes", "disk chunk size; each chunk serves one block size (0: disk-bytes/16, clamped to 4MiB..256MiB).")
+	fs.IntVar(&c.diskQueueDepth, "disk-queue-depth", c.diskQueueDepth, "I/Os in flight per slot file.")
+	fs.StringVar(&c.diskDirect, "disk-direct", c.diskDirect, "O_DIRECT for the slot files: require (refuse to start where a --disk-dir's filesystem refuses it) or fallback (use the page cache there, with a warning).")
+	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
+	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
+	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files.")
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
@@ -179,6 +205,39 @@ func (c *config) validate() error {
 	}
 	if c.shutdownTimeout <= 0 {
 		bad("--shutdown-timeout %s: want a positive duration", c.shutdownTimeout)
+	}
+	seen := map[string]bool{}
+	for _, d := range c.diskDirs {
+		if !filepath.IsAbs(d) {
+			bad("--disk-dir %q: want an absolute path", d)
+		} else if seen[filepath.Clean(d)] {
+			bad("--disk-dir %q is given twice", d)
+		} else if st, err := os.Stat(d); err != nil || !st.IsDir() {
+			bad("--disk-dir %q: not a directory", d)
+		}
+		seen[filepath.Clean(d)] = true
+	}
+	if len(c.diskDirs) > 0 && c.diskBytes < 16<<20 {
+		bad("--disk-bytes %s: want at least 16MiB", formatBytes(c.diskBytes))
+	}
+	if c.diskChunkBytes != 0 && (c.diskChunkBytes%4096 != 0 || c.diskChunkBytes > c.diskBytes) {
+		bad("--disk-chunk-bytes %s: want a multiple of 4096 no larger than --disk-bytes", formatBytes(c.diskChunkBytes))
+	}
+	if c.diskQueueDepth < 1 || c.diskQueueDepth > 256 {
+		bad("--disk-queue-depth %d: want 1..256", c.diskQueueDepth)
+	}
+	if c.diskDirect != "require" && c.diskDirect != "fallback" {
+		bad("--disk-direct %q: want require or fallback", c.diskDirect)
+	}
+	if len(c.diskDirs) == 0 && (c.diskReset || c.writeThrough || c.faultSpec != "") {
+		bad("--disk-reset, --write-through and --fault-spec need a disk tier: add --disk-dir")
+	}
+	if c.faultSpec != "" {
+		p, err := errorfs.ParsePlan(c.faultSpec)
+		if err != nil {
+			bad("--fault-spec: %v", err)
+		}
+		c.faultPlan = p
 	}
 	return errors.Join(errs...)
 }

@@ -65,11 +65,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("copy engine: %w", err)
 	}
+	diskCfg, err := diskConfig(cfg, log, reg)
+	if err != nil {
+		copier.Close()
+		return err
+	}
 	svc, err := offload.New(offload.Config{
-		CPU:        cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
-		DMA:        copier,
-		Logger:     log,
-		Registerer: reg,
+		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
+		Disk:         diskCfg,
+		WriteThrough: cfg.writeThrough,
+		DMA:          copier,
+		Logger:       log,
+		Registerer:   reg,
 	})
 	if err != nil {
 		copier.Close()
@@ -111,7 +118,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	used, _ := svc.CPU().Usage()
 	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
-		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers)
+		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
+		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough)
 
 	var runErr error
 	select {

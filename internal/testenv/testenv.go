@@ -26,6 +26,8 @@ import (
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
 
 // Options shape a test daemon.
@@ -38,6 +40,14 @@ type Options struct {
 	Wrap func(dma.Engine) dma.Engine
 	// Quiet drops logs below warnings.
 	Quiet bool
+
+	// DiskDirs, when set, adds a disk tier with a slot file per dir.
+	DiskDirs       []string
+	DiskBytes      uint64 // per dir; default 64MiB
+	DiskChunkBytes uint64 // default 4MiB
+	DiskFS         vfs.FS // e.g. an errorfs; default the OS
+	WriteThrough   bool
+	DiskReset      bool
 }
 
 // Daemon is a running core on a real unix socket.
@@ -49,10 +59,21 @@ type Daemon struct {
 	copier   dma.Engine
 	serveErr chan error
 	stopped  bool
+	faulty   bool // a fault-injecting disk: close may fail
 }
 
 // Start runs a daemon until the test ends.
 func Start(t testing.TB, o Options) *Daemon {
+	t.Helper()
+	d, err := TryStart(t, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// TryStart is Start that returns the error of a daemon refusing to start.
+func TryStart(t testing.TB, o Options) (*Daemon, error) {
 	t.Helper()
 	if o.CPUBytes == 0 {
 		o.CPUBytes = 64 << 20
@@ -67,15 +88,28 @@ func Start(t testing.TB, o Options) *Daemon {
 		copier = o.Wrap(copier)
 	}
 	reg := prometheus.NewRegistry()
+	var dc *disk.Config
+	if len(o.DiskDirs) > 0 {
+		dc = &disk.Config{Dirs: o.DiskDirs, BytesPerDir: o.DiskBytes, ChunkBytes: o.DiskChunkBytes, FS: o.DiskFS, Direct: true, Reset: o.DiskReset}
+		if dc.BytesPerDir == 0 {
+			dc.BytesPerDir = 64 << 20
+		}
+		if dc.ChunkBytes == 0 {
+			dc.ChunkBytes = 4 << 20
+		}
+	}
 	svc, err := offload.New(offload.Config{
-		CPU:        cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
-		DMA:        copier,
-		Limits:     o.Limits,
-		Logger:     log,
-		Registerer: reg,
+		CPU:          cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
+		Disk:         dc,
+		WriteThrough: o.WriteThrough,
+		DMA:          copier,
+		Limits:       o.Limits,
+		Logger:       log,
+		Registerer:   reg,
 	})
 	if err != nil {
-		t.Fatal(err)
+		copier.Close()
+		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "kvo")
 	if err != nil {
@@ -86,13 +120,13 @@ func Start(t testing.TB, o Options) *Daemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &Daemon{Socket: sock, Svc: svc, Srv: server.New(svc, log), Registry: reg, copier: copier, serveErr: make(chan error, 1)}
+	d := &Daemon{Socket: sock, Svc: svc, Srv: server.New(svc, log), Registry: reg, copier: copier, serveErr: make(chan error, 1), faulty: o.DiskFS != nil}
 	go func() { d.serveErr <- d.Srv.GRPC().Serve(lis) }()
 	t.Cleanup(func() {
 		d.Stop(t)
 		os.RemoveAll(dir)
 	})
-	return d
+	return d, nil
 }
 
 // Stop shuts the daemon down the way SIGTERM does.
@@ -110,7 +144,11 @@ func (d *Daemon) Stop(t testing.TB) {
 	}
 	d.Srv.Stop(10 * time.Second)
 	if err := d.Svc.Close(); err != nil {
-		t.Errorf("close service: %v", err)
+		if d.faulty {
+			t.Logf("close service on a faulty disk: %v", err)
+		} else {
+			t.Errorf("close service: %v", err)
+		}
 	}
 	if err := d.copier.Close(); err != nil {
 		t.Errorf("close copy engine: %v", err)

@@ -181,9 +181,13 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 		// hot set away.
 		NumCounters: max(10*maxSlots, 1<<14),
 		MaxCost:     1,
-		// Accesses reach the sketch in batches of this many; a smaller
-		// batch loses less when the runtime drops a pooled buffer.
-		BufferItems:        16,
+		// ristretto gathers accesses in pooled buffers of this many
+		// before they reach its sketch; the toucher pads each batch to
+		// whole buffers (see record) so a block looked up just before
+		// its store does not look colder than the blocks looked up
+		// before it. The frequency stays an estimate: ristretto drops a
+		// buffer when its policy goroutine lags.
+		BufferItems:        touchBuffer,
 		IgnoreInternalCost: true,
 		OnEvict: func(it *ristretto.Item[index.Key]) {
 			if t.cfg.Evict != nil {
@@ -229,16 +233,45 @@ type touchBatch struct {
 	hs []uint64
 }
 
+// touchBuffer is ristretto's BufferItems for every class.
+const touchBuffer = 16
+
+// touchPad is the policy key the toucher pads batches with. It is never a
+// block's (a block key hashing to it only shares a frequency counter).
+const touchPad = 0x9e3779b97f4a7c15
+
 // toucher feeds accesses to the policies until the space closes.
 func (t *Space) toucher() {
 	defer t.wg.Done()
 	for {
 		select {
 		case b := <-t.touches:
-			for _, h := range b.hs {
-				b.c.policy.Get(h)
-			}
+			b.record()
 		case <-t.stop:
+			return
+		}
+	}
+}
+
+// record hands a batch's accesses to the class's policy, padded to a whole
+// number of ristretto's buffers so the last ones are not left waiting in a
+// half-full buffer (they would miss the next admission decision).
+func (b touchBatch) record() {
+	for _, h := range b.hs {
+		b.c.policy.Get(h)
+	}
+	for i := len(b.hs) % touchBuffer; i != 0 && i < touchBuffer; i++ {
+		b.c.policy.Get(touchPad)
+	}
+}
+
+// drainTouches records the queued accesses on the caller's goroutine.
+func (t *Space) drainTouches() {
+	for {
+		select {
+		case b := <-t.touches:
+			b.record()
+		default:
 			return
 		}
 	}
@@ -254,6 +287,9 @@ func (c *Class) Admit(keys []index.Key) {
 	if len(keys) == 0 {
 		return
 	}
+	// Accesses still queued count before the admission decision: a
+	// block looked up just before its store must not look colder than it is.
+	c.t.drainTouches()
 	c.grow(len(keys))
 	for i := range keys {
 		if !c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1) && c.t.cfg.Reject != nil {

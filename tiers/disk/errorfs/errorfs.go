@@ -19,9 +19,11 @@
 // # Counted operations
 //
 // OpenFile, ReadAt, WriteAt, Sync, Preallocate (including the one OpenFile
-// does for a size) and Remove on matching paths are counted, in call
-// order across the FS, for FailAtIndex and Ops. Stat, MkdirAll, Name and
-// Close pass through uncounted and never fail by injection.
+// does for a size), Remove, Rename (matched on its old path) and SyncDir on
+// matching paths are counted, in call order across the FS, for FailAtIndex
+// and Ops; Remove, Rename and SyncDir fail only there, not by rate. Stat,
+// MkdirAll, Name and Close pass through uncounted and never fail by
+// injection.
 package errorfs
 
 import (
@@ -43,8 +45,8 @@ import (
 // Op is a counted filesystem operation.
 type Op uint8
 
-// The counted operations: OpenFile, ReadAt, WriteAt, Sync, Preallocate and
-// Remove.
+// The counted operations: OpenFile, ReadAt, WriteAt, Sync, Preallocate,
+// Remove, Rename and SyncDir.
 const (
 	OpOpen Op = iota
 	OpRead
@@ -52,9 +54,11 @@ const (
 	OpSync
 	OpPreallocate
 	OpRemove
+	OpRename
+	OpSyncDir
 )
 
-var opNames = [...]string{"open", "read", "write", "sync", "preallocate", "remove"}
+var opNames = [...]string{"open", "read", "write", "sync", "preallocate", "remove", "rename", "syncdir"}
 
 // String is the operation's name in events and error messages.
 func (o Op) String() string {
@@ -97,6 +101,7 @@ type FS struct {
 	opts   Options
 	ops    atomic.Int64
 	failAt atomic.Int64
+	paused atomic.Bool
 	counts [numKinds]atomic.Uint64
 
 	mu struct {
@@ -132,6 +137,23 @@ func New(inner vfs.FS, opts Options) (*FS, error) {
 // transfers nothing. n < 0 turns it off. A sweep runs a workload once to
 // learn Ops, then once for each n below it on a fresh FS.
 func (fs *FS) FailAtIndex(n int64) { fs.failAt.Store(n) }
+
+var noFaults Plan
+
+// Pause stops the plan's faults until Resume (FailAtIndex still applies),
+// so a test can let a daemon recover its files before the disk starts
+// failing.
+func (fs *FS) Pause() { fs.paused.Store(true) }
+
+// Resume undoes Pause.
+func (fs *FS) Resume() { fs.paused.Store(false) }
+
+func (fs *FS) plan() *Plan {
+	if fs.paused.Load() {
+		return &noFaults
+	}
+	return &fs.opts.Plan
+}
 
 // Ops returns how many operations have been counted so far.
 func (fs *FS) Ops() int64 { return fs.ops.Load() }
@@ -214,7 +236,7 @@ func (d draw) prefix(k Kind, n int) int {
 }
 
 func (fs *FS) delay(d draw, op Op, path string, off int64) {
-	p := &fs.opts.Plan
+	p := fs.plan()
 	if p.Latency <= 0 || !d.hit(Latency, p.LatencyRate) {
 		return
 	}
@@ -257,6 +279,27 @@ func (fs *FS) Remove(path string) error {
 	return fs.inner.Remove(path)
 }
 
+// Rename renames oldpath; it is counted and fails at its index, and
+// then renames nothing.
+func (fs *FS) Rename(oldpath, newpath string) error {
+	if fs.matches(oldpath) {
+		if err := fs.count(OpRename, oldpath, 0); err != nil {
+			return err
+		}
+	}
+	return fs.inner.Rename(oldpath, newpath)
+}
+
+// SyncDir syncs dir; it is counted and fails at its index.
+func (fs *FS) SyncDir(dir string) error {
+	if fs.matches(dir) {
+		if err := fs.count(OpSyncDir, dir, 0); err != nil {
+			return err
+		}
+	}
+	return fs.inner.SyncDir(dir)
+}
+
 // Stat passes through.
 func (fs *FS) Stat(path string) (os.FileInfo, error) { return fs.inner.Stat(path) }
 
@@ -271,7 +314,7 @@ type file struct {
 }
 
 func (f *file) ReadAt(p []byte, off int64) (int, error) {
-	fs, plan := f.fs, &f.fs.opts.Plan
+	fs, plan := f.fs, f.fs.plan()
 	if err := fs.count(OpRead, f.path, off); err != nil {
 		return 0, err
 	}
@@ -299,7 +342,7 @@ func (f *file) ReadAt(p []byte, off int64) (int, error) {
 }
 
 func (f *file) WriteAt(p []byte, off int64) (int, error) {
-	fs, plan := f.fs, &f.fs.opts.Plan
+	fs, plan := f.fs, f.fs.plan()
 	if err := fs.count(OpWrite, f.path, off); err != nil {
 		return 0, err
 	}
@@ -329,7 +372,7 @@ func (f *file) Preallocate(size int64) error {
 	}
 	d := f.stream.next()
 	f.fs.delay(d, OpPreallocate, f.path, 0)
-	if d.hit(ENOSPC, f.fs.opts.Plan.ENOSPC) {
+	if d.hit(ENOSPC, f.fs.plan().ENOSPC) {
 		return f.fs.inject(ENOSPC, OpPreallocate, f.path, 0, syscall.ENOSPC)
 	}
 	return f.inner.Preallocate(size)
@@ -341,7 +384,7 @@ func (f *file) Sync() error {
 	}
 	d := f.stream.next()
 	f.fs.delay(d, OpSync, f.path, 0)
-	if d.hit(WriteEIO, f.fs.opts.Plan.WriteEIO) {
+	if d.hit(WriteEIO, f.fs.plan().WriteEIO) {
 		return f.fs.inject(WriteEIO, OpSync, f.path, 0, syscall.EIO)
 	}
 	return f.inner.Sync()

@@ -409,12 +409,18 @@ func sweepWorkload(fs vfs.FS) error {
 	if err := f.Sync(); err != nil {
 		return err
 	}
+	if err := fs.Rename("/d/slots", "/d/slots.renamed"); err != nil {
+		return err
+	}
+	if err := fs.SyncDir("/d"); err != nil {
+		return err
+	}
 	for i := range 5 {
 		if _, err := f.ReadAt(buf, int64(i)*vfs.Alignment); err != nil {
 			return err
 		}
 	}
-	return fs.Remove("/d/slots")
+	return fs.Remove("/d/slots.renamed")
 }
 
 func TestFailAtIndexSweep(t *testing.T) {
@@ -423,14 +429,15 @@ func TestFailAtIndexSweep(t *testing.T) {
 		t.Fatal(err)
 	}
 	total := clean.Ops()
-	// open, preallocate, 5 writes, sync, 5 reads, remove
-	if total != 14 {
-		t.Fatalf("workload counted %d operations, want 14", total)
+	// open, preallocate, 5 writes, sync, rename, syncdir, 5 reads, remove
+	if total != 16 {
+		t.Fatalf("workload counted %d operations, want 16", total)
 	}
 	ops := map[errorfs.Op]bool{}
 	for n := int64(0); n <= total; n++ {
 		var events []errorfs.Event
-		fs := newFS(t, newMem(t, "/d"), errorfs.Options{OnInject: func(e errorfs.Event) { events = append(events, e) }})
+		inner := newMem(t, "/d")
+		fs := newFS(t, inner, errorfs.Options{OnInject: func(e errorfs.Event) { events = append(events, e) }})
 		fs.FailAtIndex(n)
 		err := sweepWorkload(fs)
 		if n == total {
@@ -446,8 +453,13 @@ func TestFailAtIndexSweep(t *testing.T) {
 			t.Errorf("index %d: failed after %d operations with %d events", n, fs.Ops(), len(events))
 		}
 		ops[events[0].Op] = true
+		if events[0].Op == errorfs.OpRename {
+			if _, err := inner.Stat("/d/slots"); err != nil {
+				t.Errorf("a failed rename moved the file: %v", err)
+			}
+		}
 	}
-	for _, op := range []errorfs.Op{errorfs.OpOpen, errorfs.OpPreallocate, errorfs.OpWrite, errorfs.OpSync, errorfs.OpRead, errorfs.OpRemove} {
+	for _, op := range []errorfs.Op{errorfs.OpOpen, errorfs.OpPreallocate, errorfs.OpWrite, errorfs.OpSync, errorfs.OpRename, errorfs.OpSyncDir, errorfs.OpRead, errorfs.OpRemove} {
 		if !ops[op] {
 			t.Errorf("the sweep never failed a %s", op)
 		}

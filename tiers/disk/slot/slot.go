@@ -1,7 +1,7 @@
 // Package slot owns the on-disk format of one disk-tier slot: a
 // HeaderSize-byte header block followed by the payload, the whole slot a
-// multiple of 4096 bytes so it is written and read with O_DIRECT in one
-// call. The header names the block (namespace digest, group, key hash),
+// multiple of 4096 bytes so it is written and read with O_DIRECT. The
+// header names the block (namespace digest, group, key hash),
 // the write (epoch, sequence number) and the slot it belongs to, and
 // checksums itself (crc32c) and the payload (xxh3-64), so a reader can
 // tell a good slot from an empty, torn, stale, misplaced or corrupted one.
@@ -12,10 +12,12 @@
 //	h := slot.Header{Namespace: ns, Group: g, Seq: seq, Epoch: epoch, Slot: i}
 //	err := h.SetHash(keyHash)
 //	h.SetPayload(payload) // or PayloadLen and PayloadSum from a checksum already recorded
-//	slot.Encode(h, block[:slot.HeaderSize])
-//	// payload lies at block[slot.HeaderSize:]; write block at i*slot.Size(maxPayload)
+//	slot.Encode(h, hdr) // hdr: HeaderSize bytes
+//	// write the payload at the slot's offset + HeaderSize, then hdr at the offset
 //
-// Reading it back for a load: Check(block, Expect{...}). At recovery:
+// Reading it back for a load: Decode the header, compare it with what is
+// expected, VerifyPayload; or Check(block, Expect{...}) when header and
+// payload were read into one buffer. At recovery:
 // Decode each header, VerifyPayload, and keep per key the copy for which
 // Newer holds.
 package slot
@@ -95,7 +97,8 @@ type Header struct {
 	// Seq is the write's sequence number, increasing with every slot
 	// write of an epoch.
 	Seq uint64
-	// Slot is the index of the slot in its file, so a header read from
+	// Slot is the position of the slot (package disk: its offset in the
+	// tier's space in 4096-byte units), so a header read from
 	// another slot is recognised as misplaced.
 	Slot uint64
 }

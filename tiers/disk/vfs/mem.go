@@ -131,6 +131,35 @@ func (m *memFS) MkdirAll(dir string, perm os.FileMode) error {
 	return nil
 }
 
+func (m *memFS) Rename(oldpath, newpath string) error {
+	oldpath, newpath = filepath.Clean(oldpath), filepath.Clean(newpath)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n, ok := m.mu.files[oldpath]
+	if !ok {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: fs.ErrNotExist}
+	}
+	if m.mu.dirs[newpath] {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: syscall.EISDIR}
+	}
+	if !m.mu.dirs[filepath.Dir(newpath)] {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: fs.ErrNotExist}
+	}
+	delete(m.mu.files, oldpath)
+	m.mu.files[newpath] = n
+	return nil
+}
+
+func (m *memFS) SyncDir(dir string) error {
+	dir = filepath.Clean(dir)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.mu.dirs[dir] {
+		return &os.PathError{Op: "sync", Path: dir, Err: fs.ErrNotExist}
+	}
+	return nil
+}
+
 type memFile struct {
 	node   *memNode
 	name   string

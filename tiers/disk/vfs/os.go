@@ -39,6 +39,15 @@ func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
 func (osFS) Remove(path string) error                    { return os.Remove(path) }
 func (osFS) Stat(path string) (os.FileInfo, error)       { return os.Stat(path) }
 func (osFS) MkdirAll(dir string, perm os.FileMode) error { return os.MkdirAll(dir, perm) }
+func (osFS) Rename(oldpath, newpath string) error        { return os.Rename(oldpath, newpath) }
+
+func (osFS) SyncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	return errors.Join(d.Sync(), d.Close())
+}
 
 type osFile struct {
 	f      *os.File

@@ -57,6 +57,14 @@ type FS interface {
 	Stat(path string) (os.FileInfo, error)
 	// MkdirAll creates dir and any missing parents.
 	MkdirAll(dir string, perm os.FileMode) error
+	// Rename replaces newpath with oldpath atomically: a reader sees the
+	// old file or the new one, never a mix. Both are in the same
+	// directory. The change is durable only after SyncDir of it.
+	Rename(oldpath, newpath string) error
+	// SyncDir flushes dir's entries (creations, renames, removals) to
+	// stable storage. Writing a small file durably is: write a temporary
+	// file, Sync it, Rename it over the target, SyncDir the directory.
+	SyncDir(dir string) error
 }
 
 // File is an open file. ReadAt and WriteAt are safe for concurrent use on

@@ -347,3 +347,47 @@ func TestAlignedBuffer(t *testing.T) {
 		t.Error("AlignedBuffer(0) succeeded")
 	}
 }
+
+func TestRenameSyncDir(t *testing.T) {
+	for _, be := range backends(t) {
+		t.Run("fs="+be.name, func(t *testing.T) {
+			write := func(path, s string) {
+				f, err := be.fs.OpenFile(path, 0, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				if _, err := f.WriteAt([]byte(s), 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dst, tmp := filepath.Join(be.dir, "catalog"), filepath.Join(be.dir, "catalog.tmp")
+			write(dst, "old")
+			write(tmp, "new")
+			if err := be.fs.Rename(tmp, dst); err != nil {
+				t.Fatal(err)
+			}
+			if err := be.fs.SyncDir(be.dir); err != nil {
+				t.Errorf("SyncDir: %v", err)
+			}
+			if _, err := be.fs.Stat(tmp); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("Stat of the renamed file: %v, want fs.ErrNotExist", err)
+			}
+			f, err := be.fs.OpenFile(dst, 0, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, 3)
+			if _, err := f.ReadAt(got, 0); err != nil || string(got) != "new" {
+				t.Errorf("after Rename: %q, %v; want the new contents", got, err)
+			}
+			f.Close()
+			if err := be.fs.Rename(tmp, dst); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("Rename of a missing file: %v, want fs.ErrNotExist", err)
+			}
+			if err := be.fs.SyncDir(filepath.Join(be.dir, "missing")); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("SyncDir of a missing directory: %v, want fs.ErrNotExist", err)
+			}
+		})
+	}
+}

@@ -1,0 +1,66 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
+)
+
+// diskConfig turns the disk flags into the disk tier's configuration: it
+// probes O_DIRECT in every directory and installs the fault plan, loudly.
+// nil when there is no --disk-dir.
+func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (*disk.Config, error) {
+	if len(cfg.diskDirs) == 0 {
+		return nil, nil
+	}
+	direct := true
+	for _, d := range cfg.diskDirs {
+		err := vfs.ProbeDirect(d)
+		switch {
+		case err == nil:
+		case errors.Is(err, vfs.ErrDirectUnsupported) && cfg.diskDirect == "fallback":
+			log.Warn("the filesystem of a --disk-dir refuses O_DIRECT; the disk tier goes through the page cache (--disk-direct=fallback)", "dir", d, "err", err)
+			direct = false
+		case errors.Is(err, vfs.ErrDirectUnsupported):
+			return nil, fmt.Errorf("--disk-dir %s: %w (use a filesystem that takes O_DIRECT, or --disk-direct=fallback)", d, err)
+		default:
+			return nil, fmt.Errorf("--disk-dir %s: %w", d, err)
+		}
+	}
+	dc := &disk.Config{
+		Dirs:        cfg.diskDirs,
+		BytesPerDir: cfg.diskBytes,
+		ChunkBytes:  cfg.diskChunkBytes,
+		Direct:      direct,
+		Reset:       cfg.diskReset,
+		QueueDepth:  cfg.diskQueueDepth,
+	}
+	if cfg.faultSpec != "" {
+		injected := prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvoffload_faults_injected_total", Help: "Disk faults injected by --fault-spec, by kind.",
+		}, []string{"kind"})
+		reg.MustRegister(injected)
+		fs, err := errorfs.New(vfs.Default, errorfs.Options{
+			Plan:     cfg.faultPlan,
+			Match:    func(path string) bool { return strings.HasSuffix(path, ".slots") },
+			OnInject: func(ev errorfs.Event) { injected.WithLabelValues(ev.Kind.String()).Inc() },
+		})
+		if err != nil {
+			return nil, fmt.Errorf("--fault-spec: %w", err)
+		}
+		dc.FS = fs
+		log.Warn("FAULT INJECTION ENABLED: the disk tier's slot files will fail on purpose; never run this in production",
+			"plan", cfg.faultPlan.String())
+	}
+	if cfg.diskReset {
+		log.Warn("--disk-reset: the disk tier starts empty; what its files held is discarded")
+	}
+	return dc, nil
+}

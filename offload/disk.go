@@ -1,0 +1,422 @@
+package offload
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/layout"
+	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
+)
+
+// The disk tier behind the CPU tier. Write-back (the default): a block the
+// CPU tier's policy evicts is written to disk first and its CPU slot freed
+// when the write has landed; until then the CPU copy stays readable.
+// Write-through: every stored block is also written to disk at once. A load
+// of a block only on disk reads it into a CPU slot, verified, and keeps it
+// there if the CPU tier's policy admits it.
+
+// demotion is one block on its way from a CPU slot to the disk.
+type demotion struct {
+	key     index.Key
+	cpuSlot cpu.SlotID
+	keepCPU bool // write-through: the CPU copy stays
+}
+
+const demotionQueue = 4096
+
+type diskMetrics struct {
+	demotions *prometheus.CounterVec // result=written|rejected|no_space|failed|dropped
+	promoted  prometheus.Counter
+	recovered prometheus.Counter
+}
+
+func newDiskMetrics(reg prometheus.Registerer) *diskMetrics {
+	m := &diskMetrics{
+		demotions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvoffload_disk_demotions_total",
+			Help: "Blocks sent from the CPU tier to the disk tier, by result: written, rejected (the disk policy kept hotter blocks), no_space, failed (write error), dropped (queue full).",
+		}, []string{"result"}),
+		promoted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvoffload_disk_promotions_total", Help: "Blocks read from disk by a load and kept in the CPU tier.",
+		}),
+		recovered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvoffload_recovered_blocks_total", Help: "Blocks recovered from the disk tier's files at start and put back in the index.",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.demotions, m.promoted, m.recovered)
+	}
+	return m
+}
+
+// namespaceMeta is what the disk tier's catalog keeps of a namespace, so a
+// restarted daemon can bring its blocks back.
+type namespaceMeta struct {
+	Fingerprint []byte      `json:"fingerprint"`
+	HashBytes   int         `json:"hash_bytes"`
+	Segments    [][2]uint64 `json:"segments"` // (group, bytes)
+}
+
+func digestOf(fingerprint []byte) [32]byte { return sha256.Sum256(fingerprint) }
+
+func encodeMeta(ns *Namespace) []byte {
+	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes}
+	for _, sg := range ns.Layout.Segments {
+		m.Segments = append(m.Segments, [2]uint64{uint64(sg.Group), sg.Bytes})
+	}
+	b, _ := json.Marshal(m)
+	return b
+}
+
+func decodeMeta(b []byte) ([]byte, layout.Layout, error) {
+	var m namespaceMeta
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, layout.Layout{}, err
+	}
+	l := layout.Layout{HashBytes: m.HashBytes}
+	for _, sg := range m.Segments {
+		if sg[0] >= layout.MaxGroups {
+			return nil, layout.Layout{}, fmt.Errorf("group %d", sg[0])
+		}
+		l.Segments = append(l.Segments, layout.Segment{Group: uint32(sg[0]), Bytes: sg[1]})
+	}
+	if err := l.Validate(); err != nil {
+		return nil, layout.Layout{}, err
+	}
+	if len(m.Fingerprint) == 0 {
+		return nil, layout.Layout{}, errors.New("empty fingerprint")
+	}
+	return m.Fingerprint, l, nil
+}
+
+// openDisk opens the disk tier, brings back the namespaces of its catalog
+// and the blocks of its files, and starts the demoter.
+func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Registerer) error {
+	cfg.Logger = s.log
+	cfg.Registerer = reg
+	cfg.Evict = s.onDiskEvict
+	cfg.Reject = s.onDiskReject
+	cfg.EvictRange = s.onDiskEvictRange
+	t, err := disk.Open(cfg)
+	if err != nil {
+		return err
+	}
+	s.disk = t
+	s.writeThrough = writeThrough
+	s.dm = newDiskMetrics(reg)
+	s.demotions = make(chan demotion, demotionQueue)
+
+	catalog := t.Namespaces()
+	digests := make([][32]byte, 0, len(catalog))
+	for d := range catalog {
+		digests = append(digests, d)
+	}
+	sort.Slice(digests, func(i, j int) bool { return string(digests[i][:]) < string(digests[j][:]) })
+	byDigest := map[[32]byte]*Namespace{}
+	for _, d := range digests {
+		fp, l, err := decodeMeta(catalog[d])
+		if err != nil || digestOf(fp) != d {
+			s.log.Error("disk tier: a namespace in the catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
+			continue
+		}
+		ns, err := s.newNamespaceLocked(fp, l)
+		if err != nil {
+			s.log.Error("disk tier: a namespace in the catalog does not fit this daemon; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
+			continue
+		}
+		byDigest[d] = ns
+	}
+	start := time.Now()
+	n := 0
+	err = t.Recover(func(r disk.Recovered) (index.Key, bool) {
+		ns := byDigest[r.NS]
+		if ns == nil || r.Group >= ns.Layout.NumGroups() || r.HashLen != ns.Layout.HashBytes || r.PayloadLen != ns.Layout.PayloadBytes(r.Group) {
+			return index.Key{}, false
+		}
+		k := makeKey(ns.ID, r.Group, r.Hash[:r.HashLen])
+		ok := false
+		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+			if found {
+				return true
+			}
+			e.State, e.Disk, ok = index.Ready, r.Slot, true
+			return true
+		})
+		if ok {
+			n++
+		}
+		return k, ok
+	})
+	if err != nil {
+		return fmt.Errorf("disk tier recovery: %w", err)
+	}
+	s.dm.recovered.Add(float64(n))
+	s.log.Info("disk tier: index rebuilt from the slot files", "blocks", n, "namespaces", len(byDigest), "took", time.Since(start).Round(time.Millisecond))
+	s.reaper.Add(1)
+	go s.demoter()
+	return nil
+}
+
+// saveNamespace records a new namespace in the disk tier's catalog.
+func (s *Service) saveNamespace(ns *Namespace) error {
+	if s.disk == nil {
+		return nil
+	}
+	return s.disk.SaveNamespace(digestOf(ns.Fingerprint), encodeMeta(ns))
+}
+
+func (s *Service) diskMeta(k *index.Key) disk.Meta {
+	ns := s.nsByID(k.NS)
+	return disk.Meta{
+		NS:         digestOf(ns.Fingerprint),
+		Group:      k.Group,
+		Hash:       k.Hash[:ns.Layout.HashBytes],
+		PayloadLen: ns.Layout.PayloadBytes(k.Group),
+	}
+}
+
+// demote queues a block's CPU copy for the disk. The caller holds the
+// entry's index lock, has set DiskWriting and pinned the CPU slot. It
+// reports false when the queue is full (the caller undoes both).
+func (s *Service) demote(d demotion) bool {
+	select {
+	case s.demotions <- d:
+		s.diskWrites.Add(1)
+		return true
+	default:
+		s.dm.demotions.WithLabelValues("dropped").Inc()
+		return false
+	}
+}
+
+// demoter writes queued blocks to disk in batches until the service stops.
+func (s *Service) demoter() {
+	defer s.reaper.Done()
+	batch := make([]demotion, 0, 256)
+	for {
+		select {
+		case d := <-s.demotions:
+			batch = append(batch[:0], d)
+		case <-s.stop:
+			return
+		}
+	fill:
+		for len(batch) < cap(batch) {
+			select {
+			case d := <-s.demotions:
+				batch = append(batch, d)
+			default:
+				break fill
+			}
+		}
+		s.writeDemotions(batch)
+	}
+}
+
+func (s *Service) writeDemotions(batch []demotion) {
+	byClass := map[*slots.Class][]index.Key{}
+	for _, d := range batch {
+		if ns := s.nsByID(d.key.NS); ns != nil {
+			c := ns.diskClasses[d.key.Group]
+			byClass[c] = append(byClass[c], d.key)
+		}
+	}
+	for c, keys := range byClass {
+		c.Admit(keys)
+	}
+	for _, d := range batch {
+		ns := s.nsByID(d.key.NS)
+		c := ns.diskClasses[d.key.Group]
+		dslot := index.NoSlot
+		result := ""
+		s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
+			if !found {
+				result = "rejected"
+				return false
+			}
+			if e.Flags&index.DiskWriting == 0 {
+				result = "rejected" // the disk policy declined it
+			} else if sl, ok := c.Alloc(); ok {
+				dslot = sl
+				return true
+			} else {
+				result = "no_space"
+				e.Flags &^= index.DiskWriting
+			}
+			s.dropCPUCopyLocked(e, d)
+			return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+		})
+		if dslot == index.NoSlot {
+			if result == "no_space" {
+				c.Forget(&d.key)
+			}
+			s.dm.demotions.WithLabelValues(result).Inc()
+			s.cpu.Unpin(d.cpuSlot)
+			s.diskWrites.Add(-1)
+			continue
+		}
+		m := s.diskMeta(&d.key)
+		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
+		d := d
+		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
+	}
+}
+
+// dropCPUCopyLocked lets go of the CPU copy a write-back demotion was for:
+// the CPU tier's policy already evicted it.
+func (s *Service) dropCPUCopyLocked(e *index.Entry, d demotion) {
+	if !d.keepCPU && e.CPU == d.cpuSlot {
+		s.cpu.Release(e.CPU)
+		e.CPU = index.NoSlot
+	}
+}
+
+func (s *Service) demotionDone(d demotion, c *slots.Class, dslot slots.SlotID, err error) {
+	forget := false
+	s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
+		switch {
+		case !found || e.Flags&index.DiskWriting == 0:
+			// Invalidated while written: the slot was never attached.
+			s.releaseDiskSlotLocked(dslot, err)
+			forget = true
+			if !found {
+				return false
+			}
+		case err != nil:
+			s.releaseDiskSlotLocked(dslot, err)
+			forget = true
+		case e.Flags&index.DiskEvicted != 0:
+			s.disk.Release(dslot)
+		default:
+			e.Disk = dslot
+		}
+		e.Flags &^= index.DiskWriting | index.DiskEvicted
+		s.dropCPUCopyLocked(e, d)
+		return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+	})
+	s.disk.Unpin(dslot) // the writer's pin, from Alloc
+	s.cpu.Unpin(d.cpuSlot)
+	s.diskWrites.Add(-1)
+	if forget {
+		c.Forget(&d.key)
+	}
+	switch {
+	case err != nil:
+		s.dm.demotions.WithLabelValues("failed").Inc()
+		s.log.Warn("disk write failed; the block's disk copy is dropped", "slot", dslot, "kept_in_cpu", d.keepCPU, "err", err)
+	default:
+		s.dm.demotions.WithLabelValues("written").Inc()
+	}
+}
+
+// releaseDiskSlotLocked frees a disk slot after a failure: quarantined if
+// the disk returned an I/O error, free otherwise.
+func (s *Service) releaseDiskSlotLocked(dslot slots.SlotID, err error) {
+	if err != nil && errors.Is(err, disk.ErrIO) {
+		s.disk.Quarantine(dslot)
+		return
+	}
+	s.disk.Release(dslot)
+}
+
+// onDiskEvict runs on the disk policy's goroutine for each key it evicted.
+func (s *Service) onDiskEvict(k index.Key) {
+	dropped := false
+	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+		if !found {
+			return false
+		}
+		if e.Disk == index.NoSlot {
+			if e.Flags&index.DiskWriting != 0 {
+				e.Flags |= index.DiskEvicted
+			}
+			return true
+		}
+		s.disk.Release(e.Disk)
+		e.Disk = index.NoSlot
+		dropped = true
+		return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+	})
+	if dropped {
+		s.m.evictions.WithLabelValues("disk", "policy").Inc()
+		s.c.evictions.Add(1)
+	}
+}
+
+// onDiskReject runs for a key the disk policy declined: its demotion or
+// write-through stops before taking a slot.
+func (s *Service) onDiskReject(k index.Key) {
+	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+		if found && e.Disk == index.NoSlot {
+			e.Flags &^= index.DiskWriting
+		}
+		return found
+	})
+}
+
+// onDiskEvictRange drops the disk copies in a chunk the disk tier is moving
+// to another slot size.
+func (s *Service) onDiskEvictRange(lo, hi slots.SlotID) {
+	var dropped []index.Key
+	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
+		if e.Disk == index.NoSlot || e.Disk < lo || e.Disk >= hi {
+			return true
+		}
+		s.disk.Release(e.Disk)
+		e.Disk = index.NoSlot
+		dropped = append(dropped, *k)
+		return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+	})
+	for i := range dropped {
+		if ns := s.nsByID(dropped[i].NS); ns != nil {
+			ns.diskClasses[dropped[i].Group].Forget(&dropped[i])
+		}
+	}
+	s.m.evictions.WithLabelValues("disk", "rebalance").Add(float64(len(dropped)))
+}
+
+// dropQueuedDemotions undoes demotions still queued when the service stops:
+// the CPU tier is about to go, so write-back copies are simply dropped.
+func (s *Service) dropQueuedDemotions() {
+	for {
+		select {
+		case d := <-s.demotions:
+			s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
+				if !found {
+					return false
+				}
+				e.Flags &^= index.DiskWriting | index.DiskEvicted
+				s.dropCPUCopyLocked(e, d)
+				return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+			})
+			s.cpu.Unpin(d.cpuSlot)
+			s.diskWrites.Add(-1)
+		default:
+			return
+		}
+	}
+}
+
+// FlushDisk waits until every block queued for the disk tier has been
+// written (or failed), or ctx ends. Tests and benchmarks use it to know
+// what the disk holds.
+func (s *Service) FlushDisk(ctx context.Context) error {
+	for s.diskWrites.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return nil
+}
