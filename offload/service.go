@@ -123,9 +123,10 @@ func New(cfg Config) (*Service, error) {
 	s.mu.leases = map[uint64]*lease{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
-	if cfg.Disk != nil && !cfg.WriteThrough && cc.Reserve == 0 {
-		// Write-back: keep room for stores while evicted blocks are
-		// still on their way to disk.
+	if cfg.Disk != nil && cc.Reserve == 0 {
+		// Keep slots the policy never fills: stores land there while
+		// evicted blocks are still on their way to disk (write-back),
+		// and loads stage blocks read from disk there.
 		cc.Reserve = 1.0 / 8
 	}
 	cc.Evict = s.onPolicyEvict
