@@ -16,9 +16,14 @@ import (
 // diskConfig turns the disk flags into the disk tier's configuration: it
 // probes O_DIRECT in every directory and installs the fault plan, loudly.
 // nil when there is no --disk-dir.
-func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (*disk.Config, error) {
+//
+// The fault plan is paused while the daemon recovers its files; the
+// returned start turns it on once recovery is over (the plan is for
+// runtime faults, not for losing the cache at start).
+func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dc *disk.Config, start func(), err error) {
+	start = func() {}
 	if len(cfg.diskDirs) == 0 {
-		return nil, nil
+		return nil, start, nil
 	}
 	direct := true
 	for _, d := range cfg.diskDirs {
@@ -29,12 +34,12 @@ func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (*disk
 			log.Warn("the filesystem of a --disk-dir refuses O_DIRECT; the disk tier goes through the page cache (--disk-direct=fallback)", "dir", d, "err", err)
 			direct = false
 		case errors.Is(err, vfs.ErrDirectUnsupported):
-			return nil, fmt.Errorf("--disk-dir %s: %w (use a filesystem that takes O_DIRECT, or --disk-direct=fallback)", d, err)
+			return nil, start, fmt.Errorf("--disk-dir %s: %w (use a filesystem that takes O_DIRECT, or --disk-direct=fallback)", d, err)
 		default:
-			return nil, fmt.Errorf("--disk-dir %s: %w", d, err)
+			return nil, start, fmt.Errorf("--disk-dir %s: %w", d, err)
 		}
 	}
-	dc := &disk.Config{
+	dc = &disk.Config{
 		Dirs:        cfg.diskDirs,
 		BytesPerDir: cfg.diskBytes,
 		ChunkBytes:  cfg.diskChunkBytes,
@@ -53,14 +58,18 @@ func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (*disk
 			OnInject: func(ev errorfs.Event) { injected.WithLabelValues(ev.Kind.String()).Inc() },
 		})
 		if err != nil {
-			return nil, fmt.Errorf("--fault-spec: %w", err)
+			return nil, start, fmt.Errorf("--fault-spec: %w", err)
 		}
+		fs.Pause()
 		dc.FS = fs
-		log.Warn("FAULT INJECTION ENABLED: the disk tier's slot files will fail on purpose; never run this in production",
-			"plan", cfg.faultPlan.String())
+		start = func() {
+			fs.Resume()
+			log.Warn("FAULT INJECTION ENABLED: the disk tier's slot files now fail on purpose; never run this in production",
+				"plan", cfg.faultPlan.String())
+		}
 	}
 	if cfg.diskReset {
 		log.Warn("--disk-reset: the disk tier starts empty; what its files held is discarded")
 	}
-	return dc, nil
+	return dc, start, nil
 }

@@ -65,7 +65,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("copy engine: %w", err)
 	}
-	diskCfg, err := diskConfig(cfg, log, reg)
+	diskCfg, startFaults, err := diskConfig(cfg, log, reg)
 	if err != nil {
 		copier.Close()
 		return err
@@ -82,6 +82,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		copier.Close()
 		return err
 	}
+	startFaults()
 	closeAll := func() error {
 		return errors.Join(svc.Close(), copier.Close())
 	}

@@ -200,11 +200,40 @@ def test_unregister_and_unavailable(fresh_daemon, shm, fingerprint):
     gone.close()
 
 
-@pytest.mark.skipif(
-    "--fault-spec" not in daemon_help() or "--disk-dir" not in daemon_help(),
-    reason="kvoffloadd has no disk tier with --fault-spec/--disk-dir yet (being built separately); "
-    "add the disk read-fault test (a faulted read must come back as exactly those engine block ids) "
-    "once `kvoffloadd --help` lists both flags",
-)
-def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint):  # pragma: no cover
-    pytest.fail("the disk tier exists now: write this test against its --fault-spec syntax")
+def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint, tmp_path):
+    """A block on disk whose read fails (an injected EIO) comes back as a
+    failed load of exactly its engine block id, IO_ERROR, and is never
+    offered again."""
+    disk_dir = str(tmp_path)
+    flags = ["--disk-dir", disk_dir, "--disk-bytes", "16MiB", "--write-through"]
+    r, layout, regions = kv_region(shm)
+    hs = keys(4, fingerprint)
+    for b in range(4):
+        fill(r, b, 40 + b)
+    want = [block_bytes(r, b) for b in range(4)]
+
+    # A healthy run writes the blocks through to disk.
+    d = fresh_daemon(*flags)
+    c = d.client()
+    reg = c.register(fingerprint, layout, regions)
+    assert c.store(reg.registration_id, [kv.Job(1, hs, [0, 1, 2, 3])], wait=True)[0].ok
+    assert wait_for(lambda: c.lookup([reg.namespace_id], hs, peek=True).tiers == (kv.Tier.CPU_AND_DISK,) * 4)
+    assert d.stop() == 0
+
+    # Restarted on the same disk, which now fails every read (the plan
+    # starts after recovery): the blocks are offered from disk, and the
+    # load reports each engine block it could not fill.
+    d = fresh_daemon(*flags, "--fault-spec", "read-eio=1,seed=7")
+    c = d.client()
+    reg = c.register(fingerprint, layout, regions)
+    assert reg.joined_existing
+    look = c.lookup([reg.namespace_id], hs)
+    assert look.ready == 4 and look.tiers == (kv.Tier.DISK,) * 4
+    [res] = c.load(reg.registration_id, [kv.Job(2, hs, [8, 9, 10, 11])], wait=True)
+    assert not res.ok
+    assert sorted(res.failed_block_ids) == [8, 9, 10, 11]
+    assert {f.status for f in res.failures} == {kv.BlockStatus.IO_ERROR}
+    assert c.lookup([reg.namespace_id], hs).ready == 0
+    # The CPU copies from the first run are gone with it; the bytes in the
+    # engine's blocks 0..3 are untouched.
+    assert [block_bytes(r, b) for b in range(4)] == want
