@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -319,10 +320,11 @@ func (s *Service) demotionDone(d demotion, c *slots.Class, dslot slots.SlotID, e
 	}
 }
 
-// releaseDiskSlotLocked frees a disk slot after a failure: quarantined if
-// the disk returned an I/O error, free otherwise.
+// releaseDiskSlotLocked frees a disk slot after a failed write:
+// quarantined if the device returned EIO (a bad spot), free otherwise
+// (ENOSPC, a cancelled write).
 func (s *Service) releaseDiskSlotLocked(dslot slots.SlotID, err error) {
-	if err != nil && errors.Is(err, disk.ErrIO) {
+	if err != nil && errors.Is(err, syscall.EIO) {
 		s.disk.Quarantine(dslot)
 		return
 	}
