@@ -64,6 +64,27 @@ const (
 	slotQuarantined // never reused; counts as used space
 )
 
+// chunkSlots is the state of a chunk's slots, kept per slot (not per 4 KiB
+// of space: a 4 TiB disk of 2 MiB slots costs 6 MiB of it, not 3 GiB).
+type chunkSlots struct {
+	pins  []uint16
+	state []uint8
+}
+
+// slotRef points at one slot's pins and state.
+type slotRef struct {
+	pins  *uint16
+	state *uint8
+}
+
+// slotLocked finds slot s in its chunk. The chunk has a slot size.
+func (t *Space) slotLocked(s SlotID) slotRef {
+	ch := uint64(s) / t.slotsPer
+	i := (uint64(s) - ch*t.slotsPer) / (t.mu.slotClass[ch].slotBytes / layout.SlotAlign)
+	cs := &t.mu.slots[ch]
+	return slotRef{pins: &cs.pins[i], state: &cs.state[i]}
+}
+
 // Space is a tier's slots. Its methods are safe for concurrent use.
 type Space struct {
 	capacity   uint64
@@ -83,8 +104,7 @@ type Space struct {
 		chunkOwner  []*Class // nil: free
 		draining    []bool
 		chunkLive   []uint32
-		pins        []uint16
-		state       []uint8
+		slots       []chunkSlots // per chunk; empty while the chunk is free
 		slotClass   []*Class
 		usedBytes   uint64
 		blocks      uint64
@@ -126,13 +146,11 @@ func New(cfg Config) (*Space, error) {
 	}
 	t := &Space{capacity: nChunks * chunk, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, cfg: cfg,
 		touches: make(chan touchBatch, 1024), stop: make(chan struct{})}
-	nSlots := nChunks * t.slotsPer
 	t.mu.classes = map[uint64]*Class{}
 	t.mu.chunkOwner = make([]*Class, nChunks)
 	t.mu.draining = make([]bool, nChunks)
 	t.mu.chunkLive = make([]uint32, nChunks)
-	t.mu.pins = make([]uint16, nSlots)
-	t.mu.state = make([]uint8, nSlots)
+	t.mu.slots = make([]chunkSlots, nChunks)
 	t.mu.slotClass = make([]*Class, nChunks)
 	for c := int(nChunks) - 1; c >= 0; c-- {
 		t.mu.freeChunks = append(t.mu.freeChunks, uint32(c))
@@ -318,12 +336,12 @@ func (c *Class) Alloc() (SlotID, bool) {
 		s = c.free[n-1]
 		c.free = c.free[:n-1]
 		// Restore may have taken a slot still on the free list.
-		if t.mu.state[s] == slotFree {
+		if *t.slotLocked(s).state == slotFree {
 			break
 		}
 	}
-	t.mu.state[s] = slotUsed
-	t.mu.pins[s] = 1
+	*t.slotLocked(s).state = slotUsed
+	*t.slotLocked(s).pins = 1
 	t.mu.chunkLive[uint64(s)/t.slotsPer]++
 	t.mu.usedBytes += c.slotBytes
 	t.mu.blocks++
@@ -370,6 +388,7 @@ func (c *Class) addChunkLocked(ch uint32) {
 	t := c.t
 	t.mu.chunkOwner[ch] = c
 	t.mu.slotClass[ch] = c
+	t.mu.slots[ch] = chunkSlots{pins: make([]uint16, c.perChunk), state: make([]uint8, c.perChunk)}
 	base := uint64(ch) * t.slotsPer
 	step := c.slotBytes / layout.SlotAlign
 	for i := int(c.perChunk) - 1; i >= 0; i-- {
@@ -446,6 +465,7 @@ func (t *Space) maybeFreeChunkLocked(ch uint32) {
 	if t.mu.draining[ch] && t.mu.chunkLive[ch] == 0 {
 		t.mu.draining[ch] = false
 		t.mu.slotClass[ch] = nil
+		t.mu.slots[ch] = chunkSlots{}
 		t.mu.freeChunks = append(t.mu.freeChunks, ch)
 	}
 }
@@ -480,11 +500,11 @@ func (c *Class) Restore(s SlotID, k index.Key) error {
 		t.mu.Unlock()
 		return fmt.Errorf("restore: slot %d lies in a chunk of %d-byte slots, not %d", s, owner.slotBytes, c.slotBytes)
 	}
-	if t.mu.state[s] != slotFree {
+	if *t.slotLocked(s).state != slotFree {
 		t.mu.Unlock()
 		return fmt.Errorf("restore: slot %d restored twice", s)
 	}
-	t.mu.state[s] = slotUsed
+	*t.slotLocked(s).state = slotUsed
 	t.mu.chunkLive[ch]++
 	t.mu.usedBytes += c.slotBytes
 	t.mu.blocks++
@@ -514,10 +534,10 @@ func (t *Space) ChunkOf(s SlotID) (chunk uint32, slotBytes uint64) {
 func (t *Space) Quarantine(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.mu.state[s] != slotUsed {
-		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, t.mu.state[s]))
+	if *t.slotLocked(s).state != slotUsed {
+		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, *t.slotLocked(s).state))
 	}
-	t.mu.state[s] = slotQuarantined
+	*t.slotLocked(s).state = slotQuarantined
 	t.mu.quarantined++
 }
 
@@ -532,11 +552,11 @@ func (t *Space) Quarantined() int {
 // index entry that names s, so s is in use.
 func (t *Space) Pin(s SlotID) {
 	t.mu.Lock()
-	if t.mu.state[s] != slotUsed {
+	if *t.slotLocked(s).state != slotUsed {
 		t.mu.Unlock()
-		panic(fmt.Sprintf("slots: pin of slot %d in state %d", s, t.mu.state[s]))
+		panic(fmt.Sprintf("slots: pin of slot %d in state %d", s, *t.slotLocked(s).state))
 	}
-	t.mu.pins[s]++
+	*t.slotLocked(s).pins++
 	t.mu.Unlock()
 }
 
@@ -544,11 +564,11 @@ func (t *Space) Pin(s SlotID) {
 func (t *Space) Unpin(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.mu.pins[s] == 0 {
+	if *t.slotLocked(s).pins == 0 {
 		panic(fmt.Sprintf("slots: unpin of unpinned slot %d", s))
 	}
-	t.mu.pins[s]--
-	if t.mu.pins[s] == 0 && t.mu.state[s] == slotReleased {
+	*t.slotLocked(s).pins--
+	if *t.slotLocked(s).pins == 0 && *t.slotLocked(s).state == slotReleased {
 		t.freeLocked(s)
 	}
 }
@@ -558,11 +578,11 @@ func (t *Space) Unpin(s SlotID) {
 func (t *Space) Release(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.mu.state[s] != slotUsed {
-		panic(fmt.Sprintf("slots: release of slot %d in state %d", s, t.mu.state[s]))
+	if *t.slotLocked(s).state != slotUsed {
+		panic(fmt.Sprintf("slots: release of slot %d in state %d", s, *t.slotLocked(s).state))
 	}
-	if t.mu.pins[s] > 0 {
-		t.mu.state[s] = slotReleased
+	if *t.slotLocked(s).pins > 0 {
+		*t.slotLocked(s).state = slotReleased
 		return
 	}
 	t.freeLocked(s)
@@ -571,7 +591,7 @@ func (t *Space) Release(s SlotID) {
 func (t *Space) freeLocked(s SlotID) {
 	ch := uint64(s) / t.slotsPer
 	c := t.mu.slotClass[ch]
-	t.mu.state[s] = slotFree
+	*t.slotLocked(s).state = slotFree
 	t.mu.chunkLive[ch]--
 	t.mu.usedBytes -= c.slotBytes
 	t.mu.blocks--
@@ -587,9 +607,11 @@ func (t *Space) Pinned() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0
-	for _, p := range t.mu.pins {
-		if p > 0 {
-			n++
+	for _, cs := range t.mu.slots {
+		for _, p := range cs.pins {
+			if p > 0 {
+				n++
+			}
 		}
 	}
 	return n
