@@ -49,12 +49,25 @@ const (
 )
 
 // Entry is what the index keeps per key.
+// Pins live with the slots (tiers/slots), not here: a slot a load reads
+// outlives its entry.
 type Entry struct {
 	CPU   uint32 // CPU tier slot, or NoSlot
 	Disk  uint32 // disk tier slot, or NoSlot
-	Pins  uint16 // loads (and leases) reading the CPU slot
 	State State
 	Flags uint8
+}
+
+// Offerable reports whether a Lookup may offer the block and a Load read
+// it: every copy into it has drained and a tier holds it.
+func (e *Entry) Offerable() bool {
+	return e.State == Ready && (e.CPU != NoSlot || e.Disk != NoSlot)
+}
+
+// Holds reports whether a tier holds the block or a disk write of it is in
+// flight: an entry that holds nothing is removed.
+func (e *Entry) Holds() bool {
+	return e.CPU != NoSlot || e.Disk != NoSlot || e.Flags&DiskWriting != 0
 }
 
 type record struct {

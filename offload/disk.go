@@ -255,7 +255,7 @@ func (s *Service) writeDemotions(batch []demotion) {
 				e.Flags &^= index.DiskWriting
 			}
 			s.dropCPUCopyLocked(e, d)
-			return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+			return e.Holds()
 		})
 		if dslot == index.NoSlot {
 			if result == "no_space" {
@@ -303,7 +303,7 @@ func (s *Service) demotionDone(d demotion, c *slots.Class, dslot slots.SlotID, e
 		}
 		e.Flags &^= index.DiskWriting | index.DiskEvicted
 		s.dropCPUCopyLocked(e, d)
-		return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+		return e.Holds()
 	})
 	s.disk.Unpin(dslot) // the writer's pin, from Alloc
 	s.cpu.Unpin(d.cpuSlot)
@@ -347,7 +347,7 @@ func (s *Service) onDiskEvict(k index.Key) {
 		s.disk.Release(e.Disk)
 		e.Disk = index.NoSlot
 		dropped = true
-		return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+		return e.Holds()
 	})
 	if dropped {
 		s.m.evictions.WithLabelValues("disk", "policy").Inc()
@@ -377,7 +377,7 @@ func (s *Service) onDiskEvictRange(lo, hi slots.SlotID) {
 		s.disk.Release(e.Disk)
 		e.Disk = index.NoSlot
 		dropped = append(dropped, *k)
-		return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+		return e.Holds()
 	})
 	for i := range dropped {
 		if ns := s.nsByID(dropped[i].NS); ns != nil {
@@ -399,7 +399,7 @@ func (s *Service) dropQueuedDemotions() {
 				}
 				e.Flags &^= index.DiskWriting | index.DiskEvicted
 				s.dropCPUCopyLocked(e, d)
-				return !(e.CPU == index.NoSlot && e.Disk == index.NoSlot)
+				return e.Holds()
 			})
 			s.cpu.Unpin(d.cpuSlot)
 			s.diskWrites.Add(-1)

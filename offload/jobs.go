@@ -566,7 +566,7 @@ func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
 				forgetDisk = true
 			}
 			forgetCPU = admitted
-			return e.CPU != index.NoSlot || e.Flags&index.DiskWriting != 0
+			return e.Holds()
 		}
 		if st == OK && admitted && e.CPU == index.NoSlot && e.State == index.Ready {
 			e.CPU = staging

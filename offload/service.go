@@ -443,12 +443,12 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 			}
 			if ls == nil {
 				e, found := s.ix.GetHashed(&k, h)
-				ready = found && e.State == index.Ready && (e.CPU != index.NoSlot || e.Disk != index.NoSlot)
+				ready = found && e.Offerable()
 				tier = slowest(tier, j, e)
 				continue
 			}
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-				ready = found && e.State == index.Ready && (e.CPU != index.NoSlot || e.Disk != index.NoSlot)
+				ready = found && e.Offerable()
 				if ready {
 					tier = slowest(tier, j, *e)
 					ls.pin(s, k, e)
@@ -622,7 +622,7 @@ func (s *Service) onPolicyEvict(k index.Key) {
 		s.cpu.Release(e.CPU)
 		e.CPU = index.NoSlot
 		dropped = true
-		return e.State == index.Ready && (e.Disk != index.NoSlot || e.Flags&index.DiskWriting != 0)
+		return e.State == index.Ready && e.Holds()
 	})
 	if dropped {
 		s.m.evictions.WithLabelValues("cpu", "policy").Inc()
@@ -658,7 +658,7 @@ func (s *Service) onEvictRange(lo, hi cpu.SlotID) {
 		s.cpu.Release(e.CPU)
 		e.CPU = index.NoSlot
 		dropped = append(dropped, *k)
-		return e.State == index.Ready && (e.Disk != index.NoSlot || e.Flags&index.DiskWriting != 0)
+		return e.State == index.Ready && e.Holds()
 	})
 	for i := range dropped {
 		if ns := s.nsByID(dropped[i].NS); ns != nil {
