@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
+	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
@@ -700,5 +702,38 @@ func TestStats(t *testing.T) {
 	if st.BlocksStored != 3 || st.BlocksLoaded != 3 || len(st.Tiers) != 1 || st.Tiers[0].Blocks != 3 ||
 		len(st.Namespaces) != 1 || st.Namespaces[0].Blocks != 3 || st.Namespaces[0].Registrations != 1 {
 		t.Fatalf("stats: %+v", st)
+	}
+}
+
+// TestHealthAndReflection: grpc_health_probe and grpcurl work against the
+// socket.
+func TestHealthAndReflection(t *testing.T) {
+	d := testenv.Start(t, testenv.Options{})
+	c := d.Client(t)
+	if ok, err := c.Healthy(ctx(t)); err != nil || !ok {
+		t.Fatalf("health: %v %v", ok, err)
+	}
+	stream, err := reflectionpb.NewServerReflectionClient(c.Conn()).ServerReflectionInfo(ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&reflectionpb.ServerReflectionRequest{MessageRequest: &reflectionpb.ServerReflectionRequest_ListServices{}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, s := range resp.GetListServicesResponse().GetService() {
+		names = append(names, s.GetName())
+	}
+	if !slices.Contains(names, "kvoffload.v1.KVOffload") || !slices.Contains(names, "grpc.health.v1.Health") {
+		t.Fatalf("reflection lists %v", names)
+	}
+	// Shutting down flips health to NOT_SERVING before anything else.
+	d.Srv.SetNotServing()
+	if ok, _ := c.Healthy(ctx(t)); ok {
+		t.Fatal("still SERVING after SetNotServing")
 	}
 }
