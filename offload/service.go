@@ -427,6 +427,9 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 	var touched [][]uint64
 	if !peek {
 		touched = make([][]uint64, len(nss))
+		for j := range touched {
+			touched[j] = make([]uint64, 0, n)
+		}
 	}
 	ready := true
 	for i := 0; i < n && (ready || touched != nil); i++ {
