@@ -152,7 +152,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.diskDirect, "disk-direct", c.diskDirect, "O_DIRECT for the slot files: require (refuse to start where a --disk-dir's filesystem refuses it) or fallback (use the page cache there, with a warning).")
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
-	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files.")
+	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)

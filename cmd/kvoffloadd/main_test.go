@@ -31,7 +31,8 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version"} {
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version",
+		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -56,6 +57,16 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--log-format", "xml"}, "--log-format"},
 		{[]string{"--shutdown-timeout", "-1s"}, "--shutdown-timeout"},
 		{[]string{"stray"}, "unexpected argument"},
+		{[]string{"--disk-dir", "relative/dir"}, "--disk-dir \"relative/dir\": want an absolute path"},
+		{[]string{"--disk-dir", "/nonexistent/kv"}, "not a directory"},
+		{[]string{"--disk-dir", "/tmp", "--disk-dir", "/tmp"}, "given twice"},
+		{[]string{"--disk-dir", "/tmp", "--disk-bytes", "1MiB"}, "--disk-bytes 1MiB"},
+		{[]string{"--disk-dir", "/tmp", "--disk-direct", "maybe"}, "--disk-direct"},
+		{[]string{"--disk-dir", "/tmp", "--disk-queue-depth", "0"}, "--disk-queue-depth 0"},
+		{[]string{"--disk-dir", "/tmp", "--fault-spec", "read-eio=2"}, "--fault-spec"},
+		{[]string{"--disk-dir", "/tmp", "--fault-spec", "gremlins=0.1"}, "gremlins"},
+		{[]string{"--write-through"}, "need a disk tier"},
+		{[]string{"--fault-spec", "read-eio=0.1"}, "need a disk tier"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
