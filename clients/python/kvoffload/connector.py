@@ -233,6 +233,10 @@ class SchedulerSide:
         self._ns_refresh = namespace_refresh_s
         self._reqs: dict[str, _ReqState] = {}
         self._matched: dict[str, int] = {}  # request -> num_computed_tokens of its last match
+        # Requests already looked up once: vLLM asks again every step while a
+        # request waits, and those repeats must not count as more accesses
+        # for the daemon's admission policy (Lookup.peek).
+        self._looked_up: set[str] = set()
         self._loads: dict[str, list[GroupJob]] = {}
         self._delay_free: set[str] = set()
         self._warned: set[str] = set()
@@ -326,10 +330,12 @@ class SchedulerSide:
         if not ns:
             return 0, False
         hit = end - start
+        peek = request.request_id in self._looked_up
+        self._looked_up.add(request.request_id)
         for g in range(self.keys.num_groups):
             blocks = self.keys.block_range(g, start, start + hit)
             try:
-                r = self._client.lookup(ns, self.keys.keys(hashes, g, blocks), group=g)
+                r = self._client.lookup(ns, self.keys.keys(hashes, g, blocks), group=g, peek=peek)
             except KVOffloadError as e:
                 self._warn_once(f"lookup:{e.code}", "kvoffload: Lookup failed (%s); treating as a miss", e)
                 self._ns_next = 0.0  # re-resolve namespaces next time
@@ -432,6 +438,7 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._matched.pop(rid, None)
+        self._looked_up.discard(rid)
         # A load still planned or in flight is not ours to wait for: vLLM
         # keeps the blocks of a request finished while waiting for remote KV
         # until a worker reports it finished receiving (which it will).
