@@ -9,12 +9,17 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check
+.PHONY: all build kvbench run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check
 
 all: build
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o bin/kvoffloadd ./cmd/kvoffloadd
+	$(GO) build -o bin/kvbench ./bench/cmd/kvbench
+
+# The engine-shaped benchmark (docs/benchmarks.md); --quick is under a minute.
+kvbench: build
+	./bin/kvbench --quick
 
 run: build
 	./bin/kvoffloadd

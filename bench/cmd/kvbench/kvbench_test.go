@@ -1,0 +1,119 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvoffloadd/kvoffloadd/bench/daemon"
+)
+
+// faultSpec is the test's plan: read faults only, so that each injected
+// fault must surface as a failed block.
+const faultSpec = "read-eio=0.05,short-read=0.05,bitflip=0.05,seed=3"
+
+// TestQuick runs kvbench --quick against the real daemon, built from this
+// tree: with a fault plan when the daemon has a disk tier, else the CPU
+// tier only. The daemon must deliver no wrong block, offer no failed block
+// again, report every injected read fault as a failed block, and exit 0
+// on SIGTERM (run fails otherwise).
+func TestQuick(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds and runs the daemon")
+	}
+	if runtime.GOOS != "linux" {
+		t.Skip("kvoffloadd is Linux-only")
+	}
+	defer goleak.VerifyNone(t)
+	bin := filepath.Join(t.TempDir(), "kvoffloadd")
+	build := exec.Command("go", "build", "-o", bin, "github.com/kvoffloadd/kvoffloadd/cmd/kvoffloadd")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build kvoffloadd: %v\n%s", err, out)
+	}
+	flags, err := daemon.Flags(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	withFaults := flags["disk-dir"] && flags["disk-bytes"] && flags["fault-spec"]
+
+	jsonPath := filepath.Join(t.TempDir(), "report.json")
+	args := []string{"--quick", "--daemon", bin, "--json", jsonPath, "--seed", "5", "--scenarios", "cpu"}
+	if withFaults {
+		args = append(args, "--scenarios", "cpu,faults", "--fault-spec", faultSpec)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	rep, err := run(ctx, args, &stdout, &stderr)
+	t.Logf("stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	if err != nil {
+		t.Fatalf("kvbench: %v", err)
+	}
+
+	// The JSON has the schema's keys.
+	var doc map[string]any
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	for section, keys := range map[string][]string{
+		"baselines": {"memcpy_gbps", "odirect_read_gbps", "odirect_write_gbps", "grpc_empty_p99_us", "redis_get_gbps", "redis_set_gbps"},
+		"ratios": {"cpu_load_vs_memcpy", "cpu_store_vs_memcpy", "disk_load_vs_odirect_read", "disk_store_vs_odirect_write",
+			"cpu_load_vs_redis_get", "lookup_p99_vs_grpc_empty_p99"},
+	} {
+		m, _ := doc[section].(map[string]any)
+		for _, k := range keys {
+			if _, ok := m[k]; !ok {
+				t.Errorf("JSON %s has no %q", section, k)
+			}
+		}
+	}
+	if _, ok := doc["results"].([]any); !ok {
+		t.Error("JSON has no results list")
+	}
+
+	for _, op := range []string{"lookup", "load", "store"} {
+		r := rep.Find("cpu", op)
+		if r == nil || r.Calls == 0 {
+			t.Fatalf("cpu scenario has no %s calls: %+v", op, r)
+		}
+		if r.CorruptBlocksDelivered != 0 || r.FailedBlocksReoffered != 0 {
+			t.Errorf("cpu %s: corrupt_blocks_delivered %d, failed_blocks_reoffered %d", op, r.CorruptBlocksDelivered, r.FailedBlocksReoffered)
+		}
+	}
+	if r := rep.Find("cpu", "load"); r.Blocks == 0 || r.GBps <= 0 {
+		t.Errorf("cpu scenario loaded nothing: %+v", r)
+	}
+
+	if !withFaults {
+		t.Skip("fault part skipped: the daemon's --help lists no --disk-dir/--disk-bytes/--fault-spec (no disk tier to inject faults into yet)")
+	}
+	f := rep.Faults
+	if f == nil {
+		t.Fatal("no faults section")
+	}
+	t.Logf("faults: %+v", *f)
+	if f.Spec != faultSpec {
+		t.Errorf("faults.spec %q, want %q", f.Spec, faultSpec)
+	}
+	if f.InjectedRead == 0 {
+		t.Error("no read fault was injected: the plan did not reach the disk reads, or the daemon does not count injected faults in its metrics")
+	}
+	if f.CorruptBlocksDelivered != 0 || f.FailedBlocksReoffered != 0 {
+		t.Errorf("corrupt_blocks_delivered %d, failed_blocks_reoffered %d; want 0", f.CorruptBlocksDelivered, f.FailedBlocksReoffered)
+	}
+	if f.ReadFailuresReported < f.InjectedRead || f.BlocksFailedReported < f.InjectedRead {
+		t.Errorf("%d read faults injected, %d reported as failed reads (%d failed blocks)", f.InjectedRead, f.ReadFailuresReported, f.BlocksFailedReported)
+	}
+}

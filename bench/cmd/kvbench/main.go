@@ -1,0 +1,209 @@
+// Command kvbench measures a kvoffloadd the way an inference engine uses
+// it, next to the limits it is held to, in one run: it starts the daemon
+// (or uses one at --socket), registers a /dev/shm region shaped like a
+// model's KV cache, drives steps of a prefix-sharing workload through
+// Lookup, Load, Store and Completions, checks every loaded block byte for
+// byte, and measures memory copy, O_DIRECT, empty gRPC and Redis on the
+// same blocks. See --help and docs/benchmarks.md.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/kvoffloadd/kvoffloadd/bench/model"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if _, err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "kvbench:", err)
+		os.Exit(1)
+	}
+}
+
+// allScenarios in the order they run.
+var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt"}
+
+// options is every flag, validated.
+type options struct {
+	daemon, socket string
+	shape          model.Shape
+	engineBlocks   int
+	steps          int
+	scenarios      []string
+	faultSpec      string
+	faultRates     []float64
+	diskDir        string
+	ioWorkers      int
+	queueDepth     int
+	seed           uint64
+	quick          bool
+	jsonPath       string
+	plotPath       string
+	redis          string
+	leaseMs        uint
+	keepDir        string
+	args           []string
+	seedGiven      bool
+}
+
+const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
+to its limits, in one run: Go copy() bandwidth, raw O_DIRECT reads and writes,
+an empty gRPC round trip, and Redis SET/GET of the same blocks.
+
+Usage: kvbench [flags]
+
+It starts bin/kvoffloadd (next to kvbench, or --daemon) once per scenario on a
+private unix socket, or uses a running daemon at --socket (cpu scenario only).
+Every loaded block is checked byte for byte; a wrong block, a failed block
+offered again, or a daemon that does not exit 0 on SIGTERM fails the run.
+
+Scenarios: cpu (the CPU tier holds the working set), disk (CPU tier much
+smaller: hits come from the disk tier), mixed (about half fits in CPU), faults
+(disk, with the daemon's --fault-spec at each --fault-rates read fault rate),
+corrupt (disk, with bytes of the slot file flipped from outside while it runs).
+
+Flags:
+`
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{args: args}
+	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.daemon, "daemon", "", "kvoffloadd binary to start (default: kvoffloadd next to kvbench, else bin/kvoffloadd).")
+	fs.StringVar(&o.socket, "socket", "", "use the daemon already serving on this unix socket instead of starting one; only the cpu scenario runs, as \"external\".")
+	name := fs.String("model", "llama-8b", "model preset: llama-8b (2 MiB blocks) or llama-70b (5 MiB blocks); the flags below override its fields.")
+	layers := fs.Int("layers", 0, "layers (K and V are separate regions, so 2 segments per layer).")
+	tokens := fs.Int("block-tokens", 0, "tokens per block.")
+	heads := fs.Int("kv-heads", 0, "KV heads (per GPU).")
+	dim := fs.Int("head-dim", 0, "head dimension.")
+	dtype := fs.Int("dtype-bytes", 0, "bytes per KV element (2 for fp16/bf16, 1 for fp8).")
+	fs.IntVar(&o.engineBlocks, "engine-blocks", 0, "engine KV blocks in the /dev/shm region, the most one step moves (0: 256 MiB worth, 128 MiB with --quick).")
+	fs.IntVar(&o.steps, "steps", 0, "scheduler steps per scenario (0: 48, 24 with --quick).")
+	scen := fs.String("scenarios", strings.Join(allScenarios, ","), "scenarios to run, comma-separated: "+strings.Join(allScenarios, ", ")+".")
+	fs.StringVar(&o.faultSpec, "fault-spec", "", "the faults scenario's plan in the daemon's syntax (e.g. read-eio=0.01,bitflip=0.001,seed=7), run once instead of the --fault-rates sweep.")
+	rates := fs.String("fault-rates", "0.01,0.05,0.1", "read fault rates the faults scenario runs at, each split evenly over read-eio, short-read and bitflip.")
+	fs.StringVar(&o.diskDir, "disk-dir", "", "directory for the disk tier and the O_DIRECT baseline; must take O_DIRECT (default: a temporary directory on the first of $TMPDIR, /var/tmp, . that does). A subdirectory is made and removed.")
+	fs.IntVar(&o.ioWorkers, "io-workers", min(4, runtime.NumCPU()), "the daemon's --io-workers; also the memcpy threads and Redis connections of the baselines.")
+	fs.IntVar(&o.queueDepth, "queue-depth", 8, "disk I/Os in flight: the O_DIRECT baseline's, and the daemon's when it has a flag for it.")
+	fs.Uint64Var(&o.seed, "seed", 1, "fixes the workload, the fault plans and the corruption.")
+	fs.BoolVar(&o.quick, "quick", false, "a smaller run: under a minute on 2 cores.")
+	fs.StringVar(&o.jsonPath, "json", "", "write the report as JSON (schema kvbench/v1) to this file.")
+	fs.StringVar(&o.plotPath, "plot", "", "draw throughput and p99 against the read fault rate to this .svg or .png file (needs the disk and faults scenarios).")
+	fs.StringVar(&o.redis, "redis-server", "redis-server", "redis-server binary for the Redis baseline, looked up in PATH; \"none\" skips it.")
+	fs.UintVar(&o.leaseMs, "lease-ms", 10000, "Lookup lease pinning the ready prefix until its Load (0: none).")
+	fs.StringVar(&o.keepDir, "keep", "", "keep each scenario's daemon log and final metrics in this directory (created if missing).")
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), usageHead)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q (see --help)", fs.Arg(0))
+	}
+	fs.Visit(func(f *flag.Flag) { o.seedGiven = o.seedGiven || f.Name == "seed" })
+
+	var errs []error
+	bad := func(format string, a ...any) { errs = append(errs, fmt.Errorf(format, a...)) }
+	shape, ok := model.Presets[*name]
+	if !ok {
+		bad("--model %q: want llama-8b or llama-70b", *name)
+	}
+	for _, x := range []struct {
+		v   int
+		dst *int
+	}{{*layers, &shape.Layers}, {*tokens, &shape.BlockTokens}, {*heads, &shape.KVHeads}, {*dim, &shape.HeadDim}, {*dtype, &shape.DTypeBytes}} {
+		if x.v != 0 {
+			*x.dst = x.v
+			shape.Name = "custom"
+		}
+	}
+	if ok {
+		if err := shape.Validate(); err != nil {
+			bad("%v", err)
+		}
+	}
+	o.shape = shape
+	for _, s := range strings.Split(*scen, ",") {
+		s = strings.TrimSpace(s)
+		if !slices.Contains(allScenarios, s) {
+			bad("--scenarios: unknown scenario %q (known: %s)", s, strings.Join(allScenarios, ", "))
+		} else if !slices.Contains(o.scenarios, s) {
+			o.scenarios = append(o.scenarios, s)
+		}
+	}
+	for _, s := range strings.Split(*rates, ",") {
+		r, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+		if err != nil || !(r > 0 && r <= 1) {
+			bad("--fault-rates: %q is not a rate in (0,1]", s)
+			continue
+		}
+		o.faultRates = append(o.faultRates, r)
+	}
+	if o.faultSpec != "" {
+		if _, err := errorfs.ParsePlan(o.faultSpec); err != nil {
+			bad("--fault-spec: %v", err)
+		}
+	}
+	if o.engineBlocks < 0 || o.engineBlocks > 1<<16 {
+		bad("--engine-blocks %d: want 0..65536", o.engineBlocks)
+	}
+	if o.steps < 0 || o.steps > 100000 {
+		bad("--steps %d: want 0..100000", o.steps)
+	}
+	if o.ioWorkers < 1 || o.ioWorkers > 256 {
+		bad("--io-workers %d: want 1..256", o.ioWorkers)
+	}
+	if o.queueDepth < 1 || o.queueDepth > 256 {
+		bad("--queue-depth %d: want 1..256", o.queueDepth)
+	}
+	if o.leaseMs > 30000 {
+		bad("--lease-ms %d: the daemon allows at most 30000", o.leaseMs)
+	}
+	if o.plotPath != "" && !strings.HasSuffix(o.plotPath, ".svg") && !strings.HasSuffix(o.plotPath, ".png") {
+		bad("--plot %q: want a .svg or .png file", o.plotPath)
+	}
+	if o.socket != "" && o.daemon != "" {
+		bad("--socket and --daemon: give one")
+	}
+	return o, errors.Join(errs...)
+}
+
+// command is the command line that reproduces the run.
+func (o *options) command() string {
+	parts := []string{"kvbench"}
+	for _, a := range o.args {
+		parts = append(parts, shellQuote(a))
+	}
+	if !o.seedGiven {
+		parts = append(parts, "--seed", strconv.FormatUint(o.seed, 10))
+	}
+	return strings.Join(parts, " ")
+}
+
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_./=,:@%+", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}

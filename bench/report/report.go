@@ -1,0 +1,319 @@
+// Package report owns what kvbench tells its user: the JSON document (a
+// stable schema, "kvbench/v1"), the table on the terminal, the plot of
+// throughput and p99 latency against the fault rate, and the description
+// of the machine the numbers came from.
+package report
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+)
+
+// Schema names this document's layout. Fields are only ever added to it.
+const Schema = "kvbench/v1"
+
+// Report is the whole run.
+type Report struct {
+	Schema    string    `json:"schema"`
+	Command   string    `json:"command"`
+	Seed      uint64    `json:"seed"`
+	Quick     bool      `json:"quick"`
+	Machine   Machine   `json:"machine"`
+	Model     Model     `json:"model"`
+	Daemon    string    `json:"daemon"`
+	Results   []Result  `json:"results"`
+	Baselines Baselines `json:"baselines"`
+	Ratios    Ratios    `json:"ratios"`
+	Faults    *Faults   `json:"faults"`
+	// Sweep holds the fault scenario at each fault rate (--plot).
+	Sweep   []SweepPoint `json:"sweep,omitempty"`
+	Skipped []Skip       `json:"skipped"`
+	Goals   []Goal       `json:"goals"`
+}
+
+// Model is the engine shape the run registered.
+type Model struct {
+	Name             string `json:"name"`
+	Layers           int    `json:"layers"`
+	BlockTokens      int    `json:"block_tokens"`
+	KVHeads          int    `json:"kv_heads"`
+	HeadDim          int    `json:"head_dim"`
+	DTypeBytes       int    `json:"dtype_bytes"`
+	Segments         int    `json:"segments"`
+	SegmentBytes     int    `json:"segment_bytes"`
+	BlockBytes       int    `json:"block_bytes"`
+	EngineBlocks     int    `json:"engine_blocks"`
+	StepsPerScenario int    `json:"steps_per_scenario"`
+}
+
+// Result is one op of one scenario.
+type Result struct {
+	Scenario string  `json:"scenario"`
+	Op       string  `json:"op"` // lookup, load, store
+	GBps     float64 `json:"gbps"`
+	Blocks   int     `json:"blocks"`
+	Bytes    uint64  `json:"bytes"`
+	Calls    int     `json:"calls"`
+	// CompletionsCalls is how many Completions round trips the load or
+	// store calls needed until every job was reported.
+	CompletionsCalls int     `json:"completions_calls,omitempty"`
+	P50us            float64 `json:"p50_us"`
+	P99us            float64 `json:"p99_us"`
+	// HitRate is, for lookups, the share of looked-up blocks that were
+	// ready, by tier ("cpu", "disk") and in all ("all"), plus by request
+	// kind ("chat", "rag", "scan").
+	HitRate map[string]float64 `json:"hit_rate,omitempty"`
+	// DiskBytes is what the daemon's disk tier read (load row) or wrote
+	// (store row: demotions and write-through) in the scenario, headers
+	// included, from its metrics.
+	DiskBytes uint64 `json:"disk_bytes,omitempty"`
+	// Failed counts failed blocks by status (load, store).
+	Failed                 map[string]int `json:"failed,omitempty"`
+	CorruptBlocksDelivered int            `json:"corrupt_blocks_delivered"`
+	FailedBlocksReoffered  int            `json:"failed_blocks_reoffered"`
+	// Daemon is the scenario's daemon setup: CPU and disk tier sizes.
+	Daemon string `json:"daemon"`
+}
+
+// Baselines are the limits measured in the same run. A nil field was
+// skipped (see Skipped).
+type Baselines struct {
+	MemcpyGBps *float64 `json:"memcpy_gbps"`
+	// MemcpySegmentGBps is the same copy in the layout's segments,
+	// scattered as in the engine's regions: what the daemon's copy loop
+	// could reach.
+	MemcpySegmentGBps *float64 `json:"memcpy_segment_gbps"`
+	ODirectReadGBps   *float64 `json:"odirect_read_gbps"`
+	ODirectWriteGBps  *float64 `json:"odirect_write_gbps"`
+	GRPCEmptyP50us    *float64 `json:"grpc_empty_p50_us"`
+	GRPCEmptyP99us    *float64 `json:"grpc_empty_p99_us"`
+	RedisGetGBps      *float64 `json:"redis_get_gbps"`
+	RedisSetGBps      *float64 `json:"redis_set_gbps"`
+	Workers           int      `json:"workers"`
+	QueueDepth        int      `json:"queue_depth"`
+	IOBytes           int      `json:"io_bytes"`
+	SegmentBytes      int      `json:"segment_bytes"`
+	// ODirectIOBytes is one disk-tier slot: a 4 KiB header and the block.
+	ODirectIOBytes int    `json:"odirect_io_bytes"`
+	DiskDir        string `json:"disk_dir,omitempty"`
+	RedisVersion   string `json:"redis_version,omitempty"`
+}
+
+// Ratios compare the daemon with its limits; nil when a side is missing.
+type Ratios struct {
+	CPULoadVsMemcpy         *float64 `json:"cpu_load_vs_memcpy"`
+	CPUStoreVsMemcpy        *float64 `json:"cpu_store_vs_memcpy"`
+	DiskLoadVsODirectRead   *float64 `json:"disk_load_vs_odirect_read"`
+	DiskStoreVsODirectWrite *float64 `json:"disk_store_vs_odirect_write"`
+	CPULoadVsRedisGet       *float64 `json:"cpu_load_vs_redis_get"`
+	LookupP99VsGRPCEmptyP99 *float64 `json:"lookup_p99_vs_grpc_empty_p99"`
+}
+
+// Faults is what the fault-injection scenario found.
+type Faults struct {
+	Spec     string `json:"spec"`
+	Injected int    `json:"injected"`
+	// InjectedByKind is the daemon's count of injected faults by kind.
+	InjectedByKind map[string]int `json:"injected_by_kind"`
+	// InjectedRead is read-eio + short-read + bitflip: the faults that
+	// must each end as a failed block.
+	InjectedRead         int `json:"injected_read"`
+	BlocksFailedReported int `json:"blocks_failed_reported"`
+	// ReadFailuresReported counts the load-job blocks reported IO_ERROR
+	// or CORRUPT: at least one for every failed disk read.
+	ReadFailuresReported int `json:"read_failures_reported"`
+	// DaemonReadErrors is the daemon's own count of failed disk reads
+	// (kvoffload_disk_errors_total), to tell a fault the daemon missed
+	// from one it caught but did not report.
+	DaemonReadErrors       int `json:"daemon_read_errors"`
+	CorruptBlocksDelivered int `json:"corrupt_blocks_delivered"`
+	FailedBlocksReoffered  int `json:"failed_blocks_reoffered"`
+	// FailedButDelivered counts keys that failed in one job of a Load
+	// and reached another job of the same Load intact (the daemon read
+	// them twice); their later offers are not counted as re-offers.
+	FailedButDelivered int `json:"failed_but_delivered_to_another_job"`
+	// ExternalFlips is how many slots the corruption scenario damaged in
+	// the disk file from outside the daemon.
+	ExternalFlips int `json:"external_flips"`
+	// ExternalCorruptReported is how many blocks that scenario saw
+	// reported CORRUPT.
+	ExternalCorruptReported int `json:"external_corrupt_reported"`
+}
+
+// SweepPoint is the fault scenario at one rate (rate 0: the disk
+// scenario). Load is the steps' loads (CPU and disk hits mixed); DiskLoad
+// the loads of blocks only on disk, where the faults are.
+type SweepPoint struct {
+	Rate          float64 `json:"rate"`
+	Spec          string  `json:"spec"`
+	LoadGBps      float64 `json:"load_gbps"`
+	LoadP99us     float64 `json:"load_p99_us"`
+	DiskLoadGBps  float64 `json:"disk_load_gbps"`
+	DiskLoadP99us float64 `json:"disk_load_p99_us"`
+	StoreGBps     float64 `json:"store_gbps"`
+	Faults        Faults  `json:"faults"`
+}
+
+// Skip says what did not run, and why.
+type Skip struct {
+	What   string `json:"what"`
+	Reason string `json:"reason"`
+}
+
+// Goal is one of issue 4's targets.
+type Goal struct {
+	Name   string   `json:"name"`
+	Target string   `json:"target"`
+	Value  *float64 `json:"value"`
+	Met    *bool    `json:"met"` // nil: not measured
+}
+
+// F returns a pointer to v, for the optional fields.
+func F(v float64) *float64 { return &v }
+
+// Ratio is a/b, nil when either is missing or b is zero.
+func Ratio(a, b *float64) *float64 {
+	if a == nil || b == nil || *b == 0 {
+		return nil
+	}
+	return F(*a / *b)
+}
+
+// Find returns the result of scenario and op.
+func (r *Report) Find(scenario, op string) *Result {
+	for i := range r.Results {
+		if r.Results[i].Scenario == scenario && r.Results[i].Op == op {
+			return &r.Results[i]
+		}
+	}
+	return nil
+}
+
+// WriteJSON writes the report to path.
+func (r *Report) WriteJSON(path string) error {
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+func opt(v *float64, format string) string {
+	if v == nil {
+		return "skipped"
+	}
+	return fmt.Sprintf(format, *v)
+}
+
+// Print writes the readable report.
+func (r *Report) Print(w io.Writer) {
+	fmt.Fprintf(w, "kvbench %s\n", Schema)
+	fmt.Fprintf(w, "reproduce: %s\n", r.Command)
+	fmt.Fprintf(w, "machine:   %s\n", r.Machine)
+	fmt.Fprintf(w, "model:     %s, %d blocks of %d KiB, %d engine blocks, %d steps per scenario\n",
+		r.Model.Name, r.Model.Segments, r.Model.SegmentBytes>>10, r.Model.EngineBlocks, r.Model.StepsPerScenario)
+	fmt.Fprintf(w, "daemon:    %s\n\n", r.Daemon)
+
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\tfailed\tcorrupt\treoffered\t")
+	for _, x := range r.Results {
+		hc, hd := "", ""
+		if x.HitRate != nil {
+			hc, hd = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"])
+		}
+		gb := fmt.Sprintf("%.2f", x.GBps)
+		if strings.HasPrefix(x.Op, "lookup") {
+			gb = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%d\t%d\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
+			hc, hd, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered)
+	}
+	tw.Flush()
+
+	b := r.Baselines
+	fmt.Fprintf(w, "\nbaselines (same run, %s blocks):\n", sizeString(b.IOBytes))
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "  memcpy (Go copy, %d workers)\t%s GB/s\n", b.Workers, opt(b.MemcpyGBps, "%.2f"))
+	fmt.Fprintf(tw, "  memcpy in %s segments, scattered\t%s GB/s\n", sizeString(b.SegmentBytes), opt(b.MemcpySegmentGBps, "%.2f"))
+	fmt.Fprintf(tw, "  O_DIRECT read / write (%s I/Os, QD %d)\t%s / %s GB/s\n", sizeString(b.ODirectIOBytes), b.QueueDepth, opt(b.ODirectReadGBps, "%.2f"), opt(b.ODirectWriteGBps, "%.2f"))
+	fmt.Fprintf(tw, "  empty gRPC round trip p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyP50us, "%.0f"), opt(b.GRPCEmptyP99us, "%.0f"))
+	fmt.Fprintf(tw, "  Redis GET / SET (%d conns)\t%s / %s GB/s\n", b.Workers, opt(b.RedisGetGBps, "%.2f"), opt(b.RedisSetGBps, "%.2f"))
+	tw.Flush()
+
+	q := r.Ratios
+	fmt.Fprintf(w, "\nratios:\n")
+	for _, x := range []struct {
+		name string
+		v    *float64
+	}{
+		{"cpu_load_vs_memcpy", q.CPULoadVsMemcpy},
+		{"cpu_store_vs_memcpy", q.CPUStoreVsMemcpy},
+		{"disk_load_vs_odirect_read", q.DiskLoadVsODirectRead},
+		{"disk_store_vs_odirect_write", q.DiskStoreVsODirectWrite},
+		{"cpu_load_vs_redis_get", q.CPULoadVsRedisGet},
+		{"lookup_p99_vs_grpc_empty_p99", q.LookupP99VsGRPCEmptyP99},
+	} {
+		fmt.Fprintf(w, "  %-30s %s\n", x.name, opt(x.v, "%.2f"))
+	}
+
+	if f := r.Faults; f != nil {
+		fmt.Fprintf(w, "\nfaults (%s):\n  injected %d (%s), read faults %d; blocks failed reported %d, of them IO_ERROR or CORRUPT %d (the daemon counted %d failed reads)\n  corrupt blocks delivered %d; failed blocks re-offered %d (%d failed in one job and reached another intact)\n",
+			f.Spec, f.Injected, failedString(f.InjectedByKind), f.InjectedRead, f.BlocksFailedReported, f.ReadFailuresReported, f.DaemonReadErrors,
+			f.CorruptBlocksDelivered, f.FailedBlocksReoffered, f.FailedButDelivered)
+		if f.ExternalFlips > 0 {
+			fmt.Fprintf(w, "external corruption: %d slots damaged, %d loads reported CORRUPT\n", f.ExternalFlips, f.ExternalCorruptReported)
+		}
+	}
+	if len(r.Sweep) > 0 {
+		fmt.Fprintf(w, "\nfault sweep:\n")
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "read fault rate\tload GB/s\tload p99 µs\tdisk load GB/s\tdisk load p99 µs\tstore GB/s\tread faults\tread failures\tcorrupt\treoffered\t")
+		for _, p := range r.Sweep {
+			fmt.Fprintf(tw, "%g\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%d\t%d\t%d\t%d\t\n", p.Rate, p.LoadGBps, p.LoadP99us, p.DiskLoadGBps, p.DiskLoadP99us, p.StoreGBps,
+				p.Faults.InjectedRead, p.Faults.ReadFailuresReported, p.Faults.CorruptBlocksDelivered, p.Faults.FailedBlocksReoffered)
+		}
+		tw.Flush()
+	}
+	if len(r.Goals) > 0 {
+		fmt.Fprintf(w, "\ngoals:\n")
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		for _, g := range r.Goals {
+			state := "not measured"
+			if g.Met != nil {
+				state = map[bool]string{true: "met", false: "NOT met"}[*g.Met]
+			}
+			fmt.Fprintf(tw, "  %s %s\t%s\t%s\n", g.Name, g.Target, opt(g.Value, "%.2f"), state)
+		}
+		tw.Flush()
+	}
+	for _, s := range r.Skipped {
+		fmt.Fprintf(w, "skipped: %s: %s\n", s.What, s.Reason)
+	}
+}
+
+func failedString(m map[string]int) string {
+	var parts []string
+	for _, k := range sortedKeys(m) {
+		if m[k] > 0 {
+			parts = append(parts, fmt.Sprintf("%s=%d", strings.ToLower(k), m[k]))
+		}
+	}
+	if len(parts) == 0 {
+		return "0"
+	}
+	return strings.Join(parts, ",")
+}
+
+func sizeString(n int) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d B", n)
+}
