@@ -291,6 +291,10 @@ func TestCopyFailureFailsTheJobsBlocks(t *testing.T) {
 	if res.Ok || len(res.Failures) != 3 || res.Failures[2].BlockId != 12 || res.Failures[2].Status != pb.BlockStatus_BLOCK_STATUS_DMA_ERROR {
 		t.Fatalf("failed load: %+v", res)
 	}
+	// DESIGN §3.4: a failed load's blocks leave the index.
+	if lr := e.lookup(t, hs); lr.Ready != 0 {
+		t.Fatalf("blocks whose load failed are offered again: %d", lr.Ready)
+	}
 	if n := d.Svc.CPU().Pinned(); n != 0 {
 		t.Fatalf("%d slots still pinned", n)
 	}

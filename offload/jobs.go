@@ -740,6 +740,17 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 				return true
 			})
 		}
+		if op == OpLoad && copyErr != nil {
+			// DESIGN §3.4: a block whose load failed for any reason
+			// leaves the index before the result goes out.
+			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
+				if found {
+					s.dropCopiesLocked(e)
+					forget = append(forget, ref.key)
+				}
+				return false
+			})
+		}
 		if ref.release {
 			s.cpu.Release(ref.slot)
 		}
@@ -752,12 +763,7 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 		res.Bytes = 0
 		s.log.Warn("copy failed", "op", op, "registration", r.ID, "job", job.ID, "blocks", len(refs), "err", copyErr)
 	}
-	if len(forget) > 0 {
-		c := r.ns.classes[job.Keys.Group]
-		for i := range forget {
-			c.Forget(&forget[i])
-		}
-	}
+	s.forget(forget)
 	res.OK = len(res.Failures) == 0
 	opName := op.String()
 	failed := 0

@@ -576,6 +576,21 @@ func (s *Service) dropEntryLocked(e *index.Entry) {
 	}
 }
 
+// dropCopiesLocked lets go of an entry's slots without erasing its disk
+// copy (the bytes there are still the block's; only the index forgets
+// them). The caller holds the entry's index lock and removes the entry; a
+// disk write in flight finds the entry gone and releases its own slot.
+func (s *Service) dropCopiesLocked(e *index.Entry) {
+	if e.CPU != index.NoSlot {
+		s.cpu.Release(e.CPU)
+		e.CPU = index.NoSlot
+	}
+	if e.Disk != index.NoSlot {
+		s.disk.Release(e.Disk)
+		e.Disk = index.NoSlot
+	}
+}
+
 // forget tells the policy about keys dropped for reasons of our own.
 func (s *Service) forget(keys []index.Key) {
 	for i := range keys {

@@ -78,10 +78,7 @@ func TestRunFailedCopies(t *testing.T) {
 	}
 	t.Logf("load failed %v, store failed %v, re-offered %d", res.LoadFailed, res.StoreFailed, res.FailedReoffered)
 	if res.FailedReoffered != 0 {
-		// DESIGN.md §3.4 lists a DMA error among the read failures whose
-		// index entry goes before the response; offload's complete()
-		// drops entries only for failed stores. kvbench counts what it
-		// sees; this skip names the daemon's deviation until it is fixed.
-		t.Skipf("daemon deviation: %d blocks whose load failed with DMA_ERROR were offered again by the next Lookup (DESIGN.md §3.4 says their entry is removed)", res.FailedReoffered)
+		t.Fatalf("%d blocks whose load failed with DMA_ERROR were offered again (DESIGN.md §3.4: their entry goes)", res.FailedReoffered)
 	}
+
 }
