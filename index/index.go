@@ -46,6 +46,9 @@ const (
 	// Promoting: a load is copying the block from disk into the CPU tier
 	// and has offered it to the CPU tier's policy.
 	Promoting
+	// Spill: a store the CPU tier's policy declined; its CPU slot only
+	// stages the block on its way to the disk tier.
+	Spill
 )
 
 // Entry is what the index keeps per key.

@@ -729,7 +729,21 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 					return false
 				}
 				e.State = index.Ready
-				if s.disk != nil && s.writeThrough {
+				switch spill := e.Flags&index.Spill != 0; {
+				case spill:
+					// Readable from its staging slot until the disk
+					// write lands, like a block the policy evicted.
+					e.Flags &^= index.Spill
+					s.cpu.Pin(e.CPU)
+					if s.demote(demotion{key: ref.key, cpuSlot: e.CPU}) {
+						e.Flags |= index.DiskWriting
+						return true
+					}
+					s.cpu.Unpin(e.CPU)
+					s.dropCopiesLocked(e)
+					res.Failures = append(res.Failures, r.failure(job, ref.i, Rejected))
+					return false
+				case s.disk != nil && s.writeThrough:
 					s.cpu.Pin(e.CPU)
 					if s.demote(demotion{key: ref.key, cpuSlot: e.CPU, keepCPU: true}) {
 						e.Flags |= index.DiskWriting

@@ -623,10 +623,15 @@ func (s *Service) onPolicyEvict(k index.Key) {
 		case !found:
 			return false
 		case e.CPU == index.NoSlot:
-			// A store claimed but not yet given a slot goes; its store
-			// reports the block rejected. A disk-only block stays, and
-			// a load promoting it no longer keeps it in the CPU tier.
+			// A store claimed but not yet given a slot goes to the disk
+			// tier if there is one, else it goes and its store reports
+			// it rejected. A disk-only block stays, and a load promoting
+			// it no longer keeps it in the CPU tier.
 			e.Flags &^= index.Promoting
+			if e.State == index.Writing && s.disk != nil {
+				e.Flags |= index.Spill
+				return true
+			}
 			return e.State == index.Ready
 		case s.disk != nil && !s.writeThrough && e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
 			s.cpu.Pin(e.CPU)
@@ -649,14 +654,20 @@ func (s *Service) onPolicyEvict(k index.Key) {
 }
 
 // onPolicyReject runs for a key the CPU policy declined: a store that has
-// not taken a slot yet drops its claim; a load promoting the block from
-// disk keeps it out of the CPU tier.
+// not taken a slot yet spills to the disk tier (or, without one, drops its
+// claim); a load promoting the block from disk keeps it out of the CPU tier.
 func (s *Service) onPolicyReject(k index.Key) {
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 		switch {
 		case !found:
 			return false
 		case e.State == index.Writing && e.CPU == index.NoSlot:
+			// A store the CPU tier will not keep may still earn a place
+			// on disk: it is staged in a CPU slot and written there.
+			if s.disk != nil {
+				e.Flags |= index.Spill
+				return true
+			}
 			return false
 		case e.Flags&index.Promoting != 0:
 			e.Flags &^= index.Promoting
