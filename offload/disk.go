@@ -369,22 +369,8 @@ func (s *Service) onDiskReject(k index.Key) {
 // onDiskEvictRange drops the disk copies in a chunk the disk tier is moving
 // to another slot size.
 func (s *Service) onDiskEvictRange(lo, hi slots.SlotID) {
-	var dropped []index.Key
-	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
-		if e.Disk == index.NoSlot || e.Disk < lo || e.Disk >= hi {
-			return true
-		}
-		s.disk.Release(e.Disk)
-		e.Disk = index.NoSlot
-		dropped = append(dropped, *k)
-		return e.Holds()
-	})
-	for i := range dropped {
-		if ns := s.nsByID(dropped[i].NS); ns != nil {
-			ns.diskClasses[dropped[i].Group].Forget(&dropped[i])
-		}
-	}
-	s.m.evictions.WithLabelValues("disk", "rebalance").Add(float64(len(dropped)))
+	s.evictRange("disk", s.disk.Space, lo, hi, func(e *index.Entry) *uint32 { return &e.Disk },
+		func(ns *Namespace) []*slots.Class { return ns.diskClasses })
 }
 
 // dropQueuedDemotions undoes demotions still queued when the service stops:

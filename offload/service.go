@@ -676,25 +676,34 @@ func (s *Service) onPolicyReject(k index.Key) {
 	})
 }
 
-// onEvictRange drops every block in a chunk the tier is moving to another
-// slot size.
+// onEvictRange drops the CPU copies in a chunk the CPU tier is moving to
+// another slot size.
 func (s *Service) onEvictRange(lo, hi cpu.SlotID) {
+	s.evictRange("cpu", s.cpu.Space, lo, hi, func(e *index.Entry) *uint32 { return &e.CPU },
+		func(ns *Namespace) []*slots.Class { return ns.classes })
+}
+
+// evictRange drops the copies one tier holds in slots [lo, hi): the tier
+// is giving that chunk to another slot size. An entry left with no copy
+// goes.
+func (s *Service) evictRange(tier string, sp *slots.Space, lo, hi slots.SlotID, slot func(*index.Entry) *uint32, classes func(*Namespace) []*slots.Class) {
 	var dropped []index.Key
 	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
-		if e.CPU == index.NoSlot || e.CPU < lo || e.CPU >= hi {
+		p := slot(e)
+		if *p == index.NoSlot || *p < lo || *p >= hi {
 			return true
 		}
-		s.cpu.Release(e.CPU)
-		e.CPU = index.NoSlot
+		sp.Release(*p)
+		*p = index.NoSlot
 		dropped = append(dropped, *k)
 		return e.State == index.Ready && e.Holds()
 	})
 	for i := range dropped {
 		if ns := s.nsByID(dropped[i].NS); ns != nil {
-			ns.classes[dropped[i].Group].Forget(&dropped[i])
+			classes(ns)[dropped[i].Group].Forget(&dropped[i])
 		}
 	}
-	s.m.evictions.WithLabelValues("cpu", "rebalance").Add(float64(len(dropped)))
+	s.m.evictions.WithLabelValues(tier, "rebalance").Add(float64(len(dropped)))
 	s.c.evictions.Add(uint64(len(dropped)))
 }
 
