@@ -163,8 +163,10 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	}
 	s.dm.recovered.Add(float64(n))
 	s.log.Info("disk tier: index rebuilt from the slot files", "blocks", n, "namespaces", len(byDigest), "took", time.Since(start).Round(time.Millisecond))
-	s.reaper.Add(1)
+	s.staging = make(chan stageReq, demotionQueue)
+	s.reaper.Add(2)
 	go s.demoter()
+	go s.stager()
 	return nil
 }
 
@@ -407,4 +409,56 @@ func (s *Service) FlushDisk(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// stageWait bounds how long a load waits for a CPU slot to read a disk
+// block into before it reports the block NO_SPACE (the engine recomputes).
+const stageWait = 50 * time.Millisecond
+
+// stageReq is a disk read of a load waiting for a CPU slot.
+type stageReq struct {
+	lj       *loadJob
+	rd       diskRead
+	c        *slots.Class
+	deadline time.Time
+}
+
+// stageLater hands a read to the stager, or fails it NO_SPACE at once when
+// the stager's queue is full.
+func (s *Service) stageLater(req stageReq) {
+	select {
+	case s.staging <- req:
+	default:
+		req.lj.readDone(req.rd, index.NoSlot, nil)
+	}
+}
+
+// stager gives waiting disk reads CPU slots as they free up, in order,
+// each until its deadline. It stops when the service closes (every job has
+// drained by then, so nothing waits).
+func (s *Service) stager() {
+	defer s.reaper.Done()
+	for {
+		select {
+		case req := <-s.staging:
+			for {
+				if slot, ok := req.c.Alloc(); ok {
+					req.lj.read(req.rd, slot)
+					break
+				}
+				if time.Now().After(req.deadline) {
+					req.lj.readDone(req.rd, index.NoSlot, nil)
+					break
+				}
+				select {
+				case <-time.After(200 * time.Microsecond):
+				case <-s.stop:
+					req.lj.readDone(req.rd, index.NoSlot, nil)
+					return
+				}
+			}
+		case <-s.stop:
+			return
+		}
+	}
 }

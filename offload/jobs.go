@@ -516,19 +516,28 @@ func (lj *loadJob) promote(reads []diskRead) {
 		}
 	}
 	c.Admit(offer)
-	payload := r.ns.Layout.PayloadBytes(g)
 	lj.left = len(reads)
+	deadline := time.Now().Add(stageWait)
 	for _, rd := range reads {
 		staging, ok := c.Alloc()
 		if !ok {
-			lj.readDone(rd, index.NoSlot, nil)
+			// Slots free up as evicted blocks reach the disk; the
+			// stager waits for one (briefly) instead of failing now.
+			s.stageLater(stageReq{lj: lj, rd: rd, c: c, deadline: deadline})
 			continue
 		}
-		m := s.diskMeta(&rd.key)
-		s.disk.Read(rd.dslot, m, s.cpu.Slot(staging, layout.AlignUp(payload)), func(err error) {
-			lj.readDone(rd, staging, err)
-		})
+		lj.read(rd, staging)
 	}
+}
+
+// read starts the disk read of rd into the CPU slot staging.
+func (lj *loadJob) read(rd diskRead, staging cpu.SlotID) {
+	s := lj.r.s
+	payload := lj.r.ns.Layout.PayloadBytes(lj.job.Keys.Group)
+	m := s.diskMeta(&rd.key)
+	s.disk.Read(rd.dslot, m, s.cpu.Slot(staging, layout.AlignUp(payload)), func(err error) {
+		lj.readDone(rd, staging, err)
+	})
 }
 
 // readDone settles one disk read: a failed block's disk copy is dropped

@@ -76,7 +76,8 @@ type Service struct {
 	writeThrough bool
 	dm           *diskMetrics
 	demotions    chan demotion
-	diskWrites   atomic.Int64 // demotions queued or in flight
+	staging      chan stageReq // disk reads of loads waiting for a CPU slot
+	diskWrites   atomic.Int64  // demotions queued or in flight
 
 	jobs sync.WaitGroup // accepted jobs not yet finished
 	stop chan struct{}  // closed by Close: background goroutines exit
