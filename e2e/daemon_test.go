@@ -150,6 +150,10 @@ func TestStoreLookupLoad(t *testing.T) {
 	}
 	e.verify(t, res, hs, seq(32, 8))
 
+	// A scheduler that registered nothing finds the namespace by fingerprint.
+	if ids, err := e.c.Resolve(ctx(t), []byte("model-a"), []byte("nobody")); err != nil || len(ids) != 2 || ids[0] != e.reg.NamespaceId || ids[1] != 0 {
+		t.Fatalf("resolve: %v %v", ids, err)
+	}
 	// A second registration with the same fingerprint and layout shares
 	// the blocks (an engine restart hits the cache).
 	e2 := register(t, d, small, "model-a")
