@@ -38,7 +38,6 @@ const demotionQueue = 4096
 type diskMetrics struct {
 	demotions *prometheus.CounterVec // result=written|rejected|no_space|failed|dropped
 	promoted  prometheus.Counter
-	recovered prometheus.Counter
 }
 
 func newDiskMetrics(reg prometheus.Registerer) *diskMetrics {
@@ -50,12 +49,9 @@ func newDiskMetrics(reg prometheus.Registerer) *diskMetrics {
 		promoted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvoffload_disk_promotions_total", Help: "Blocks read from disk by a load and kept in the CPU tier.",
 		}),
-		recovered: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kvoffload_recovered_blocks_total", Help: "Blocks recovered from the disk tier's files at start and put back in the index.",
-		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.demotions, m.promoted, m.recovered)
+		reg.MustRegister(m.demotions, m.promoted)
 	}
 	return m
 }
@@ -161,7 +157,6 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	if err != nil {
 		return fmt.Errorf("disk tier recovery: %w", err)
 	}
-	s.dm.recovered.Add(float64(n))
 	s.log.Info("disk tier: index rebuilt from the slot files", "blocks", n, "namespaces", len(byDigest), "took", time.Since(start).Round(time.Millisecond))
 	s.staging = make(chan stageReq, demotionQueue)
 	s.reaper.Add(2)
