@@ -47,14 +47,21 @@ func storeMany(t testing.TB, e *engine, seed uint64, n int) [][]byte {
 			// the CPU tier evicted to reach the disk.
 			flush(t, e.d)
 		}
-		failed := map[uint32]bool{}
-		for _, f := range res.Failures {
-			failed[f.Index] = true
-		}
-		for j, h := range hs {
-			if !failed[uint32(j)] {
-				ok = append(ok, h)
-			}
+		ok = append(ok, storedOK(res, hs)...)
+	}
+	return ok
+}
+
+// storedOK returns the hashes of a store job that did not fail.
+func storedOK(res *pb.JobResult, hs [][]byte) [][]byte {
+	failed := map[uint32]bool{}
+	for _, f := range res.Failures {
+		failed[f.Index] = true
+	}
+	var ok [][]byte
+	for j, h := range hs {
+		if !failed[uint32(j)] {
+			ok = append(ok, h)
 		}
 	}
 	return ok

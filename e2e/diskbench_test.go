@@ -38,15 +38,7 @@ func diskBench(b *testing.B, dir string) (*engine, [][]byte) {
 		part := e.hashes(uint64(100+i), 4)
 		res := e.store(b, uint64(i), part, seq(0, 4))
 		flush(b, d)
-		failed := map[uint32]bool{}
-		for _, f := range res.Failures {
-			failed[f.Index] = true
-		}
-		for j, h := range part {
-			if !failed[uint32(j)] {
-				hs = append(hs, h)
-			}
-		}
+		hs = append(hs, storedOK(res, part)...)
 	}
 	return e, hs[:160]
 }
