@@ -485,6 +485,7 @@ class WorkerSide:
         drain_timeout_s: float = 30.0,
         reregister_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        unavailable_grace_s: float = 5.0,
     ):
         self.fingerprint = bytes(fingerprint)
         self.num_groups = num_groups
@@ -496,6 +497,12 @@ class WorkerSide:
         self._drain_timeout = drain_timeout_s
         self._rereg_after = reregister_after_s
         self._clock = clock
+        # A connection that breaks with jobs in flight: the daemon drains
+        # them and keeps answering Completions for the old registration
+        # until they have landed, so the connector keeps asking (gRPC
+        # reconnects) for this long before it gives the jobs up.
+        self._unavailable_grace = unavailable_grace_s
+        self._unavailable_since: float | None = None
         self._lock = threading.Lock()
         self._kv: KVRegistration | None = None
         self.registration_id: int | None = None
@@ -608,12 +615,24 @@ class WorkerSide:
             return
         try:
             c = self._client.completions(self.registration_id, wait_ms=wait_ms)
-        except (NotFound, Unavailable) as e:
+        except NotFound as e:
+            # Unknown, or unregistered and every job of it drained: nothing
+            # of ours writes the engine's blocks any more.
+            self._unavailable_since = None
             self._lost_registration(e)
+            return
+        except Unavailable as e:
+            now = self._clock()
+            if self._unavailable_since is None:
+                self._unavailable_since = now
+            if now - self._unavailable_since >= self._unavailable_grace:
+                self._unavailable_since = None
+                self._lost_registration(e)
             return
         except KVOffloadError as e:
             log.warning("kvoffload: Completions failed (%s)", e)
             return
+        self._unavailable_since = None
         self._apply(c.results)
 
     def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
@@ -623,6 +642,8 @@ class WorkerSide:
             if left <= 0 or self.registration_id is None:
                 return done()
             self._poll(wait_ms=int(min(left, 1.0) * 1000))
+            if self._unavailable_since is not None:
+                time.sleep(0.01)  # the daemon is unreachable: do not spin
         return True
 
     # -- vLLM's worker-side calls -------------------------------------------
