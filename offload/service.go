@@ -509,7 +509,7 @@ func slowest(t Tier, j int, e index.Entry) Tier {
 	return t
 }
 
-// InvalidateAll drops every block of the namespaces; with keys, only those.
+// Invalidate drops every block of the namespaces; with keys, only those.
 func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
