@@ -149,13 +149,9 @@ func (t *Space) Audit(named map[SlotID]*Class, pins map[SlotID]uint32) error {
 				fail("%d-byte class lists slot %d of a chunk it does not own", size, s)
 				continue
 			}
-			if freeSlots[c][s] {
-				if onList[s] {
-					fail("%d-byte class lists free slot %d twice", size, s)
-				}
-				onList[s] = true
-			}
-			// A used slot on the list is one Restore took; Alloc skips it.
+			// A slot Restore took stays on the list (Alloc skips it),
+			// and may be listed again once freed: Alloc checks each.
+			onList[s] = true
 		}
 		for s := range freeSlots[c] {
 			if !onList[s] {

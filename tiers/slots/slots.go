@@ -118,13 +118,10 @@ type Space struct {
 
 	touches        chan touchBatch
 	touchesDropped atomic.Uint64
-	// touchMu orders the accesses the worker feeds a policy with closing
-	// that policy: ristretto must not be read while it closes.
-	touchMu sync.Mutex
-	retire  chan struct{} // wakes the worker: classes to close
-	stop    chan struct{}
-	closing atomic.Bool
-	wg      sync.WaitGroup
+	retire         chan struct{} // wakes the worker: classes to close
+	stop           chan struct{}
+	closing        atomic.Bool
+	wg             sync.WaitGroup
 
 	mu struct {
 		sync.Mutex
@@ -162,6 +159,10 @@ type Class struct {
 	// retired is set when the class is removed: its policy's callbacks
 	// stop reaching the owner, and the worker closes it.
 	retired atomic.Bool
+	// pmu orders every use of the policy (read-locked) with closing it:
+	// ristretto must not be used while it closes. A user that lost the
+	// race to a removal finds retired set and does nothing.
+	pmu sync.RWMutex
 
 	// guarded by t.mu
 	free    []SlotID
@@ -405,8 +406,8 @@ func (t *Space) worker() {
 // number of ristretto's buffers so the last ones are not left waiting in a
 // half-full buffer (they would miss the next admission decision).
 func (t *Space) record(b touchBatch) {
-	t.touchMu.Lock()
-	defer t.touchMu.Unlock()
+	b.c.pmu.RLock()
+	defer b.c.pmu.RUnlock()
 	if b.c.retired.Load() {
 		return
 	}
@@ -425,11 +426,18 @@ func (t *Space) closeRetired() {
 	rs := t.mu.retired
 	t.mu.retired = nil
 	t.mu.Unlock()
-	t.touchMu.Lock()
-	defer t.touchMu.Unlock()
 	for _, c := range rs {
-		c.policy.Close()
+		c.closePolicy()
 	}
+}
+
+// closePolicy stops the class's policy and its goroutines, once no one
+// uses it.
+func (c *Class) closePolicy() {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	c.retired.Store(true)
+	c.policy.Close()
 }
 
 // drainTouches records the queued accesses on the caller's goroutine.
@@ -457,6 +465,11 @@ func (c *Class) Admit(keys []index.Key) {
 	// Accesses still queued count before the admission decision: a
 	// block looked up just before its store must not look colder than it is.
 	c.t.drainTouches()
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if c.retired.Load() {
+		return
+	}
 	if len(keys) > 1 {
 		// ristretto would take the second offer of a key for an update
 		// of one it has not yet added, and reject it.
@@ -482,11 +495,22 @@ func (c *Class) Admit(keys []index.Key) {
 
 // Forget removes k from the policy after its owner dropped it for a reason
 // of its own (failure, invalidation). Call it without holding any index lock.
-func (c *Class) Forget(k *index.Key) { c.policy.Del(c.t.PolicyKey(k)) }
+func (c *Class) Forget(k *index.Key) {
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if !c.retired.Load() {
+		c.policy.Del(c.t.PolicyKey(k))
+	}
+}
 
 // Holds reports whether the policy counts k among the blocks it keeps. It
 // records no access; it is for invariant checks.
 func (c *Class) Holds(k *index.Key) bool {
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if c.retired.Load() {
+		return false
+	}
 	_, ok := c.policy.GetTTL(c.t.PolicyKey(k))
 	return ok
 }
@@ -498,6 +522,9 @@ func (c *Class) Alloc() (SlotID, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var s SlotID
+	if c.removed {
+		return 0, false
+	}
 	for {
 		n := len(c.free)
 		if n == 0 {
@@ -727,6 +754,8 @@ func (c *Class) Restore(s SlotID, k index.Key) error {
 	t.mu.usedBytes += c.slotBytes
 	t.mu.blocks++
 	t.mu.Unlock()
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
 	c.policy.Set(t.PolicyKey(&k), k, 1)
 	c.policy.Wait()
 	return nil
@@ -886,7 +915,6 @@ func (t *Space) Close() {
 	t.mu.retired = nil
 	t.mu.Unlock()
 	for _, c := range policies {
-		c.retired.Store(true)
-		c.policy.Close()
+		c.closePolicy()
 	}
 }

@@ -1252,8 +1252,13 @@ type JobResult struct {
 	Ok       bool            `protobuf:"varint,4,opt,name=ok,proto3" json:"ok,omitempty"`
 	Failures []*BlockFailure `protobuf:"bytes,5,rep,name=failures,proto3" json:"failures,omitempty"`
 	// Blocks of the job and bytes moved by it.
-	Blocks        uint32 `protobuf:"varint,6,opt,name=blocks,proto3" json:"blocks,omitempty"`
-	Bytes         uint64 `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Blocks uint32 `protobuf:"varint,6,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	Bytes  uint64 `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Position of this result in its registration's queue of results: 1, 2,
+	// 3, ... in the order jobs finished. Acknowledge it with
+	// CompletionsRequest.ack_seq. 0 on results returned by a Store or Load
+	// with wait.
+	Seq           uint64 `protobuf:"varint,8,opt,name=seq,proto3" json:"seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1337,13 +1342,27 @@ func (x *JobResult) GetBytes() uint64 {
 	return 0
 }
 
+func (x *JobResult) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
 type CompletionsRequest struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	RegistrationId uint64                 `protobuf:"varint,1,opt,name=registration_id,json=registrationId,proto3" json:"registration_id,omitempty"`
 	// Wait up to this long for at least one completion when none is ready.
 	WaitMs uint32 `protobuf:"varint,2,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
-	// Return at most this many (0: all).
-	MaxJobs       uint32 `protobuf:"varint,3,opt,name=max_jobs,json=maxJobs,proto3" json:"max_jobs,omitempty"`
+	// Return at most this many (0: as many as fit in one reply).
+	MaxJobs uint32 `protobuf:"varint,3,opt,name=max_jobs,json=maxJobs,proto3" json:"max_jobs,omitempty"`
+	// The cursor. When set, the results with seq <= ack_seq have been
+	// processed and leave the daemon; the reply carries the results after
+	// them, which stay queued until a later call acknowledges them (send 0
+	// when nothing has been processed yet). When absent, the results in the
+	// reply leave the daemon as they are sent: a reply lost with its
+	// connection loses them.
+	AckSeq        *uint64 `protobuf:"varint,4,opt,name=ack_seq,json=ackSeq,proto3,oneof" json:"ack_seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1399,11 +1418,22 @@ func (x *CompletionsRequest) GetMaxJobs() uint32 {
 	return 0
 }
 
+func (x *CompletionsRequest) GetAckSeq() uint64 {
+	if x != nil && x.AckSeq != nil {
+		return *x.AckSeq
+	}
+	return 0
+}
+
 type CompletionsResponse struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Results []*JobResult           `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// In seq order, at most max_jobs and at most what one reply can carry.
+	Results []*JobResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
 	// Jobs of this registration accepted and not yet finished.
-	Pending       uint32 `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	Pending uint32 `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	// More finished results are queued than this reply carries: call again
+	// without waiting.
+	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1450,6 +1480,13 @@ func (x *CompletionsResponse) GetPending() uint32 {
 		return x.Pending
 	}
 	return 0
+}
+
+func (x *CompletionsResponse) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
 }
 
 type InvalidateRequest struct {
@@ -1903,7 +1940,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x19\n" +
 	"\bblock_id\x18\x02 \x01(\rR\ablockId\x12\x12\n" +
 	"\x04hash\x18\x03 \x01(\fR\x04hash\x121\n" +
-	"\x06status\x18\x04 \x01(\x0e2\x19.kvoffload.v1.BlockStatusR\x06status\"\xd9\x01\n" +
+	"\x06status\x18\x04 \x01(\x0e2\x19.kvoffload.v1.BlockStatusR\x06status\"\xeb\x01\n" +
 	"\tJobResult\x12\x15\n" +
 	"\x06job_id\x18\x01 \x01(\x04R\x05jobId\x12\x1d\n" +
 	"\n" +
@@ -1912,14 +1949,19 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x02ok\x18\x04 \x01(\bR\x02ok\x126\n" +
 	"\bfailures\x18\x05 \x03(\v2\x1a.kvoffload.v1.BlockFailureR\bfailures\x12\x16\n" +
 	"\x06blocks\x18\x06 \x01(\rR\x06blocks\x12\x14\n" +
-	"\x05bytes\x18\a \x01(\x04R\x05bytes\"q\n" +
+	"\x05bytes\x18\a \x01(\x04R\x05bytes\x12\x10\n" +
+	"\x03seq\x18\b \x01(\x04R\x03seq\"\x9b\x01\n" +
 	"\x12CompletionsRequest\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\x12\x17\n" +
 	"\await_ms\x18\x02 \x01(\rR\x06waitMs\x12\x19\n" +
-	"\bmax_jobs\x18\x03 \x01(\rR\amaxJobs\"b\n" +
+	"\bmax_jobs\x18\x03 \x01(\rR\amaxJobs\x12\x1c\n" +
+	"\aack_seq\x18\x04 \x01(\x04H\x00R\x06ackSeq\x88\x01\x01B\n" +
+	"\n" +
+	"\b_ack_seq\"v\n" +
 	"\x13CompletionsResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.kvoffload.v1.JobResultR\aresults\x12\x18\n" +
-	"\apending\x18\x02 \x01(\rR\apending\"c\n" +
+	"\apending\x18\x02 \x01(\rR\apending\x12\x12\n" +
+	"\x04more\x18\x03 \x01(\bR\x04more\"c\n" +
 	"\x11InvalidateRequest\x12#\n" +
 	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\x12)\n" +
 	"\x04keys\x18\x02 \x01(\v2\x15.kvoffload.v1.KeyListR\x04keys\".\n" +
@@ -2077,6 +2119,7 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[18].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
