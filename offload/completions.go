@@ -154,14 +154,16 @@ func (r *Registration) deliver(w *waiter, slot int, res Result, worst int) {
 	if w != nil {
 		w.mu.Lock()
 		if !w.abandoned {
+			// Out of pending before the waiter has it: a caller holding
+			// every result finds nothing of them left. The job's
+			// reserved bytes stay until Transfer returns.
+			r.finish(res, false, 0)
 			w.results[slot] = res
 			w.left--
 			if w.left == 0 {
 				close(w.done)
 			}
 			w.mu.Unlock()
-			// The job's reserved bytes stay until Transfer returns.
-			r.finish(res, false, 0)
 			return
 		}
 		w.mu.Unlock()

@@ -31,6 +31,13 @@ type demotion struct {
 	key     index.Key
 	cpuSlot cpu.SlotID
 	keepCPU bool // write-through: the CPU copy stays
+	// dslot is the disk slot written (NoSlot until one is taken);
+	// released is set when the disk policy evicted the block while it was
+	// written: the slot was released then (the writer's pin keeps it), so
+	// the policy does not count room that is still taken. Both are guarded
+	// by the key's index lock.
+	dslot    slots.SlotID
+	released bool
 }
 
 const demotionQueue = 4096
@@ -192,6 +199,7 @@ func (s *Service) diskMeta(k *index.Key) disk.Meta {
 // dropped after a failed load): when it ends it only gives back its own
 // slots, and never touches the entry or the policy of this one.
 func (s *Service) demote(d demotion) bool {
+	d.dslot = index.NoSlot
 	dp := &d
 	s.writing.Lock()
 	s.writing.byKey[d.key] = dp
@@ -212,6 +220,13 @@ func (s *Service) current(d *demotion) bool {
 	s.writing.Lock()
 	defer s.writing.Unlock()
 	return s.writing.byKey[d.key] == d
+}
+
+// currentOf is the key's current demotion, nil when none.
+func (s *Service) currentOf(k index.Key) *demotion {
+	s.writing.Lock()
+	defer s.writing.Unlock()
+	return s.writing.byKey[k]
 }
 
 // endDemotion forgets d once it is over.
@@ -274,9 +289,15 @@ func (s *Service) writeDemotions(batch []*demotion) {
 				return true
 			case e.Flags&index.DiskWriting == 0:
 				// the disk policy declined it
+			case e.Flags&index.DiskEvicted != 0:
+				// The policy evicted it again before it took a slot
+				// (another key of the batch won it): a slot now would
+				// be room the policy does not count.
+				e.Flags &^= index.DiskWriting | index.DiskEvicted
 			default:
 				if sl, ok := c.Alloc(); ok {
 					dslot = sl
+					d.dslot = sl
 					return true
 				}
 				result = "no_space"
@@ -312,8 +333,9 @@ func (s *Service) dropCPUCopyLocked(e *index.Entry, d *demotion) {
 
 // demotionDone settles a finished disk write. The key's current demotion
 // attaches its slot to the entry, unless the disk policy evicted the block
-// meanwhile. Any slot written and not attached is erased: the block must
-// not come back at a restart (its entry may have been invalidated).
+// meanwhile or the slot's chunk is moving to another slot size. Any slot
+// written and not attached is erased: the block must not come back at a
+// restart (its entry may have been invalidated).
 func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, err error) {
 	forget, attached := false, false
 	s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
@@ -329,6 +351,8 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 		case err != nil:
 			forget = true
 		case e.Flags&index.DiskEvicted != 0:
+		case s.disk.Draining(dslot):
+			forget = true
 		default:
 			e.Disk = dslot
 			attached = true
@@ -337,15 +361,16 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 		s.dropCPUCopyLocked(e, d)
 		return e.Holds()
 	})
-	if !attached {
-		s.releaseWritten(dslot, err)
-	}
 	// Forget while the slot still holds the class alive.
 	if forget {
 		c.Forget(&d.key)
 	}
 	s.endDemotion(d)
-	s.disk.Unpin(dslot) // the writer's pin, from Alloc
+	if attached {
+		s.disk.Unpin(dslot) // the writer's pin, from Alloc
+	} else {
+		s.releaseWritten(d, dslot, err)
+	}
 	s.cpu.Unpin(d.cpuSlot)
 	s.diskWrites.Add(-1)
 	switch {
@@ -359,19 +384,30 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 	}
 }
 
-// releaseWritten frees a disk slot a demotion wrote but did not
-// attach: quarantined if the device returned EIO (a bad spot), erased if
-// the write went through (so the block does not come back at a restart),
-// free otherwise (ENOSPC, a refused or cancelled write: the header was not
-// written). The caller still holds the writer's pin.
-func (s *Service) releaseWritten(dslot slots.SlotID, err error) {
+// releaseWritten lets go of a disk slot a demotion wrote but did not
+// attach, and of the writer's pin on it: quarantined if the device returned
+// EIO (a bad spot), erased if the write went through (so the block does not
+// come back at a restart; the pin passes to the erase), free otherwise
+// (ENOSPC, a refused or cancelled write: no header was written).
+func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	switch {
 	case err != nil && errors.Is(err, syscall.EIO):
 		s.disk.Quarantine(dslot)
+		s.disk.Unpin(dslot)
 	case err == nil:
-		s.discardLocked(dslot)
+		if !d.released {
+			s.disk.Release(dslot)
+		}
+		s.diskWrites.Add(1)
+		s.disk.Discard(dslot, func() {
+			s.disk.Unpin(dslot)
+			s.diskWrites.Add(-1)
+		})
 	default:
-		s.disk.Release(dslot)
+		if !d.released {
+			s.disk.Release(dslot)
+		}
+		s.disk.Unpin(dslot)
 	}
 }
 
@@ -383,8 +419,15 @@ func (s *Service) onDiskEvict(k index.Key) {
 			return false
 		}
 		if e.Disk == index.NoSlot {
-			if e.Flags&index.DiskWriting != 0 {
+			if e.Flags&index.DiskWriting != 0 && e.Flags&index.DiskEvicted == 0 {
 				e.Flags |= index.DiskEvicted
+				// The slot being written is room the policy no longer
+				// counts: release it now (the writer's pin keeps it) so
+				// the policy's capacity says so.
+				if d := s.currentOf(k); d != nil && d.dslot != index.NoSlot && !d.released {
+					s.disk.Release(d.dslot)
+					d.released = true
+				}
 			}
 			return true
 		}

@@ -78,24 +78,6 @@ func (s *Service) pinSlot(p leasePin) bool {
 	return s.cpu.Pin(p.slot)
 }
 
-// keep drops the pins of keys not in ready: a key pinned in one namespace
-// may turn out not ready in a later one, and the lease covers only the
-// prefix Lookup reports ready.
-func (ls *lease) keep(s *Service, ready map[index.Key]bool) {
-	for ns, byKey := range ls.pins {
-		for k, p := range byKey {
-			if !ready[k] {
-				s.unpin(p)
-				delete(byKey, k)
-				ls.n--
-			}
-		}
-		if len(byKey) == 0 {
-			delete(ls.pins, ns)
-		}
-	}
-}
-
 // take hands the pin the lease holds for k to the caller. A nil lease
 // holds nothing.
 func (ls *lease) take(k index.Key) (leasePin, bool) {

@@ -778,23 +778,26 @@ func (t *Space) ChunkOf(s SlotID) (chunk uint32, slotBytes uint64) {
 
 // Quarantine takes slot s out of use (its storage returned an I/O error):
 // its bytes are never handed out again, under this slot size or any later
-// one the chunk serves. The caller removed the index entry naming s; the
-// slot's pins still drop as usual, and the chunk can move to another slot
-// size once they have.
+// one the chunk serves. The caller removed the index entry naming s (or
+// released s, and holds a pin on it); the slot's pins still drop as usual,
+// and the chunk can move to another slot size once they have.
 func (t *Space) Quarantine(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	pins, st := t.slotLocked(s)
-	if *st != slotUsed {
+	ch := uint64(s) / t.slotsPer
+	switch *st {
+	case slotUsed:
+		t.heldLocked(ch, 1)
+	case slotReleased: // held already, and pinned
+	default:
 		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, *st))
 	}
 	*st = slotQuarantined
 	t.mu.quarantined++
-	ch := uint64(s) / t.slotsPer
 	c := t.mu.slotClass[ch]
 	lo := (uint64(s) - ch*t.slotsPer) * layout.SlotAlign
 	t.mu.bad[ch] = append(t.mu.bad[ch], span{lo, lo + c.slotBytes})
-	t.heldLocked(ch, 1)
 	if *pins == 0 {
 		t.unliveLocked(ch, c)
 	}
@@ -807,6 +810,15 @@ func (t *Space) unliveLocked(ch uint64, c *Class) {
 	c.live--
 	t.maybeFreeChunkLocked(uint32(ch))
 	t.maybeRetireLocked(c)
+}
+
+// Draining reports whether slot s lies in a chunk moving to another slot
+// size: a block written there is not to be kept.
+func (t *Space) Draining(s SlotID) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ch := uint64(s) / t.slotsPer
+	return ch < uint64(len(t.mu.draining)) && t.mu.draining[ch]
 }
 
 // Quarantined counts slots taken out of use.
