@@ -3,6 +3,9 @@ package slots
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"runtime"
 	"sync"
 	"testing"
@@ -525,5 +528,100 @@ func waitGoroutines(t *testing.T, atMost int) {
 		}
 		runtime.Gosched()
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestRandomOpsKeepTheBookkeeping drives stores into three slot sizes that
+// compete for chunks, pins, unpins, drops, quarantines and class references
+// in a seeded random order, and audits the space after every step.
+func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
+	for seed := uint64(1); seed <= 4; seed++ {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			r := rand.New(rand.NewPCG(seed, 7))
+			sp, o := newSpace(t, 4<<20, 1<<20) // 4 chunks
+			sizes := []uint64{64 << 10, 192 << 10, 256 << 10}
+			classes := map[uint64]*Class{}
+			pins := map[SlotID]uint32{}
+			next := 0
+			ownedSlots := func() []SlotID {
+				o.mu.Lock()
+				defer o.mu.Unlock()
+				out := make([]SlotID, 0, len(o.slot))
+				for _, s := range o.slot {
+					out = append(out, s)
+				}
+				slices.Sort(out)
+				return out
+			}
+			drop := func(s SlotID) bool { // the owner forgets the key of s
+				o.mu.Lock()
+				defer o.mu.Unlock()
+				for k, ks := range o.slot {
+					if ks == s {
+						delete(o.slot, k)
+						return true
+					}
+				}
+				return false
+			}
+			for step := 0; step < 600; step++ {
+				switch op := r.IntN(10); {
+				case op < 4: // store
+					size := sizes[r.IntN(len(sizes))]
+					c := classes[size]
+					if c == nil {
+						var err error
+						if c, err = sp.Class(size); err != nil {
+							t.Fatal(err)
+						}
+						classes[size] = c
+					}
+					next++
+					o.store(t, c, key(next))
+				case op < 6: // pin
+					if s := ownedSlots(); len(s) > 0 {
+						x := s[r.IntN(len(s))]
+						if sp.Pin(x) {
+							pins[x]++
+						}
+					}
+				case op < 8: // unpin
+					for x := range pins {
+						sp.Unpin(x)
+						if pins[x]--; pins[x] == 0 {
+							delete(pins, x)
+						}
+						break
+					}
+				case op < 9: // drop or quarantine a block
+					if s := ownedSlots(); len(s) > 0 {
+						x := s[r.IntN(len(s))]
+						if drop(x) {
+							if r.IntN(3) == 0 {
+								sp.Quarantine(x)
+							} else {
+								sp.Release(x)
+							}
+						}
+					}
+				default: // a class loses its last user, or comes back
+					size := sizes[r.IntN(len(sizes))]
+					if c := classes[size]; c != nil {
+						c.Drop()
+						delete(classes, size)
+					}
+				}
+				o.audit(t, pins)
+			}
+			for x, n := range pins {
+				for ; n > 0; n-- {
+					sp.Unpin(x)
+				}
+			}
+			o.audit(t, nil)
+			for _, c := range classes {
+				c.Drop()
+			}
+		})
 	}
 }
