@@ -88,10 +88,10 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			}
 			out := make([]Result, n)
 			copy(out, r.mu.done)
+			res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n}
 			if ack == nil {
 				r.dropLocked(n)
 			}
-			res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n || (ack == nil && len(r.mu.done) > 0)}
 			r.mu.Unlock()
 			return res, nil
 		}
