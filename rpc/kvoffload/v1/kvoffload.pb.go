@@ -844,8 +844,11 @@ type LookupRequest struct {
 	NamespaceIds []uint32 `protobuf:"varint,1,rep,packed,name=namespace_ids,json=namespaceIds,proto3" json:"namespace_ids,omitempty"`
 	// Ordered keys (a request's chained block hashes).
 	Keys *KeyList `protobuf:"bytes,2,opt,name=keys,proto3" json:"keys,omitempty"`
-	// When > 0, the ready prefix is pinned in the CPU tier for this long, so
-	// it cannot be evicted before the Load that names the lease comes.
+	// When > 0, the ready prefix is pinned where it is for this long, so it
+	// cannot be evicted before the Loads that name the lease come. The lease
+	// belongs to this connection: only its Loads use it, and it ends when
+	// the connection closes. Leases are bounded per connection and in total
+	// (RESOURCE_EXHAUSTED past them).
 	LeaseMs uint32 `protobuf:"varint,3,opt,name=lease_ms,json=leaseMs,proto3" json:"lease_ms,omitempty"`
 	// Do not count this lookup as an access for the admission policy (a
 	// scheduler asking again for a request that is still waiting).
@@ -985,7 +988,10 @@ type Job struct {
 	RequestId string   `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	Keys      *KeyList `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
 	BlockIds  []uint32 `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
-	// A lease from Lookup to release once this job holds its own pins.
+	// A lease from a Lookup over this connection: the job loads the blocks
+	// the lease pinned in this registration's namespace (even if evicted
+	// since) and releases the rest of that namespace's pins. A lease of
+	// another connection is not used.
 	LeaseId       uint64 `protobuf:"varint,5,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
