@@ -18,6 +18,10 @@ var (
 	// ErrBacklog: the registration has too many unfinished or unread jobs;
 	// read Completions before submitting more.
 	ErrBacklog = errors.New("too many pending jobs")
+	// ErrLimit: a bound on what clients may make the daemon hold
+	// (registrations, mapped regions) is reached; the message names it and
+	// its flag. Unregister something, or raise the bound.
+	ErrLimit = errors.New("resource limit reached")
 	// ErrShuttingDown: the daemon is stopping and takes no new work.
 	ErrShuttingDown = errors.New("daemon is shutting down")
 )

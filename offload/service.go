@@ -34,6 +34,16 @@ type Limits struct {
 	MaxPending          int           // unfinished plus unread jobs per registration
 	MaxLease            time.Duration // longest Lookup lease
 	MaxFingerprint      int           // bytes
+
+	// Registrations and the regions they map, in total and per peer uid.
+	// Each mapped region costs the daemon at least one entry of its
+	// memory map (vm.max_map_count, 65530 by default, shared with the Go
+	// runtime and the arena): MaxRegions keeps the regions well under it.
+	// Zero takes the default of each.
+	MaxRegistrations       int
+	MaxRegistrationsPerUID int
+	MaxRegions             int
+	MaxRegionsPerUID       int
 }
 
 // DefaultLimits are generous for an engine and small enough to refuse abuse.
@@ -45,6 +55,34 @@ var DefaultLimits = Limits{
 	MaxPending:          8192,
 	MaxLease:            30 * time.Second,
 	MaxFingerprint:      256,
+
+	// An engine registers once per worker (one per GPU rank), a region
+	// per layer or per layer and K/V: 8 ranks of a 96-layer model map
+	// 1536 regions.
+	MaxRegistrations:       1024,
+	MaxRegistrationsPerUID: 256,
+	MaxRegions:             16384,
+	MaxRegionsPerUID:       8192,
+}
+
+// WithDefaults fills the fields left zero with DefaultLimits'.
+func (l Limits) WithDefaults() Limits {
+	d := DefaultLimits
+	for _, f := range []struct{ v, def *int }{
+		{&l.MaxJobsPerRequest, &d.MaxJobsPerRequest}, {&l.MaxBlocksPerRequest, &d.MaxBlocksPerRequest},
+		{&l.MaxKeysPerLookup, &d.MaxKeysPerLookup}, {&l.MaxNamespaces, &d.MaxNamespaces}, {&l.MaxPending, &d.MaxPending},
+		{&l.MaxFingerprint, &d.MaxFingerprint},
+		{&l.MaxRegistrations, &d.MaxRegistrations}, {&l.MaxRegistrationsPerUID, &d.MaxRegistrationsPerUID},
+		{&l.MaxRegions, &d.MaxRegions}, {&l.MaxRegionsPerUID, &d.MaxRegionsPerUID},
+	} {
+		if *f.v == 0 {
+			*f.v = *f.def
+		}
+	}
+	if l.MaxLease == 0 {
+		l.MaxLease = d.MaxLease
+	}
+	return l
 }
 
 // Config wires the service to its parts.
@@ -96,6 +134,11 @@ type Service struct {
 		nextLs  uint64
 		closing bool
 		closed  bool
+
+		// Booked by Register before it maps anything, returned when the
+		// registration is gone (Limits.MaxRegistrations...).
+		regCount, regionCount int
+		byUID                 map[uint32]*use
 	}
 }
 
@@ -114,13 +157,12 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.Limits == (Limits{}) {
-		cfg.Limits = DefaultLimits
-	}
+	cfg.Limits = cfg.Limits.WithDefaults()
 	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{})}
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
 	s.mu.regs = map[uint64]*Registration{}
+	s.mu.byUID = map[uint32]*use{}
 	s.mu.leases = map[uint64]*lease{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
@@ -181,8 +223,10 @@ func (s *Service) CPU() *cpu.Tier { return s.cpu }
 // Disk exposes the disk tier, nil without one (for stats and tests).
 func (s *Service) Disk() *disk.Tier { return s.disk }
 
-// Register maps a client's regions and joins or creates its namespace.
-func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, peer dma.Peer, name string) (*Registration, bool, error) {
+// Register maps a client's regions on behalf of owner and joins or creates
+// its namespace. The registration and its regions count against the bounds
+// of Limits until Unregister.
+func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, owner Owner, name string) (*Registration, bool, error) {
 	if len(fingerprint) == 0 || len(fingerprint) > s.lim.MaxFingerprint {
 		return nil, false, fmt.Errorf("%w: fingerprint is %d bytes, want 1..%d", ErrInvalid, len(fingerprint), s.lim.MaxFingerprint)
 	}
@@ -192,11 +236,29 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	if len(specs) != len(l.Segments) {
 		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
 	}
+	peer := owner.Peer
+	s.mu.Lock()
+	err := s.reserveLocked(peer.UID, len(specs))
+	if err == nil && s.mu.closing {
+		s.unreserveLocked(peer.UID, len(specs))
+		err = ErrShuttingDown
+	}
+	s.mu.Unlock()
+	if err != nil {
+		if errors.Is(err, ErrLimit) {
+			s.m.refused.WithLabelValues("limit").Inc()
+			s.log.Warn("registration refused", "peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "err", err)
+		}
+		return nil, false, err
+	}
 	opened := make([]dma.Region, 0, len(specs))
 	closeAll := func() {
 		for _, r := range opened {
 			r.Close()
 		}
+		s.mu.Lock()
+		s.unreserveLocked(peer.UID, len(specs))
+		s.mu.Unlock()
 	}
 	for i, sp := range specs {
 		sp.SegmentBytes = l.Segments[i].Bytes
@@ -219,37 +281,44 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	}
 
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.mu.closing {
+	r, joined, err := s.addRegistrationLocked(fingerprint, l, regions, owner, name)
+	s.mu.Unlock()
+	if err != nil {
 		closeAll()
+		return nil, false, err
+	}
+	s.log.Info("registered", "registration", r.ID, "namespace", r.ns.ID, "joined", joined, "client", name,
+		"conn", owner.Conn, "peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
+	return r, joined, nil
+}
+
+// addRegistrationLocked joins or creates the namespace and records the
+// registration. The caller holds s.mu.
+func (s *Service) addRegistrationLocked(fingerprint []byte, l layout.Layout, regions *layout.Regions, owner Owner, name string) (*Registration, bool, error) {
+	if s.mu.closing {
 		return nil, false, ErrShuttingDown
 	}
 	ns, joined := s.mu.byPrint[string(fingerprint)]
 	if joined && !ns.Layout.Equal(l) {
-		closeAll()
 		return nil, false, fmt.Errorf("%w: namespace %d", ErrLayoutMismatch, ns.ID)
 	}
 	if !joined {
 		var err error
 		if ns, err = s.newNamespaceLocked(fingerprint, l); err != nil {
-			closeAll()
 			return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
 		}
 		if err := s.saveNamespace(ns); err != nil {
 			// Blocks of it could not come back after a restart; refuse
 			// rather than cache what the disk cannot name.
 			s.dropNamespaceLocked(ns)
-			closeAll()
 			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", err)
 		}
 	}
 	ns.regs++
 	s.mu.nextReg++
-	r := newRegistration(s, s.mu.nextReg, ns, regions, peer, name)
+	r := newRegistration(s, s.mu.nextReg, ns, regions, owner, name)
 	s.mu.regs[r.ID] = r
 	s.m.regs.Inc()
-	s.log.Info("registered", "registration", r.ID, "namespace", ns.ID, "joined", joined, "client", name,
-		"peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
 	return r, joined, nil
 }
 
@@ -325,6 +394,7 @@ func (s *Service) Unregister(id uint64) error {
 	s.mu.Lock()
 	delete(s.mu.regs, id)
 	r.ns.regs--
+	s.unreserveLocked(r.own.Peer.UID, len(r.reg.Opened))
 	s.m.regs.Dec()
 	s.mu.Unlock()
 	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)

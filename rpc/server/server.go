@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"strconv"
 	"sync"
 	"time"
@@ -26,15 +27,53 @@ import (
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
-// MaxMessageBytes bounds one request on the wire. A Store or Load of 65536
-// blocks with 32-byte hashes is about 2.5 MiB.
+// MaxMessageBytes bounds one reply on the wire. Requests have a limit of
+// their own, computed from the request bounds (MaxRequestBytes).
 const MaxMessageBytes = 16 << 20
 
 // MaxCompletionsWait bounds how long a Completions call may wait.
 const MaxCompletionsWait = 10 * time.Second
 
+// HandshakeTimeout bounds how long a new connection may take to finish its
+// HTTP/2 preface: grpc's default, 120 s, would let one connection that
+// never sends it hold the shutdown that long.
+const HandshakeTimeout = 10 * time.Second
+
+// Per connection: concurrent calls, and the bytes a call's unread request
+// may take in the transport's buffers (the HTTP/2 stream window; 64 KiB is
+// grpc's least). Together with Config.MaxConnections they bound what
+// requests not yet admitted by the budget can hold.
+const (
+	MaxStreamsPerConn = 32
+	streamWindowBytes = 64 << 10
+	maxHeaderBytes    = 16 << 10
+)
+
 // Version is reported by Stats; the daemon sets it from its build.
 var Version = "dev"
+
+// Config bounds what clients may make the server hold. Zero fields take
+// DefaultConfig's.
+type Config struct {
+	// Connections open at once, in total and per peer uid; one past
+	// either is closed at accept.
+	MaxConnections       int
+	MaxConnectionsPerUID int
+	// MaxInflightRequestBytes bounds the request bytes being received or
+	// handled at once over every connection (see budget).
+	MaxInflightRequestBytes int64
+	// Limits are the service's request bounds, to compute the request
+	// size limit from (default offload.DefaultLimits).
+	Limits offload.Limits
+}
+
+// DefaultConfig serves an engine per GPU and its scheduler with room to
+// spare.
+var DefaultConfig = Config{
+	MaxConnections:          256,
+	MaxConnectionsPerUID:    64,
+	MaxInflightRequestBytes: 64 << 20,
+}
 
 // Server implements pb.KVOffloadServer.
 type Server struct {
@@ -43,60 +82,99 @@ type Server struct {
 	log    *slog.Logger
 	health *health.Server
 	grpc   *grpc.Server
+	conns  *connTable
+	budget *budget
+	maxReq int
 	reaper sync.WaitGroup
 
-	mu struct {
-		sync.Mutex
-		byConn map[uint64][]uint64 // connection -> registrations it made
-	}
+	stopping     chan struct{} // closed by SetNotServing: waits for budget end
+	stoppingOnce sync.Once
 }
 
 var _ pb.KVOffloadServer = (*Server)(nil)
 
 // New builds the gRPC server with the API, health and reflection services.
-func New(svc *offload.Service, log *slog.Logger) *Server {
-	s := &Server{svc: svc, log: log, health: health.NewServer()}
-	s.mu.byConn = map[uint64][]uint64{}
-	creds := &peerCreds{onClose: s.connClosed}
+func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
+	d := DefaultConfig
+	if cfg.MaxConnections == 0 {
+		cfg.MaxConnections = d.MaxConnections
+	}
+	if cfg.MaxConnectionsPerUID == 0 {
+		cfg.MaxConnectionsPerUID = d.MaxConnectionsPerUID
+	}
+	if cfg.MaxInflightRequestBytes == 0 {
+		cfg.MaxInflightRequestBytes = d.MaxInflightRequestBytes
+	}
+	cfg.Limits = cfg.Limits.WithDefaults()
+	s := &Server{svc: svc, log: log, health: health.NewServer(), stopping: make(chan struct{})}
+	s.maxReq = MaxRequestBytes(cfg.Limits)
+	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)))
+	s.conns = newConnTable(cfg.MaxConnections, cfg.MaxConnectionsPerUID, log, s.connClosed)
 	s.grpc = grpc.NewServer(
-		grpc.Creds(creds),
-		grpc.MaxRecvMsgSize(MaxMessageBytes),
+		grpc.Creds(peerCreds{}),
+		grpc.MaxRecvMsgSize(s.maxReq),
 		grpc.MaxSendMsgSize(MaxMessageBytes),
+		grpc.ConnectionTimeout(HandshakeTimeout),
+		grpc.MaxConcurrentStreams(MaxStreamsPerConn),
+		grpc.StaticStreamWindowSize(streamWindowBytes),
+		grpc.MaxHeaderListSize(maxHeaderBytes),
+		grpc.StreamInterceptor(s.guardStream),
 	)
-	pb.RegisterKVOffloadServer(s.grpc, s)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.grpc.RegisterService(s.guardUnary(&pb.KVOffload_ServiceDesc), s)
+	s.grpc.RegisterService(s.guardUnary(&healthpb.Health_ServiceDesc), s.health)
 	reflection.Register(s.grpc)
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(pb.KVOffload_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s
 }
 
-// GRPC is the underlying server, to Serve on a listener.
-func (s *Server) GRPC() *grpc.Server { return s.grpc }
+// Serve serves on lis (a unix socket) until Stop. Every connection is
+// admitted within the connection bounds and known by the peer the kernel
+// recorded for it.
+func (s *Server) Serve(lis net.Listener) error {
+	return s.grpc.Serve(&listener{Listener: lis, t: s.conns})
+}
+
+// MaxRequestBytes is the largest request this server reads.
+func (s *Server) MaxRequestBytes() int { return s.maxReq }
+
+// Connections reports the connections open now.
+func (s *Server) Connections() int { return s.conns.count() }
 
 // SetNotServing flips health to NOT_SERVING: the first step of a shutdown.
-func (s *Server) SetNotServing() { s.health.Shutdown() }
+func (s *Server) SetNotServing() {
+	s.health.Shutdown()
+	s.stoppingOnce.Do(func() { close(s.stopping) })
+}
 
-// Stop stops gracefully, falling back to a hard stop after timeout, then
-// waits for the unregistrations of closed connections.
-func (s *Server) Stop(timeout time.Duration) {
+// Stop stops gracefully until deadline, then closes every connection,
+// those still in their handshake included, and waits for the
+// unregistrations of closed connections. It returns by the deadline unless
+// an unregistration waits for copies still running; ctx ending stops that
+// wait too.
+func (s *Server) Stop(deadline time.Time) {
+	s.SetNotServing()
 	done := make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(done) }()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
 	select {
 	case <-done:
-	case <-time.After(timeout):
-		s.log.Warn("graceful stop timed out; closing connections", "timeout", timeout)
+	case <-t.C:
+		s.log.Warn("graceful stop timed out; closing connections", "open", s.conns.count())
+		// grpc's Stop waits for connections still in their handshake:
+		// close them all first.
+		s.conns.closeAll()
 		s.grpc.Stop()
 		<-done
 	}
+	s.conns.closeAll()
 	s.reaper.Wait()
 }
 
-func (s *Server) connClosed(connID uint64) {
-	s.mu.Lock()
-	regs := s.mu.byConn[connID]
-	delete(s.mu.byConn, connID)
-	s.mu.Unlock()
+// connClosed releases the registrations of a closed connection: their
+// jobs drain, then their regions are unmapped.
+func (s *Server) connClosed(connID uint64, regs []uint64) {
 	if len(regs) == 0 {
 		return
 	}
@@ -105,7 +183,7 @@ func (s *Server) connClosed(connID uint64) {
 		defer s.reaper.Done()
 		for _, id := range regs {
 			if err := s.svc.Unregister(id); err == nil {
-				s.log.Info("connection closed; registration released", "registration", id)
+				s.log.Info("connection closed; registration released", "registration", id, "conn", connID)
 			}
 		}
 	}()
@@ -134,7 +212,7 @@ func toStatus(err error) error {
 		code = codes.NotFound
 	case errors.Is(err, offload.ErrLayoutMismatch):
 		code = codes.FailedPrecondition
-	case errors.Is(err, offload.ErrBacklog):
+	case errors.Is(err, offload.ErrBacklog), errors.Is(err, offload.ErrLimit), errors.Is(err, dma.ErrLimit):
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
@@ -173,6 +251,9 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		sp := dma.RegionSpec{Offset: r.GetOffset(), BlockStride: r.GetBlockStride(), NumBlocks: r.GetNumBlocks()}
 		switch m := r.GetMemory().(type) {
 		case *pb.Region_ShmPath:
+			if len(m.ShmPath) > MaxShmPathBytes {
+				return nil, invalid("regions[" + strconv.Itoa(i) + "].shm_path is longer than " + strconv.Itoa(MaxShmPathBytes) + " bytes")
+			}
 			sp.ShmPath = m.ShmPath
 		case *pb.Region_Cuda:
 			sp.CUDA = &dma.IPCMemory{Handle: m.Cuda.GetHandle(), Device: int(m.Cuda.GetDevice()), AllocSize: m.Cuda.GetAllocSize()}
@@ -181,21 +262,32 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		}
 		specs[i] = sp
 	}
-	reg, joined, err := s.svc.Register(req.GetFingerprint(), lay, specs, info.Peer, req.GetClientName())
+	reg, joined, err := s.svc.Register(req.GetFingerprint(), lay, specs, info.Owner(), req.GetClientName())
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	s.mu.Lock()
-	s.mu.byConn[info.ConnID] = append(s.mu.byConn[info.ConnID], reg.ID)
-	s.mu.Unlock()
+	if !s.conns.addRegistration(info.ConnID, reg.ID) {
+		// The connection closed while the regions were being mapped:
+		// nobody can name this registration, and the connection's
+		// release has already run without it.
+		if err := s.svc.Unregister(reg.ID); err != nil {
+			s.log.Warn("releasing a registration whose connection closed during Register", "registration", reg.ID, "err", err)
+		}
+		return nil, status.Error(codes.Canceled, "the connection closed during Register")
+	}
 	return &pb.RegisterResponse{RegistrationId: reg.ID, NamespaceId: reg.Namespace().ID, JoinedExisting: joined}, nil
 }
 
 // Unregister implements pb.KVOffloadServer.
 func (s *Server) Unregister(ctx context.Context, req *pb.UnregisterRequest) (*pb.UnregisterResponse, error) {
-	if err := s.svc.Unregister(req.GetRegistrationId()); err != nil {
+	reg, err := s.registration(ctx, req.GetRegistrationId(), "Unregister")
+	if err != nil {
+		return nil, err
+	}
+	if err := s.svc.Unregister(reg.ID); err != nil {
 		return nil, toStatus(err)
 	}
+	s.conns.removeRegistration(reg.Owner().Conn, reg.ID)
 	return &pb.UnregisterResponse{}, nil
 }
 
@@ -239,9 +331,9 @@ func (s *Server) Load(ctx context.Context, req *pb.TransferRequest) (*pb.Transfe
 }
 
 func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRequest) (*pb.TransferResponse, error) {
-	reg, err := s.svc.Registration(req.GetRegistrationId())
+	reg, err := s.registration(ctx, req.GetRegistrationId(), op.String())
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, err
 	}
 	jobs := make([]offload.Job, len(req.GetJobs()))
 	for i, j := range req.GetJobs() {
@@ -278,9 +370,9 @@ func toResults(rs []offload.Result) []*pb.JobResult {
 
 // Completions implements pb.KVOffloadServer.
 func (s *Server) Completions(ctx context.Context, req *pb.CompletionsRequest) (*pb.CompletionsResponse, error) {
-	reg, err := s.svc.Registration(req.GetRegistrationId())
+	reg, err := s.registration(ctx, req.GetRegistrationId(), "Completions")
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, err
 	}
 	wait := min(time.Duration(req.GetWaitMs())*time.Millisecond, MaxCompletionsWait)
 	rs, pending, err := reg.Completions(ctx, wait, int(req.GetMaxJobs()))
