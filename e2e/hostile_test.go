@@ -322,6 +322,8 @@ func TestRegisterRacingCloseIsReleased(t *testing.T) {
 	if err := <-errc; err == nil {
 		t.Fatal("Register over a closed connection reported success")
 	}
+	// Once its regions are mapped, only a release unmaps them.
+	waitFor(t, "the racing Register to map its regions", func() bool { return gate.Opened() == small.Layers })
 	waitFor(t, "the racing registration to be released", func() bool {
 		return registrations(d) == 0 && d.Host.MappedBytes() == 0
 	})

@@ -3,6 +3,7 @@ package testenv
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
 )
@@ -20,6 +21,7 @@ type Gate struct {
 
 	opens       chan struct{} // non-nil while Opens are held: closed to let them go
 	openArrived chan struct{} // gets a value for each Open that arrives while held
+	opened      atomic.Int64  // Opens that returned
 }
 
 // NewGate returns an open gate; use it as Options.Wrap.
@@ -57,8 +59,12 @@ func (g *Gate) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 		g.openArrived <- struct{}{}
 		<-held
 	}
+	defer g.opened.Add(1)
 	return g.Engine.Open(spec, peer)
 }
+
+// Opened reports how many Opens have returned.
+func (g *Gate) Opened() int { return int(g.opened.Load()) }
 
 // Wrap is an Options.Wrap.
 func (g *Gate) Wrap(e dma.Engine) dma.Engine {
