@@ -10,11 +10,13 @@ package e2e
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
@@ -485,4 +487,31 @@ func TestClientKilledMidCallLeavesNothing(t *testing.T) {
 	if n := mapsWith(t, path); n != 0 {
 		t.Fatalf("%d mappings of the killed client's file remain", n)
 	}
+}
+
+// TestStalledRequestsDoNotStarveOthers: a client that sends request
+// headers and never the message holds what the daemon booked to receive
+// them, but no more than its uid's share of the in-flight budget: another
+// user's calls go through at once. When the receive timeout passes, the
+// staller's connection is closed and what it held comes back.
+func TestStalledRequestsDoNotStarveOthers(t *testing.T) {
+	testenv.NeedRoot(t)
+	one := int64(server.MaxRequestBytes(offload.DefaultLimits))
+	d := testenv.Start(t, testenv.Options{SharedSocket: true, Quiet: true,
+		Server: server.Config{MaxInflightRequestBytes: 4 * one, ReceiveTimeout: 5 * time.Second}})
+	e := register(t, d, small, "m")
+	h := testenv.StartAs(t, d.Socket, testenv.Nobody)
+	h.Do(testenv.Cmd{Op: "stall", N: 8})
+	waitFor(t, "the stalled requests to hold their uid's share", func() bool { return d.Srv.InflightRequestBytes() == one })
+	// Well within the receive timeout: these need not wait for it.
+	quick, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+	defer cancel()
+	for i := 0; i < 8; i++ {
+		if _, err := e.c.Lookup(quick, []uint32{e.reg.NamespaceId}, testenv.Keys(e.hashes(1, 4)...), 0); err != nil {
+			t.Fatalf("another user's Lookup %d while one user stalls: %v", i, err)
+		}
+	}
+	waitFor(t, "the staller's connection to be closed", func() bool {
+		return d.Srv.Connections() == 1 && d.Srv.InflightRequestBytes() == 0
+	})
 }

@@ -171,7 +171,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.Var(byteSize{&c.maxMappedBytes}, "max-mapped-bytes", "bytes of region files mapped at once (host build; a region file is mapped whole and may be sparse); past it Register gets RESOURCE_EXHAUSTED.")
 	fs.IntVar(&c.maxConnections, "max-connections", c.maxConnections, "client connections open at once; a connection past it is closed at accept (the client sees UNAVAILABLE).")
 	fs.IntVar(&c.maxConnectionsPerUID, "max-connections-per-uid", c.maxConnectionsPerUID, "client connections open at once per client uid; a connection past it is closed at accept.")
-	fs.Var(byteSize{&c.maxInflightRequestBytes}, "max-inflight-request-bytes", "request bytes being received or handled at once over all connections (each request books the largest request size until it is decoded); a request that finds none free waits up to 10s, then gets RESOURCE_EXHAUSTED.")
+	fs.Var(byteSize{&c.maxInflightRequestBytes}, "max-inflight-request-bytes", "request bytes being received or handled at once over all connections (each request books the largest request size until it is decoded; one client uid may hold a quarter); a request that finds none free waits up to 30s, then gets RESOURCE_EXHAUSTED.")
 	fs.Func("disk-dir", "directory of a disk-tier slot file; repeat to stripe across NVMe devices. Without it the daemon has no disk tier.", func(v string) error {
 		c.diskDirs = append(c.diskDirs, v)
 		return nil

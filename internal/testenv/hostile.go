@@ -19,7 +19,9 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
@@ -281,6 +283,7 @@ type helper struct {
 	socket  string
 	c       *client.Client
 	extra   []*client.Client
+	stalled []context.CancelFunc
 	regions map[string]*Region // mapped by this process, by path
 }
 
@@ -398,6 +401,12 @@ func (h *helper) do(c Cmd) Reply {
 		}
 		return Reply{Ready: r.Ready}
 	case "big_lookups": // N Lookups of Bytes bytes of keys at once
+		// Encoded once and sent as is: marshaling 16 MB per call is slow
+		// under the race detector, and a client's speed is not the test.
+		raw, err := proto.Marshal(&pb.LookupRequest{NamespaceIds: c.NS, Keys: &pb.KeyList{Hashes: make([]byte, c.Bytes)}})
+		if err != nil {
+			return Reply{Err: err.Error()}
+		}
 		var mu sync.Mutex
 		rep := Reply{Codes: map[string]int{}}
 		var wg sync.WaitGroup
@@ -405,7 +414,7 @@ func (h *helper) do(c Cmd) Reply {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				_, err := h.c.Lookup(ctx, c.NS, &pb.KeyList{Hashes: make([]byte, c.Bytes)}, 0)
+				err := h.c.Conn().Invoke(ctx, pb.KVOffload_Lookup_FullMethodName, raw, &pb.LookupResponse{}, grpc.ForceCodecV2(rawCodec{}))
 				mu.Lock()
 				rep.Codes[status.Code(err).String()]++
 				mu.Unlock()
@@ -413,6 +422,16 @@ func (h *helper) do(c Cmd) Reply {
 		}
 		wg.Wait()
 		return rep
+	case "stall": // N Lookups whose headers are sent and whose message never is
+		for i := 0; i < c.N; i++ {
+			sctx, cancel := context.WithCancel(context.Background())
+			if _, err := h.c.Conn().NewStream(sctx, &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, pb.KVOffload_Lookup_FullMethodName); err != nil {
+				cancel()
+				return Reply{Err: err.Error()}
+			}
+			h.stalled = append(h.stalled, cancel)
+		}
+		return Reply{}
 	case "connections": // N more connections, each checked with a call; kept open
 		rep := Reply{Codes: map[string]int{}}
 		for i := 0; i < c.N; i++ {
@@ -431,6 +450,10 @@ func (h *helper) do(c Cmd) Reply {
 		}
 		return rep
 	case "close":
+		for _, cancel := range h.stalled {
+			cancel()
+		}
+		h.stalled = nil
 		for _, x := range h.extra {
 			x.Close()
 		}
@@ -443,6 +466,19 @@ func (h *helper) do(c Cmd) Reply {
 	}
 	return Reply{Err: "unknown op " + c.Op}
 }
+
+// rawCodec sends requests already encoded and decodes replies as protobuf.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(v.([]byte))}, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	return proto.Unmarshal(data.Materialize(), v.(proto.Message))
+}
+
+func (rawCodec) Name() string { return "proto" }
 
 func (h *helper) region(path string) (*Region, error) {
 	if r, ok := h.regions[path]; ok {

@@ -20,34 +20,40 @@ import (
 // A request books the largest request size before grpc reads it (its size
 // is not known until then), and, once decoded, keeps only its own size
 // until its handler returns. A request that finds the budget spent waits
-// for it (its connection's other requests go on), up to receiveTimeout.
+// for it (its connection's other requests go on), up to the receive
+// timeout (Config.ReceiveTimeout). One
+// uid may hold at most a quarter of the budget (at least one request's
+// worth), so that a user whose requests stall cannot starve the others.
 type budget struct {
-	max int64
-	mu  sync.Mutex
-	// used is what requests hold now; freed is closed and replaced when
-	// bytes come back.
+	max, perUID int64
+	wait        time.Duration
+	mu          sync.Mutex
+	// used is what requests hold now, byUID the same per peer uid; freed
+	// is closed and replaced when bytes come back.
 	used  int64
+	byUID map[uint32]int64
 	freed chan struct{}
 }
 
-func newBudget(max int64) *budget {
-	return &budget{max: max, freed: make(chan struct{})}
+func newBudget(total, oneRequest int64, wait time.Duration) *budget {
+	return &budget{max: total, perUID: max(total/4, oneRequest), wait: wait, byUID: map[uint32]int64{}, freed: make(chan struct{})}
 }
 
-// acquire books n bytes, waiting while others hold the rest.
-func (b *budget) acquire(ctx context.Context, n int64, stop <-chan struct{}) error {
+// acquire books n bytes for uid, waiting while others hold the rest.
+func (b *budget) acquire(ctx context.Context, uid uint32, n int64, stop <-chan struct{}) error {
 	var timeout <-chan time.Time
 	for {
 		b.mu.Lock()
-		if b.used+n <= b.max {
+		if b.used+n <= b.max && b.byUID[uid]+n <= b.perUID {
 			b.used += n
+			b.byUID[uid] += n
 			b.mu.Unlock()
 			return nil
 		}
 		freed := b.freed
 		b.mu.Unlock()
 		if timeout == nil {
-			t := time.NewTimer(receiveTimeout)
+			t := time.NewTimer(b.wait)
 			defer t.Stop()
 			timeout = t.C
 		}
@@ -58,53 +64,51 @@ func (b *budget) acquire(ctx context.Context, n int64, stop <-chan struct{}) err
 		case <-stop:
 			return status.Error(codes.Unavailable, "daemon is shutting down")
 		case <-timeout:
-			return status.Errorf(codes.ResourceExhausted, "the daemon is receiving %d bytes of other requests, at most %d (--max-inflight-request-bytes); try again", b.inUse(), b.max)
+			return status.Errorf(codes.ResourceExhausted, "the daemon is receiving as many request bytes as it allows (%d over all clients, %d per uid: --max-inflight-request-bytes); try again", b.max, b.perUID)
 		}
 	}
 }
 
-func (b *budget) release(n int64) {
+func (b *budget) release(uid uint32, n int64) {
 	if n == 0 {
 		return
 	}
 	b.mu.Lock()
 	b.used -= n
+	if b.byUID[uid] -= n; b.byUID[uid] <= 0 {
+		delete(b.byUID, uid)
+	}
 	close(b.freed)
 	b.freed = make(chan struct{})
 	b.mu.Unlock()
 }
 
-func (b *budget) inUse() int64 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.used
-}
-
-// receiveTimeout bounds the wait for budget, and the time a request that
-// holds budget may take to arrive: a client that sends a request's
+// DefaultReceiveTimeout bounds the wait for budget, and the time a request
+// that holds budget may take to arrive: a client that sends a request's
 // headers and then stalls would otherwise hold its share for good. A
 // request that has not arrived by then has its connection closed. On a
 // unix socket a request of the largest size arrives in milliseconds.
-const receiveTimeout = 10 * time.Second
+const DefaultReceiveTimeout = 30 * time.Second
 
-// admit books budget for one request and receives it with dec. held is
-// what the request keeps booked afterwards; the caller releases it.
-func (s *Server) admit(ctx context.Context, dec func(any) error, m any) (held int64, err error) {
-	held = int64(s.maxReq)
-	if err := s.budget.acquire(ctx, held, s.stopping); err != nil {
-		return 0, err
-	}
+// admit books budget for one request and receives it with dec. It returns
+// what the request keeps booked afterwards, which the caller releases.
+func (s *Server) admit(ctx context.Context, dec func(any) error, m any) (held int64, uid uint32, err error) {
 	info, _ := peerOf(ctx)
-	stall := time.AfterFunc(receiveTimeout, func() {
+	uid = info.Peer.UID
+	held = int64(s.maxReq)
+	if err := s.budget.acquire(ctx, uid, held, s.stopping); err != nil {
+		return 0, uid, err
+	}
+	stall := time.AfterFunc(s.budget.wait, func() {
 		s.log.Warn("a request did not arrive within the receive timeout; closing its connection",
-			"conn", info.ConnID, "peer_pid", info.Peer.PID, "peer_uid", info.Peer.UID, "timeout", receiveTimeout)
+			"conn", info.ConnID, "peer_pid", info.Peer.PID, "peer_uid", info.Peer.UID, "timeout", s.budget.wait)
 		s.conns.close(info.ConnID)
 	})
 	err = dec(m)
 	stall.Stop()
 	if err != nil {
-		s.budget.release(held)
-		return 0, err
+		s.budget.release(uid, held)
+		return 0, uid, err
 	}
 	// The decoded request is about its wire size in memory, held until
 	// the handler returns.
@@ -112,8 +116,8 @@ func (s *Server) admit(ctx context.Context, dec func(any) error, m any) (held in
 	if pm, ok := m.(proto.Message); ok {
 		keep = min(int64(proto.Size(pm)), held)
 	}
-	s.budget.release(held - keep)
-	return keep, nil
+	s.budget.release(uid, held-keep)
+	return keep, uid, nil
 }
 
 // guardUnary wraps every unary handler of desc so that its request is
@@ -127,10 +131,11 @@ func (s *Server) guardUnary(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
 		h := md.Handler
 		md.Handler = func(srv any, ctx context.Context, dec func(any) error, ic grpc.UnaryServerInterceptor) (any, error) {
 			var held int64
-			defer func() { s.budget.release(held) }()
+			var uid uint32
+			defer func() { s.budget.release(uid, held) }()
 			return h(srv, ctx, func(m any) error {
 				var err error
-				held, err = s.admit(ctx, dec, m)
+				held, uid, err = s.admit(ctx, dec, m)
 				return err
 			}, ic)
 		}
@@ -143,7 +148,7 @@ func (s *Server) guardUnary(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
 // streaming RPC (reflection, health Watch) within the budget.
 func (s *Server) guardStream(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	g := &guardedStream{ServerStream: ss, s: s}
-	defer func() { s.budget.release(g.held) }()
+	defer func() { s.budget.release(g.uid, g.held) }()
 	return handler(srv, g)
 }
 
@@ -151,12 +156,13 @@ type guardedStream struct {
 	grpc.ServerStream
 	s    *Server
 	held int64 // the last message received, until the next or the end
+	uid  uint32
 }
 
 func (g *guardedStream) RecvMsg(m any) error {
-	g.s.budget.release(g.held)
+	g.s.budget.release(g.uid, g.held)
 	g.held = 0
-	held, err := g.s.admit(g.Context(), g.ServerStream.RecvMsg, m)
-	g.held = held
+	held, uid, err := g.s.admit(g.Context(), g.ServerStream.RecvMsg, m)
+	g.held, g.uid = held, uid
 	return err
 }

@@ -44,7 +44,7 @@ const HandshakeTimeout = 10 * time.Second
 // grpc's least). Together with Config.MaxConnections they bound what
 // requests not yet admitted by the budget can hold.
 const (
-	MaxStreamsPerConn = 32
+	MaxStreamsPerConn = 16
 	streamWindowBytes = 64 << 10
 	maxHeaderBytes    = 16 << 10
 )
@@ -62,6 +62,9 @@ type Config struct {
 	// MaxInflightRequestBytes bounds the request bytes being received or
 	// handled at once over every connection (see budget).
 	MaxInflightRequestBytes int64
+	// ReceiveTimeout bounds a request's wait for that budget and the time
+	// its body may then take to arrive (default DefaultReceiveTimeout).
+	ReceiveTimeout time.Duration
 	// Limits are the service's request bounds, to compute the request
 	// size limit from (default offload.DefaultLimits).
 	Limits offload.Limits
@@ -70,9 +73,10 @@ type Config struct {
 // DefaultConfig serves an engine per GPU and its scheduler with room to
 // spare.
 var DefaultConfig = Config{
-	MaxConnections:          256,
-	MaxConnectionsPerUID:    64,
+	MaxConnections:          128,
+	MaxConnectionsPerUID:    32,
 	MaxInflightRequestBytes: 64 << 20,
+	ReceiveTimeout:          DefaultReceiveTimeout,
 }
 
 // Server implements pb.KVOffloadServer.
@@ -105,10 +109,13 @@ func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
 	if cfg.MaxInflightRequestBytes == 0 {
 		cfg.MaxInflightRequestBytes = d.MaxInflightRequestBytes
 	}
+	if cfg.ReceiveTimeout == 0 {
+		cfg.ReceiveTimeout = d.ReceiveTimeout
+	}
 	cfg.Limits = cfg.Limits.WithDefaults()
 	s := &Server{svc: svc, log: log, health: health.NewServer(), stopping: make(chan struct{})}
 	s.maxReq = MaxRequestBytes(cfg.Limits)
-	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)))
+	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)), int64(s.maxReq), cfg.ReceiveTimeout)
 	s.conns = newConnTable(cfg.MaxConnections, cfg.MaxConnectionsPerUID, log, s.connClosed)
 	s.grpc = grpc.NewServer(
 		grpc.Creds(peerCreds{}),
@@ -137,6 +144,13 @@ func (s *Server) Serve(lis net.Listener) error {
 
 // MaxRequestBytes is the largest request this server reads.
 func (s *Server) MaxRequestBytes() int { return s.maxReq }
+
+// InflightRequestBytes reports the request bytes booked now (see budget).
+func (s *Server) InflightRequestBytes() int64 {
+	s.budget.mu.Lock()
+	defer s.budget.mu.Unlock()
+	return s.budget.used
+}
 
 // Connections reports the connections open now.
 func (s *Server) Connections() int { return s.conns.count() }
