@@ -48,6 +48,27 @@ func mapsWith(t testing.TB, prefix string) int {
 	return n
 }
 
+// metric is the value of a metric without labels in the daemon's registry.
+func metric(t testing.TB, d *testenv.Daemon, name string) float64 {
+	t.Helper()
+	mfs, err := d.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		m := mf.GetMetric()[0]
+		if c := m.GetCounter(); c != nil {
+			return c.GetValue()
+		}
+		return m.GetGauge().GetValue()
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
+}
+
 // registrations counts the live registrations.
 func registrations(d *testenv.Daemon) int {
 	n := 0
@@ -121,6 +142,9 @@ func TestRegistrationsBelongToTheirConnection(t *testing.T) {
 		t.Errorf("refusal %v %q differs from an unknown id's %v %q", mine.Code, mine.Msg, none.Code, none.Msg)
 	}
 
+	if n := metric(t, d, "kvoffload_foreign_registration_calls_total"); n != 5 {
+		t.Errorf("kvoffload_foreign_registration_calls_total is %v after 5 calls naming another connection's registration", n)
+	}
 	other := d.Client(t)
 	if _, err := other.Store(ctx(t), rid, []*pb.Job{testenv.Job(9, victim.hashes(3, 4), seq(8, 4))}, true); code(err) != codes.NotFound {
 		t.Errorf("another connection's Store: %v, want NOT_FOUND", err)
@@ -405,6 +429,9 @@ func TestConnectionFloodIsBounded(t *testing.T) {
 	hs := e.hashes(1, 2)
 	if res := e.store(t, 1, hs, seq(0, 2)); !res.Ok {
 		t.Fatalf("another user's store during the flood: %+v", res)
+	}
+	if n := metric(t, d, "kvoffload_connections_refused_total"); n < 2*perUID {
+		t.Errorf("kvoffload_connections_refused_total is %v, want at least %d", n, 2*perUID)
 	}
 	h.Kill()
 	waitFor(t, "the flood's connections to close", func() bool { return d.Srv.Connections() == 1 })

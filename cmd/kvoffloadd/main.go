@@ -127,6 +127,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		MaxConnectionsPerUID:    cfg.maxConnectionsPerUID,
 		MaxInflightRequestBytes: int64(cfg.maxInflightRequestBytes),
 		Limits:                  cfg.limits(),
+		Registerer:              reg,
 	})
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()

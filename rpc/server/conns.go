@@ -7,7 +7,6 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -43,8 +42,7 @@ type connTable struct {
 	// registrations it made.
 	onClose func(id uint64, regs []uint64)
 	next    atomic.Uint64
-	refused atomic.Uint64
-	lastLog atomic.Int64 // unix nanos of the last refusal logged
+	refused rateLog
 
 	mu struct {
 		sync.Mutex
@@ -113,16 +111,10 @@ func (t *connTable) admit(nc net.Conn) (*conn, error) {
 	return c, nil
 }
 
-// logRefusal logs refused connections at most once a second: a client
-// that floods the socket must not flood the log too.
+// logRefusal counts a refused connection and logs it, at most once a
+// second: a client that floods the socket must not flood the log too.
 func (t *connTable) logRefusal(err error) {
-	n := t.refused.Add(1)
-	now := time.Now().UnixNano()
-	last := t.lastLog.Load()
-	if now-last < int64(time.Second) || !t.lastLog.CompareAndSwap(last, now) {
-		return
-	}
-	t.log.Warn("connection refused", "err", err, "refused_total", n)
+	t.refused.warn(t.log, "connection refused", "err", err)
 }
 
 func (t *connTable) closed(c *conn) {

@@ -36,7 +36,7 @@ func (s *Server) registration(ctx context.Context, id uint64, call string) (*off
 	case call == "Completions" && samePeer(own.Peer, info.Peer) && !s.conns.isOpen(own.Conn):
 		return reg, nil
 	}
-	s.log.Warn("refused a call naming another connection's registration", "call", call, "registration", id,
+	s.foreign.warn(s.log, "refused a call naming another connection's registration", "call", call, "registration", id,
 		"conn", info.ConnID, "peer_pid", info.Peer.PID, "peer_uid", info.Peer.UID,
 		"owner_conn", own.Conn, "owner_pid", own.Peer.PID, "owner_uid", own.Peer.UID)
 	return nil, toStatus(fmt.Errorf("%w: registration_id %d", offload.ErrUnknownRegistration, id))

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -68,6 +69,8 @@ type Config struct {
 	// Limits are the service's request bounds, to compute the request
 	// size limit from (default offload.DefaultLimits).
 	Limits offload.Limits
+	// Registerer, when set, gets the server's metrics.
+	Registerer prometheus.Registerer
 }
 
 // DefaultConfig serves an engine per GPU and its scheduler with room to
@@ -90,6 +93,9 @@ type Server struct {
 	budget *budget
 	maxReq int
 	reaper sync.WaitGroup
+	// foreign counts (and logs, rate-limited) calls naming another
+	// connection's registration.
+	foreign rateLog
 
 	stopping     chan struct{} // closed by SetNotServing: waits for budget end
 	stoppingOnce sync.Once
@@ -117,6 +123,7 @@ func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
 	s.maxReq = MaxRequestBytes(cfg.Limits)
 	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)), int64(s.maxReq), cfg.ReceiveTimeout)
 	s.conns = newConnTable(cfg.MaxConnections, cfg.MaxConnectionsPerUID, log, s.connClosed)
+	s.registerMetrics(cfg.Registerer)
 	s.grpc = grpc.NewServer(
 		grpc.Creds(peerCreds{}),
 		grpc.MaxRecvMsgSize(s.maxReq),
