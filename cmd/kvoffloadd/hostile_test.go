@@ -315,3 +315,65 @@ func TestShutdownTimeoutIsAPromise(t *testing.T) {
 		t.Fatalf("shutdown with nothing running: %v", err)
 	}
 }
+
+// TestUnprivilegedDaemonMapsOnlyItsOwnUsersFiles: a daemon without
+// CAP_SETUID/CAP_SETGID cannot open a file as its client, so it maps
+// regions only for clients of its own uid; another user of the socket's
+// group is refused, even for a file that user may open.
+func TestUnprivilegedDaemonMapsOnlyItsOwnUsersFiles(t *testing.T) {
+	testenv.NeedRoot(t)
+	bin := buildDaemon(t)
+	// The binary, where the daemon's user may run it.
+	if err := os.Chmod(filepath.Dir(bin), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	daemonUser := testenv.Cred{UID: 65534, GID: testenv.SocketGroup}
+	other := testenv.Cred{UID: 65533, GID: 65533, Groups: []uint32{testenv.SocketGroup}}
+	dir, err := os.MkdirTemp("", "kvo-unpriv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chown(dir, int(daemonUser.UID), testenv.SocketGroup); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o750)
+	sock := filepath.Join(dir, "kv.sock")
+	logs := &syncBuffer{}
+	proc := exec.Command(bin, "--socket", sock, "--socket-mode", "0660", "--metrics-addr", "", "--cpu-bytes", "8MiB")
+	proc.Stderr = logs
+	proc.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: daemonUser.UID, Gid: daemonUser.GID}}
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { proc.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		proc.Process.Kill()
+		<-exited
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", logs.String())
+		}
+	})
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitHealthy(t, c, proc)
+
+	m := testenv.Model{Layers: 1, SegBytes: 4096, Blocks: 4}
+	for _, tc := range []struct {
+		who  testenv.Cred
+		want codes.Code
+	}{{daemonUser, codes.OK}, {other, codes.InvalidArgument}} {
+		path := fmt.Sprintf("/dev/shm/kvo-unpriv-%d-%d", os.Getpid(), tc.who.UID)
+		h := testenv.StartAs(t, sock, tc.who)
+		h.Do(testenv.Cmd{Op: "mkfile", Path: path, Size: int64(m.RegionBytes()), Mode: 0o666})
+		t.Cleanup(func() { os.Remove(path) })
+		rep := h.Do(testenv.Cmd{Op: "register", Path: path, Model: m, Fingerprint: fmt.Sprint("unpriv-", tc.who.UID)})
+		if rep.Code != tc.want || (tc.want != codes.OK && !strings.Contains(rep.Msg, "without CAP_SETUID")) {
+			t.Errorf("uid %d registering its own file: %v %q, want %v", tc.who.UID, rep.Code, rep.Msg, tc.want)
+		}
+	}
+}

@@ -157,7 +157,9 @@ var built struct {
 }
 
 func TestMain(m *testing.M) {
+	testenv.RunHelperIfAsked() // clients running as another user
 	code := m.Run()
+	testenv.RemoveHelperBinary()
 	if built.dir != "" {
 		os.RemoveAll(built.dir)
 	}

@@ -129,14 +129,6 @@ func (t *connTable) closed(c *conn) {
 	t.onClose(c.id, regs)
 }
 
-// isOpen reports whether connection id is still open.
-func (t *connTable) isOpen(id uint64) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	_, ok := t.mu.open[id]
-	return ok
-}
-
 // addRegistration records that connection id made registration reg. It
 // reports false if the connection has closed meanwhile: the caller must
 // release the registration itself, as onClose will not see it.

@@ -14,15 +14,18 @@ import (
 // every call naming it must come over that connection.
 //
 // One exception keeps a connector's jobs from being lost when its
-// connection breaks: once that connection has closed, the daemon drains
-// the registration's copies before it forgets it, and Completions may read
-// its results from another connection of the same process: the same pid
-// (visible in the daemon's pid namespace) and the same uid, as the kernel
-// recorded them at connect. A pid reused by another process of that uid is
-// the same user, who could read those results anyway.
+// connection breaks: the daemon drains the registration's copies before it
+// forgets it, and Completions may read its results from another connection
+// of the same process: the same pid (visible in the daemon's pid
+// namespace: pid 0 never matches) and the same uid, as the kernel recorded
+// them at connect. It does not wait for the daemon to see the old
+// connection close: a reconnecting client may well get there first, and
+// NOT_FOUND would tell it the copies had drained. A pid reused by another
+// process of the same uid is the same user, who could read those results
+// anyway.
 //
 // Any other caller gets exactly what an unknown id gets (NOT_FOUND), so ids
-// reveal nothing; the refusal is logged.
+// reveal nothing; the refusal is counted and logged.
 func (s *Server) registration(ctx context.Context, id uint64, call string) (*offload.Registration, error) {
 	info, _ := peerOf(ctx)
 	reg, err := s.svc.Registration(id)
@@ -33,7 +36,7 @@ func (s *Server) registration(ctx context.Context, id uint64, call string) (*off
 	switch {
 	case own.Conn == info.ConnID && info.ConnID != 0:
 		return reg, nil
-	case call == "Completions" && samePeer(own.Peer, info.Peer) && !s.conns.isOpen(own.Conn):
+	case call == "Completions" && samePeer(own.Peer, info.Peer):
 		return reg, nil
 	}
 	s.foreign.warn(s.log, "refused a call naming another connection's registration", "call", call, "registration", id,
