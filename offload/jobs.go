@@ -90,7 +90,7 @@ type Registration struct {
 	s    *Service
 	ns   *Namespace
 	reg  *layout.Regions
-	own  Owner
+	peer dma.Peer
 	name string
 	jobs sync.WaitGroup
 
@@ -103,8 +103,8 @@ type Registration struct {
 	}
 }
 
-func newRegistration(s *Service, id uint64, ns *Namespace, reg *layout.Regions, owner Owner, name string) *Registration {
-	r := &Registration{ID: id, s: s, ns: ns, reg: reg, own: owner, name: name}
+func newRegistration(s *Service, id uint64, ns *Namespace, reg *layout.Regions, peer dma.Peer, name string) *Registration {
+	r := &Registration{ID: id, s: s, ns: ns, reg: reg, peer: peer, name: name}
 	r.mu.pending = map[uint64]struct{}{}
 	r.mu.notify = make(chan struct{})
 	return r

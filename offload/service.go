@@ -39,7 +39,6 @@ type Limits struct {
 	// Each mapped region costs the daemon at least one entry of its
 	// memory map (vm.max_map_count, 65530 by default, shared with the Go
 	// runtime and the arena): MaxRegions keeps the regions well under it.
-	// Zero takes the default of each.
 	MaxRegistrations       int
 	MaxRegistrationsPerUID int
 	MaxRegions             int
@@ -65,23 +64,27 @@ var DefaultLimits = Limits{
 	MaxRegionsPerUID:       8192,
 }
 
-// WithDefaults fills the fields left zero with DefaultLimits'.
-func (l Limits) WithDefaults() Limits {
-	d := DefaultLimits
-	for _, f := range []struct{ v, def *int }{
-		{&l.MaxJobsPerRequest, &d.MaxJobsPerRequest}, {&l.MaxBlocksPerRequest, &d.MaxBlocksPerRequest},
-		{&l.MaxKeysPerLookup, &d.MaxKeysPerLookup}, {&l.MaxNamespaces, &d.MaxNamespaces}, {&l.MaxPending, &d.MaxPending},
-		{&l.MaxFingerprint, &d.MaxFingerprint},
-		{&l.MaxRegistrations, &d.MaxRegistrations}, {&l.MaxRegistrationsPerUID, &d.MaxRegistrationsPerUID},
-		{&l.MaxRegions, &d.MaxRegions}, {&l.MaxRegionsPerUID, &d.MaxRegionsPerUID},
-	} {
-		if *f.v == 0 {
-			*f.v = *f.def
+// withDefaults fills the zero fields of l from DefaultLimits.
+func (l Limits) withDefaults() Limits {
+	fill := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
 		}
 	}
+	d := DefaultLimits
+	fill(&l.MaxJobsPerRequest, d.MaxJobsPerRequest)
+	fill(&l.MaxBlocksPerRequest, d.MaxBlocksPerRequest)
+	fill(&l.MaxKeysPerLookup, d.MaxKeysPerLookup)
+	fill(&l.MaxNamespaces, d.MaxNamespaces)
+	fill(&l.MaxPending, d.MaxPending)
 	if l.MaxLease == 0 {
 		l.MaxLease = d.MaxLease
 	}
+	fill(&l.MaxFingerprint, d.MaxFingerprint)
+	fill(&l.MaxRegistrations, d.MaxRegistrations)
+	fill(&l.MaxRegistrationsPerUID, d.MaxRegistrationsPerUID)
+	fill(&l.MaxRegions, d.MaxRegions)
+	fill(&l.MaxRegionsPerUID, d.MaxRegionsPerUID)
 	return l
 }
 
@@ -139,6 +142,7 @@ type Service struct {
 		// registration is gone (Limits.MaxRegistrations...).
 		regCount, regionCount int
 		byUID                 map[uint32]*use
+		lastRefusalLog        time.Time
 	}
 }
 
@@ -157,7 +161,7 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	cfg.Limits = cfg.Limits.WithDefaults()
+	cfg.Limits = cfg.Limits.withDefaults()
 	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{})}
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
@@ -223,10 +227,8 @@ func (s *Service) CPU() *cpu.Tier { return s.cpu }
 // Disk exposes the disk tier, nil without one (for stats and tests).
 func (s *Service) Disk() *disk.Tier { return s.disk }
 
-// Register maps a client's regions on behalf of owner and joins or creates
-// its namespace. The registration and its regions count against the bounds
-// of Limits until Unregister.
-func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, owner Owner, name string) (*Registration, bool, error) {
+// Register maps a client's regions and joins or creates its namespace.
+func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.RegionSpec, peer dma.Peer, name string) (*Registration, bool, error) {
 	if len(fingerprint) == 0 || len(fingerprint) > s.lim.MaxFingerprint {
 		return nil, false, fmt.Errorf("%w: fingerprint is %d bytes, want 1..%d", ErrInvalid, len(fingerprint), s.lim.MaxFingerprint)
 	}
@@ -236,29 +238,22 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	if len(specs) != len(l.Segments) {
 		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
 	}
-	peer := owner.Peer
-	s.mu.Lock()
-	err := s.reserveLocked(peer.UID, len(specs))
-	if err == nil && s.mu.closing {
-		s.unreserveLocked(peer.UID, len(specs))
-		err = ErrShuttingDown
-	}
-	s.mu.Unlock()
-	if err != nil {
-		if errors.Is(err, ErrLimit) {
-			s.m.refused.WithLabelValues("limit").Inc()
-			s.log.Warn("registration refused", "peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "err", err)
-		}
+	if err := s.reserve(peer, len(specs)); err != nil {
 		return nil, false, err
 	}
+	registered := false
+	defer func() {
+		if !registered {
+			s.mu.Lock()
+			s.unreserveLocked(peer.UID, len(specs))
+			s.mu.Unlock()
+		}
+	}()
 	opened := make([]dma.Region, 0, len(specs))
 	closeAll := func() {
 		for _, r := range opened {
 			r.Close()
 		}
-		s.mu.Lock()
-		s.unreserveLocked(peer.UID, len(specs))
-		s.mu.Unlock()
 	}
 	for i, sp := range specs {
 		sp.SegmentBytes = l.Segments[i].Bytes
@@ -281,44 +276,38 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	}
 
 	s.mu.Lock()
-	r, joined, err := s.addRegistrationLocked(fingerprint, l, regions, owner, name)
-	s.mu.Unlock()
-	if err != nil {
-		closeAll()
-		return nil, false, err
-	}
-	s.log.Info("registered", "registration", r.ID, "namespace", r.ns.ID, "joined", joined, "client", name,
-		"conn", owner.Conn, "peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
-	return r, joined, nil
-}
-
-// addRegistrationLocked joins or creates the namespace and records the
-// registration. The caller holds s.mu.
-func (s *Service) addRegistrationLocked(fingerprint []byte, l layout.Layout, regions *layout.Regions, owner Owner, name string) (*Registration, bool, error) {
+	defer s.mu.Unlock()
 	if s.mu.closing {
+		closeAll()
 		return nil, false, ErrShuttingDown
 	}
 	ns, joined := s.mu.byPrint[string(fingerprint)]
 	if joined && !ns.Layout.Equal(l) {
+		closeAll()
 		return nil, false, fmt.Errorf("%w: namespace %d", ErrLayoutMismatch, ns.ID)
 	}
 	if !joined {
 		var err error
 		if ns, err = s.newNamespaceLocked(fingerprint, l); err != nil {
+			closeAll()
 			return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
 		}
 		if err := s.saveNamespace(ns); err != nil {
 			// Blocks of it could not come back after a restart; refuse
 			// rather than cache what the disk cannot name.
 			s.dropNamespaceLocked(ns)
+			closeAll()
 			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", err)
 		}
 	}
 	ns.regs++
 	s.mu.nextReg++
-	r := newRegistration(s, s.mu.nextReg, ns, regions, owner, name)
+	r := newRegistration(s, s.mu.nextReg, ns, regions, peer, name)
 	s.mu.regs[r.ID] = r
 	s.m.regs.Inc()
+	s.log.Info("registered", "registration", r.ID, "namespace", ns.ID, "joined", joined, "client", name,
+		"peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
+	registered = true
 	return r, joined, nil
 }
 
@@ -394,8 +383,8 @@ func (s *Service) Unregister(id uint64) error {
 	s.mu.Lock()
 	delete(s.mu.regs, id)
 	r.ns.regs--
-	s.unreserveLocked(r.own.Peer.UID, len(r.reg.Opened))
 	s.m.regs.Dec()
+	s.unreserveLocked(r.peer.UID, len(r.reg.Opened))
 	s.mu.Unlock()
 	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)
 	return nil

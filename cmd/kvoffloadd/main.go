@@ -126,7 +126,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		MaxConnections:          cfg.maxConnections,
 		MaxConnectionsPerUID:    cfg.maxConnectionsPerUID,
 		MaxInflightRequestBytes: int64(cfg.maxInflightRequestBytes),
-		Limits:                  cfg.limits(),
 		Registerer:              reg,
 	})
 	serveErr := make(chan error, 1)

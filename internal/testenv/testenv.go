@@ -141,7 +141,6 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		}
 	}
 	sc := o.Server
-	sc.Limits = o.Limits
 	sc.Registerer = reg
 	d := &Daemon{Socket: sock, Svc: svc, Srv: server.New(svc, log, sc), Host: hostEngine, Registry: reg, copier: copier, serveErr: make(chan error, 1), faulty: o.DiskFS != nil}
 	go func() { d.serveErr <- d.Srv.Serve(lis) }()

@@ -47,16 +47,24 @@ type connTable struct {
 	mu struct {
 		sync.Mutex
 		open   map[uint64]*conn
-		regs   map[uint64][]uint64 // connection -> registrations it made
+		regs   map[uint64][]uint64 // open connection -> registrations it made
+		owners map[uint64]owner    // registration -> who made it, until it is gone
 		perUID map[uint32]int
 		closed bool // closeAll ran: refuse every connection
 	}
+}
+
+// owner is the connection that made a registration and its peer.
+type owner struct {
+	conn uint64
+	peer dma.Peer
 }
 
 func newConnTable(max, maxPerUID int, log *slog.Logger, onClose func(uint64, []uint64)) *connTable {
 	t := &connTable{max: max, maxPerUID: maxPerUID, log: log, onClose: onClose}
 	t.mu.open = map[uint64]*conn{}
 	t.mu.regs = map[uint64][]uint64{}
+	t.mu.owners = map[uint64]owner{}
 	t.mu.perUID = map[uint32]int{}
 	return t
 }
@@ -129,28 +137,43 @@ func (t *connTable) closed(c *conn) {
 	t.onClose(c.id, regs)
 }
 
-// addRegistration records that connection id made registration reg. It
+// addRegistration records that connection c made registration reg. It
 // reports false if the connection has closed meanwhile: the caller must
 // release the registration itself, as onClose will not see it.
-func (t *connTable) addRegistration(id, reg uint64) bool {
+func (t *connTable) addRegistration(c PeerInfo, reg uint64) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if _, ok := t.mu.open[id]; !ok {
+	if _, ok := t.mu.open[c.ConnID]; !ok {
 		return false
 	}
-	t.mu.regs[id] = append(t.mu.regs[id], reg)
+	t.mu.regs[c.ConnID] = append(t.mu.regs[c.ConnID], reg)
+	t.mu.owners[reg] = owner{conn: c.ConnID, peer: c.Peer}
 	return true
 }
 
-// removeRegistration forgets reg (unregistered by its client).
-func (t *connTable) removeRegistration(id, reg uint64) {
+// ownerOf returns who made registration reg.
+func (t *connTable) ownerOf(reg uint64) (owner, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	regs := t.mu.regs[id]
+	o, ok := t.mu.owners[reg]
+	return o, ok
+}
+
+// forget drops registration reg: its client unregistered it, or its
+// connection closed and it has been released.
+func (t *connTable) forget(reg uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	o, ok := t.mu.owners[reg]
+	if !ok {
+		return
+	}
+	delete(t.mu.owners, reg)
+	regs := t.mu.regs[o.conn]
 	for i, r := range regs {
 		if r == reg {
-			t.mu.regs[id] = append(regs[:i], regs[i+1:]...)
-			return
+			t.mu.regs[o.conn] = append(regs[:i], regs[i+1:]...)
+			break
 		}
 	}
 }

@@ -28,21 +28,24 @@ import (
 // reveal nothing; the refusal is counted and logged.
 func (s *Server) registration(ctx context.Context, id uint64, call string) (*offload.Registration, error) {
 	info, _ := peerOf(ctx)
+	unknown := toStatus(fmt.Errorf("%w: registration_id %d", offload.ErrUnknownRegistration, id))
 	reg, err := s.svc.Registration(id)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	own := reg.Owner()
+	own, ok := s.conns.ownerOf(id)
 	switch {
-	case own.Conn == info.ConnID && info.ConnID != 0:
+	case !ok: // being made, or released: not the caller's to name
+		return nil, unknown
+	case own.conn == info.ConnID && info.ConnID != 0:
 		return reg, nil
-	case call == "Completions" && samePeer(own.Peer, info.Peer):
+	case call == "Completions" && samePeer(own.peer, info.Peer):
 		return reg, nil
 	}
 	s.foreign.warn(s.log, "refused a call naming another connection's registration", "call", call, "registration", id,
 		"conn", info.ConnID, "peer_pid", info.Peer.PID, "peer_uid", info.Peer.UID,
-		"owner_conn", own.Conn, "owner_pid", own.Peer.PID, "owner_uid", own.Peer.UID)
-	return nil, toStatus(fmt.Errorf("%w: registration_id %d", offload.ErrUnknownRegistration, id))
+		"owner_conn", own.conn, "owner_pid", own.peer.PID, "owner_uid", own.peer.UID)
+	return nil, unknown
 }
 
 func samePeer(a, b dma.Peer) bool {

@@ -7,7 +7,6 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
-	"github.com/kvoffloadd/kvoffloadd/offload"
 )
 
 // PeerInfo is the AuthInfo of a connection: who is on the other end of the
@@ -24,9 +23,6 @@ type PeerInfo struct {
 
 // AuthType implements credentials.AuthInfo.
 func (PeerInfo) AuthType() string { return "peercred" }
-
-// Owner is the caller as offload names it.
-func (p PeerInfo) Owner() offload.Owner { return offload.Owner{Conn: p.ConnID, Peer: p.Peer} }
 
 // peerCreds is transport "security" for a unix socket: no encryption (the
 // socket's mode already limits who connects); it hands gRPC the identity

@@ -66,9 +66,6 @@ type Config struct {
 	// ReceiveTimeout bounds a request's wait for that budget and the time
 	// its body may then take to arrive (default DefaultReceiveTimeout).
 	ReceiveTimeout time.Duration
-	// Limits are the service's request bounds, to compute the request
-	// size limit from (default offload.DefaultLimits).
-	Limits offload.Limits
 	// Registerer, when set, gets the server's metrics.
 	Registerer prometheus.Registerer
 }
@@ -118,9 +115,8 @@ func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
 	if cfg.ReceiveTimeout == 0 {
 		cfg.ReceiveTimeout = d.ReceiveTimeout
 	}
-	cfg.Limits = cfg.Limits.WithDefaults()
 	s := &Server{svc: svc, log: log, health: health.NewServer(), stopping: make(chan struct{})}
-	s.maxReq = MaxRequestBytes(cfg.Limits)
+	s.maxReq = MaxRequestBytes(svc.Limits())
 	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)), int64(s.maxReq), cfg.ReceiveTimeout)
 	s.conns = newConnTable(cfg.MaxConnections, cfg.MaxConnectionsPerUID, log, s.connClosed)
 	s.registerMetrics(cfg.Registerer)
@@ -206,6 +202,7 @@ func (s *Server) connClosed(connID uint64, regs []uint64) {
 			if err := s.svc.Unregister(id); err == nil {
 				s.log.Info("connection closed; registration released", "registration", id, "conn", connID)
 			}
+			s.conns.forget(id)
 		}
 	}()
 }
@@ -283,11 +280,11 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		}
 		specs[i] = sp
 	}
-	reg, joined, err := s.svc.Register(req.GetFingerprint(), lay, specs, info.Owner(), req.GetClientName())
+	reg, joined, err := s.svc.Register(req.GetFingerprint(), lay, specs, info.Peer, req.GetClientName())
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	if !s.conns.addRegistration(info.ConnID, reg.ID) {
+	if !s.conns.addRegistration(info, reg.ID) {
 		// The connection closed while the regions were being mapped:
 		// nobody can name this registration, and the connection's
 		// release has already run without it.
@@ -308,7 +305,7 @@ func (s *Server) Unregister(ctx context.Context, req *pb.UnregisterRequest) (*pb
 	if err := s.svc.Unregister(reg.ID); err != nil {
 		return nil, toStatus(err)
 	}
-	s.conns.removeRegistration(reg.Owner().Conn, reg.ID)
+	s.conns.forget(reg.ID)
 	return &pb.UnregisterResponse{}, nil
 }
 
