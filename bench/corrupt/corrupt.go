@@ -9,8 +9,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"path/filepath"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/slotfile"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/slot"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
@@ -48,7 +48,7 @@ func (f *Flipper) Close() error { return vfs.FreeBuffer(f.page) }
 // Flip damages up to n written slots, trying a bounded number of random
 // slot positions, and returns how many it damaged.
 func (f *Flipper) Flip(n int) (int, error) {
-	files, err := f.slotFiles()
+	files, err := slotfile.Files(f.dir, f.chunkBytes)
 	if err != nil || len(files) == 0 {
 		return 0, err
 	}
@@ -66,23 +66,6 @@ func (f *Flipper) Flip(n int) (int, error) {
 	return done, nil
 }
 
-// slotFiles lists the regular files of the directory big enough to hold
-// a chunk: the slot files (the chunk maps and catalogs beside them are
-// small).
-func (f *Flipper) slotFiles() ([]string, error) {
-	ents, err := os.ReadDir(f.dir)
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, e := range ents {
-		if info, err := e.Info(); err == nil && info.Mode().IsRegular() && info.Size() >= f.chunkBytes {
-			out = append(out, filepath.Join(f.dir, e.Name()))
-		}
-	}
-	return out, nil
-}
-
 func (f *Flipper) flipOne(path string) (bool, error) {
 	file, err := vfs.Default.OpenFile(path, 0, true)
 	if err != nil {
@@ -93,8 +76,11 @@ func (f *Flipper) flipOne(path string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	chunks := st.Size() / f.chunkBytes
-	off := f.rng.Int64N(chunks)*f.chunkBytes + f.rng.Int64N(f.chunkBytes/f.stride)*f.stride
+	n, pos := slotfile.Positions(st.Size(), f.chunkBytes, f.stride)
+	if n == 0 {
+		return false, nil
+	}
+	off := pos(f.rng.Int64N(n))
 	if _, err := file.ReadAt(f.page, off); err != nil {
 		return false, err
 	}
