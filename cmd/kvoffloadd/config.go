@@ -27,6 +27,8 @@ type config struct {
 	cpuBytes        uint64
 	cpuChunkBytes   uint64
 	ioWorkers       int
+	copyNice        int
+	copyIdle        bool
 	shmDir          string
 	metricsAddr     string
 	logLevel        slog.Level
@@ -54,6 +56,10 @@ type config struct {
 	maxConnectionsPerUID    int
 	maxInflightRequestBytes uint64
 }
+
+// DefaultCopyNice is --copy-nice's default (docs/architecture.md, The copy
+// engine, says why).
+const DefaultCopyNice = 10
 
 func defaultSocket() string {
 	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
@@ -135,6 +141,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		socketMode:      "0600",
 		cpuBytes:        1 << 30,
 		ioWorkers:       min(4, runtime.NumCPU()),
+		copyNice:        DefaultCopyNice,
 		shmDir:          "/dev/shm",
 		metricsAddr:     "127.0.0.1:9464",
 		logFormat:       "text",
@@ -158,7 +165,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.socketMode, "socket-mode", c.socketMode, "permission bits of the socket: 0600 (only this user) or 0660 (also this user's group).")
 	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
 	fs.Var(byteSize{&c.cpuChunkBytes}, "cpu-chunk-bytes", "arena chunk size; each chunk serves one block size and bounds the largest block (0: arena/16, clamped to 4MiB..256MiB).")
-	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena.")
+	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena. The daemon runs with at least io-workers+1 Go processors (GOMAXPROCS, unless set in the environment), so the copies never hold every one and the API is served while they run.")
+	fs.IntVar(&c.copyNice, "copy-nice", c.copyNice, "nice value (0..19) of the copy workers' threads, host build: the kernel runs the daemon's other threads (the API, the policy) first when both want a CPU, so a Lookup does not wait behind a memmove. 0 leaves them at the daemon's priority.")
+	fs.BoolVar(&c.copyIdle, "copy-sched-idle", false, "run the copy workers' threads in SCHED_IDLE instead of at --copy-nice (host build): they get a CPU only when nothing else on the machine wants it.")
 	fs.StringVar(&c.shmDir, "shm-dir", c.shmDir, "the only directory clients may register region files from.")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", c.metricsAddr, "loopback host:port serving Prometheus metrics on /metrics; empty disables.")
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
@@ -219,6 +228,9 @@ func (c *config) validate() error {
 	}
 	if c.ioWorkers < 1 || c.ioWorkers > 256 {
 		bad("--io-workers %d: want 1..256", c.ioWorkers)
+	}
+	if c.copyNice < 0 || c.copyNice > 19 {
+		bad("--copy-nice %d: want 0..19", c.copyNice)
 	}
 	if st, err := os.Stat(c.shmDir); err != nil || !st.IsDir() {
 		bad("--shm-dir %q: not a directory", c.shmDir)

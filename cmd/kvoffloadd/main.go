@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"syscall"
 	"time"
 
@@ -65,6 +66,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	log := slog.New(h)
 	server.Version = version
+	procs := setProcs(cfg.ioWorkers)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -133,7 +135,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	used, _ := svc.CPU().Usage()
 	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
-		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
+		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers, "gomaxprocs", procs,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
 		"max_request_bytes", srv.MaxRequestBytes())
 
@@ -152,6 +154,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		return closeAll()
 	}))
+}
+
+// setProcs gives the Go runtime at least workers+1 processors, unless the
+// operator set GOMAXPROCS. A copy worker holds its processor for the whole
+// of a memmove; with as many processors as workers, a burst of copies
+// holds them all, and then nothing polls the network but the runtime's
+// monitor, every 10 ms: an engine's Lookup would wait for it. One more
+// processor than workers keeps one free for the API. The OS threads beyond
+// the cores cost little: the copy threads run at a lower priority
+// (--copy-nice), so the kernel runs the API's thread first.
+func setProcs(workers int) int {
+	if os.Getenv("GOMAXPROCS") == "" && runtime.GOMAXPROCS(0) < workers+1 {
+		runtime.GOMAXPROCS(workers + 1)
+	}
+	return runtime.GOMAXPROCS(0)
 }
 
 // errAbandoned: the shutdown timeout passed with work still running.

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -431,4 +432,24 @@ func TestKill9DuringWrites(t *testing.T) {
 		t.Fatal("nothing came back after kill -9 (the run never reached the disk?)")
 	}
 	t.Logf("%d blocks recovered and loaded byte-exact after kill -9", loaded)
+}
+
+// The daemon keeps a Go processor free of copy workers, unless the
+// operator chose GOMAXPROCS.
+func TestSetProcs(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	t.Setenv("GOMAXPROCS", "")
+	runtime.GOMAXPROCS(1)
+	if got := setProcs(2); got != 3 {
+		t.Errorf("1 processor, 2 workers: GOMAXPROCS %d, want 3", got)
+	}
+	runtime.GOMAXPROCS(8)
+	if got := setProcs(2); got != 8 {
+		t.Errorf("8 processors, 2 workers: GOMAXPROCS %d, want 8 kept", got)
+	}
+	t.Setenv("GOMAXPROCS", "1")
+	runtime.GOMAXPROCS(1)
+	if got := setProcs(4); got != 1 {
+		t.Errorf("GOMAXPROCS=1 in the environment: %d, want 1 kept", got)
+	}
 }

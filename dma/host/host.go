@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"sync"
@@ -25,6 +26,14 @@ type Config struct {
 	ShmDir string
 	// Workers is the number of copy workers (default 4).
 	Workers int
+	// Nice is the nice value (0..19) of the workers' threads; 0 leaves
+	// them at the process's. Idle puts them in SCHED_IDLE instead. Either
+	// way the kernel runs the daemon's other threads (gRPC handlers, the
+	// policy) first whenever both want a CPU: a memmove can wait a few
+	// microseconds, an engine's Lookup waiting behind it costs its step.
+	// See docs/architecture.md, The copy engine.
+	Nice int
+	Idle bool
 	// MaxMappedBytes bounds the bytes of region files mapped at once
 	// (default DefaultMaxMappedBytes). A region file is mapped whole, and
 	// a sparse file can be huge: without a bound, clients could take the
@@ -41,9 +50,12 @@ const DefaultMaxMappedBytes = 32 << 40
 type Engine struct {
 	cfg   Config
 	arena []byte
-	tasks chan task
+	tasks taskQueue
 	wg    sync.WaitGroup
 	depth atomic.Int64
+	// prioOnce logs the first failure to lower a worker thread's
+	// priority; the copies run anyway.
+	prioOnce sync.Once
 
 	mu struct {
 		sync.Mutex
@@ -118,7 +130,8 @@ func New(cfg Config) *Engine {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	e := &Engine{cfg: cfg, tasks: make(chan task, 4*cfg.Workers)}
+	e := &Engine{cfg: cfg}
+	e.tasks.init()
 	e.mu.maps = map[fileID]*mapping{}
 	for i := 0; i < cfg.Workers; i++ {
 		e.wg.Add(1)
@@ -222,8 +235,10 @@ func (e *Engine) relPath(p string) (string, error) {
 }
 
 // splitBytes is the most one worker copies of a batch before the rest goes
-// to another worker: large batches use every worker, small ones stay whole.
-const splitBytes = 4 << 20
+// to another worker: large batches use every worker, small ones stay whole,
+// and at the end of a step's copies no worker waits long for the last
+// piece of another (1 MiB is about 100 µs of memmove).
+const splitBytes = 1 << 20
 
 // Submit implements dma.Engine.
 func (e *Engine) Submit(b *dma.Batch) {
@@ -243,9 +258,11 @@ func (e *Engine) Submit(b *dma.Batch) {
 		pieces = append(pieces, b.Copies[start:])
 	}
 	st.left.Store(int32(len(pieces)))
-	for _, p := range pieces {
-		e.tasks <- task{st: st, copies: p}
+	ts := make([]task, len(pieces))
+	for i, p := range pieces {
+		ts[i] = task{st: st, copies: p}
 	}
+	e.tasks.push(ts)
 }
 
 // QueueDepth implements dma.Engine.
@@ -253,10 +270,23 @@ func (e *Engine) QueueDepth() int { return int(e.depth.Load()) }
 
 func (e *Engine) worker() {
 	defer e.wg.Done()
+	// The worker owns its thread for good: its priority is lowered below,
+	// and a locked goroutine that returns takes its thread with it, so no
+	// other goroutine ever runs on a thread left at that priority.
+	runtime.LockOSThread()
+	if err := lowerPriority(e.cfg.Nice, e.cfg.Idle); err != nil {
+		e.prioOnce.Do(func() {
+			e.cfg.Logger.Warn("copy workers keep the daemon's scheduling priority", "nice", e.cfg.Nice, "sched_idle", e.cfg.Idle, "err", err)
+		})
+	}
 	// A client that shrinks its file under us turns our memmove into
 	// SIGBUS; make that a recoverable panic that fails the batch.
 	debug.SetPanicOnFault(true)
-	for t := range e.tasks {
+	for {
+		t, ok := e.tasks.pop()
+		if !ok {
+			return
+		}
 		if err := e.run(t.copies, t.st.b.ToArena); err != nil {
 			t.st.errOnce.Do(func() { t.st.err = err })
 		}
@@ -300,7 +330,84 @@ func (e *Engine) Close() error {
 	}
 	e.mu.closed = true
 	e.mu.Unlock()
-	close(e.tasks)
+	e.tasks.close()
 	e.wg.Wait()
 	return nil
+}
+
+// lowerPriority puts the calling thread at nice (when above its own) or,
+// with idle, in SCHED_IDLE. Lowering a thread's priority needs no
+// privilege.
+func lowerPriority(nice int, idle bool) error {
+	if idle {
+		return unix.SchedSetAttr(0, &unix.SchedAttr{Policy: unix.SCHED_IDLE}, 0)
+	}
+	if nice <= 0 {
+		return nil
+	}
+	tid := unix.Gettid()
+	// The raw syscall answers 20 - nice.
+	cur, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+	if err != nil {
+		return err
+	}
+	if 20-cur >= nice {
+		return nil // already as low: raising it back would need a privilege
+	}
+	return unix.Setpriority(unix.PRIO_PROCESS, tid, nice)
+}
+
+// taskQueue is the workers' FIFO of copy pieces. Submit never waits on it:
+// what is queued is bounded by the jobs the service admits (Limits), and a
+// Load or Store call returns as soon as its copies are queued.
+type taskQueue struct {
+	mu     sync.Mutex
+	cond   sync.Cond
+	q      []task
+	head   int
+	closed bool
+}
+
+func (q *taskQueue) init() { q.cond.L = &q.mu }
+
+func (q *taskQueue) push(ts []task) {
+	q.mu.Lock()
+	if q.head > 64 && q.head > len(q.q)/2 {
+		n := copy(q.q, q.q[q.head:])
+		clear(q.q[n:])
+		q.q, q.head = q.q[:n], 0
+	}
+	q.q = append(q.q, ts...)
+	q.mu.Unlock()
+	if len(ts) == 1 {
+		q.cond.Signal()
+	} else {
+		q.cond.Broadcast()
+	}
+}
+
+// pop waits for a task; false once the queue is closed and drained.
+func (q *taskQueue) pop() (task, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for q.head == len(q.q) && !q.closed {
+		q.cond.Wait()
+	}
+	if q.head == len(q.q) {
+		return task{}, false
+	}
+	t := q.q[q.head]
+	q.q[q.head] = task{}
+	q.head++
+	if q.head == len(q.q) {
+		q.q, q.head = q.q[:0], 0
+	}
+	return t, true
+}
+
+func (q *taskQueue) close() {
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	q.cond.Broadcast()
 }
