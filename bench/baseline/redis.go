@@ -29,7 +29,8 @@ type Redis struct {
 // conns connections in parallel, each one request at a time (the way a
 // connector's worker threads would), checks the values read back, and
 // stops the server. dir is a private directory for the server's files.
-func MeasureRedis(ctx context.Context, binary, dir string, port int, keys, values [][]byte, conns int) (Redis, error) {
+// started, if not nil, is told the server's pid once it runs.
+func MeasureRedis(ctx context.Context, binary, dir string, port int, keys, values [][]byte, conns int, started func(pid int)) (Redis, error) {
 	res := Redis{Conns: conns, Blocks: len(keys)}
 	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	cmd := exec.Command(binary, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
@@ -43,6 +44,9 @@ func MeasureRedis(ctx context.Context, binary, dir string, port int, keys, value
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
 		return res, fmt.Errorf("start %s: %w", binary, err)
+	}
+	if started != nil {
+		started(cmd.Process.Pid)
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()

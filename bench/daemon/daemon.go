@@ -226,6 +226,9 @@ func (d *Daemon) Stop() error {
 	return d.stopErr
 }
 
+// Pid is the daemon's process id.
+func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
+
 // LogTail is the end of the daemon's log, for error messages.
 func (d *Daemon) LogTail() string {
 	b, _ := os.ReadFile(d.LogPath)

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/bench/workload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
@@ -42,6 +43,29 @@ type Config struct {
 	IdleLookups int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
+
+	// Copier, if set, copies the same segments as every step's Load and
+	// Store without the daemon, right before or right after it (the order
+	// alternates by step), into LoadCopy and StoreCopy: the copy baseline
+	// timed in the same window.
+	Copier *baseline.SegmentCopier
+	// Prober, if set, is a second connection (the scheduler's) that
+	// issues Lookups of the next step's requests, each followed by an
+	// empty call, one at a time, while every step's Load and Store is in
+	// flight (BusyLookup, BusyEmpty). It runs during the Copier's copies
+	// too, unrecorded, so both sides of the copy ratio carry the same load.
+	Prober *client.Client
+	// StepDisk, if set, is called after each step that loaded blocks only
+	// on disk with their number; it returns how long raw O_DIRECT takes
+	// to read that many slots at the daemon's queue depth (StepsDisk).
+	StepDisk func(blocks int) (time.Duration, error)
+	// DiskBaseline, if set, is called right before and right after the
+	// disk-only loads (DiskLoads) with the keys they load.
+	DiskBaseline func(when string, keys [][]byte) error
+	// Phase, if set, is called as each phase of the run (steps, disk
+	// loads, idle lookups) begins; the phase ends when the returned
+	// function is called.
+	Phase func(name string) (end func())
 }
 
 // Op is what one kind of call did over a run.
@@ -79,6 +103,15 @@ type Result struct {
 	DiskLoad       Op
 	DiskLoadFailed map[string]int
 	Store          Op
+	// LoadCopy and StoreCopy are Config.Copier's copies of the same
+	// blocks in the same steps.
+	LoadCopy, StoreCopy Op
+	// BusyLookup and BusyEmpty are Config.Prober's calls while Loads and
+	// Stores were in flight: Lookups, and the empty call after each.
+	BusyLookup, BusyEmpty Op
+	// StepsDisk holds, per step that loaded disk-only blocks, how many,
+	// and Config.StepDisk's raw read time for as many.
+	StepsDisk []StepDisk
 	// CheckLookups counts the Lookups made right after a failed load to
 	// see that the failed keys are gone (not timed).
 	CheckLookups int
@@ -105,6 +138,12 @@ type Result struct {
 	// were delivered intact to another job of the same Load; they are not
 	// held against a later Lookup.
 	FailedButDelivered int
+}
+
+// StepDisk is one step's disk reads and the raw time for as many.
+type StepDisk struct {
+	Blocks int
+	Raw    time.Duration
 }
 
 type job struct {
@@ -179,6 +218,13 @@ type driver struct {
 	// since: no Lookup may offer them.
 	failed map[string]failure
 	res    *Result
+	// probeKeys are what the prober looks up during this step's
+	// transfers: the next step's requests, as a scheduler would.
+	probeKeys []*pb.KeyList
+	// diskBlocks counts the step's ready blocks only on disk.
+	diskBlocks int
+	// probing: the transfer under way is a step's; the prober runs.
+	probing bool
 }
 
 // warm stores every engine block under a throwaway key, loads it back and
@@ -197,13 +243,28 @@ func (d *driver) warm(ctx context.Context) error {
 	}
 	keys, _ := client.Keys(0, model.HashBytes, hashes...)
 	var scratch Op
-	for _, send := range []func(*pb.TransferRequest) error{
+	for i, send := range []func(*pb.TransferRequest) error{
 		func(r *pb.TransferRequest) error { _, err := d.c.API.Store(ctx, r); return err },
 		func(r *pb.TransferRequest) error { _, err := d.c.API.Load(ctx, r); return err },
 	} {
 		d.nextJob++
-		if _, err := d.transfer(ctx, &scratch, []*pb.Job{{JobId: d.nextJob, RequestId: "warm-up", Keys: keys, BlockIds: ids}}, send); err != nil {
+		results, err := d.transfer(ctx, &scratch, []*pb.Job{{JobId: d.nextJob, RequestId: "warm-up", Keys: keys, BlockIds: ids}}, send)
+		if err != nil {
 			return fmt.Errorf("warm-up: %w", err)
+		}
+		if i == 0 {
+			continue
+		}
+		// A warm-up block may already have gone to disk (a small CPU
+		// tier), and its read may meet an injected fault: it counts
+		// like any failed read, though not in the steps' figures.
+		for _, jr := range results {
+			for _, f := range jr.GetFailures() {
+				d.res.BlocksFailedLoaded++
+				if st := f.GetStatus(); st == pb.BlockStatus_BLOCK_STATUS_IO_ERROR || st == pb.BlockStatus_BLOCK_STATUS_CORRUPT {
+					d.res.ReadFailures++
+				}
+			}
 		}
 	}
 	if _, err := d.c.Invalidate(ctx, []uint32{d.ns}, keys); err != nil {
@@ -212,14 +273,26 @@ func (d *driver) warm(ctx context.Context) error {
 	return nil
 }
 
+// phase starts a named phase of the run (Config.Phase).
+func (d *driver) phase(name string) func() {
+	if d.cfg.Phase == nil {
+		return func() {}
+	}
+	return d.cfg.Phase(name)
+}
+
+// idleLookups times Lookups of the last step's requests one at a time on
+// an idle daemon: peeks, as the prober's are, so the two differ only in
+// what else the daemon is doing.
 func (d *driver) idleLookups(ctx context.Context) error {
+	defer d.phase("idle lookups")()
 	reqs := d.cfg.Steps[len(d.cfg.Steps)-1]
 	op := &d.res.IdleLookup
 	for i := range d.cfg.IdleLookups {
 		r := reqs[i%len(reqs)]
 		keys, _ := client.Keys(0, model.HashBytes, r.Keys...)
 		t0 := time.Now()
-		if _, err := d.c.Lookup(ctx, []uint32{d.ns}, keys, 0); err != nil {
+		if _, err := d.c.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: []uint32{d.ns}, Keys: keys, Peek: true}); err != nil {
 			return fmt.Errorf("idle lookup: %w", err)
 		}
 		el := time.Since(t0)
@@ -231,15 +304,29 @@ func (d *driver) idleLookups(ctx context.Context) error {
 }
 
 func (d *driver) run(ctx context.Context) error {
+	defer d.phase("steps")()
 	for i, step := range d.cfg.Steps {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
+		d.probeKeys = d.probeKeys[:0]
+		for _, r := range d.cfg.Steps[min(i+1, len(d.cfg.Steps)-1)] {
+			keys, _ := client.Keys(0, model.HashBytes, r.Keys...)
+			d.probeKeys = append(d.probeKeys, keys)
+		}
+		d.diskBlocks = 0
 		sctx, cancel := context.WithTimeout(ctx, d.cfg.StepTimeout)
 		err := d.step(sctx, step)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("step %d: %w", i, err)
+		}
+		if d.cfg.StepDisk != nil && d.diskBlocks > 0 {
+			raw, err := d.cfg.StepDisk(d.diskBlocks)
+			if err != nil {
+				return fmt.Errorf("after step %d: raw disk reads: %w", i, err)
+			}
+			d.res.StepsDisk = append(d.res.StepsDisk, StepDisk{Blocks: d.diskBlocks, Raw: raw})
 		}
 		d.res.Steps++
 		if d.cfg.BetweenSteps != nil {
@@ -294,6 +381,7 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 		for i, t := range lr.GetTiers() {
 			if t == pb.Tier_TIER_DISK {
 				res.HitDisk++
+				d.diskBlocks++
 			} else {
 				res.HitCPU++
 			}
@@ -303,8 +391,50 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 	return nil
 }
 
+// load loads the step's ready prefixes and, with a Copier, copies the
+// same segments without the daemon right before or right after (by step
+// parity, so neither side always finds the caches the other left).
 func (d *driver) load(ctx context.Context, jobs []*job) error {
-	return d.loadJobs(ctx, jobs, &d.res.Load, d.res.LoadFailed)
+	d.probing = true
+	defer func() { d.probing = false }()
+	var blocks []int
+	for _, j := range jobs {
+		for i := range j.ready {
+			blocks = append(blocks, j.base+i)
+		}
+	}
+	first := d.cfg.Copier != nil && d.res.Steps%2 == 1
+	if first {
+		d.copyBaseline(blocks, false, &d.res.LoadCopy)
+	}
+	if err := d.loadJobs(ctx, jobs, &d.res.Load, d.res.LoadFailed); err != nil {
+		return err
+	}
+	if d.cfg.Copier != nil && !first {
+		d.copyBaseline(blocks, false, &d.res.LoadCopy)
+	}
+	return nil
+}
+
+// copyBaseline times the Copier's copy of blocks; a load's destination is
+// zeroed first, as loadJobs zeroes it before a Load.
+func (d *driver) copyBaseline(blocks []int, toArena bool, op *Op) {
+	if len(blocks) == 0 {
+		return
+	}
+	if !toArena {
+		for _, b := range blocks {
+			d.reg.Poison(b)
+		}
+	}
+	p := d.startProbe(nil, nil)
+	el, n := d.cfg.Copier.Copy(blocks, toArena)
+	p.stop()
+	op.Calls++
+	op.Blocks += len(blocks)
+	op.Bytes += n
+	op.Busy += el
+	op.Latencies = append(op.Latencies, el)
 }
 
 // loadJobs sends one Load with a job per request that has ready blocks,
@@ -408,8 +538,12 @@ func mustDrop(s pb.BlockStatus) bool {
 	return false
 }
 
+// DiskLoadBlocks is how many blocks each of the disk-only loads asks for:
+// the burst of disk reads a tier-pattern baseline matches.
+const DiskLoadBlocks = 16
+
 // diskLoads finds every block of the run that is now only on disk and
-// loads them all, diskLoadBlocks per Load in jobs of diskJobBlocks: the
+// loads them all, DiskLoadBlocks per Load in jobs of diskJobBlocks: the
 // daemon's disk read path alone, which the steps mix with CPU hits. The
 // lookups that find the blocks peek, so the policy is not told. A Load
 // needs a free CPU slot per disk block (the read lands there); bigger
@@ -439,9 +573,16 @@ func (d *driver) diskLoads(ctx context.Context) error {
 			}
 		}
 	}
-	const diskLoadBlocks, diskJobBlocks = 16, 8
+	const diskJobBlocks = 8
+	all := onDisk
+	if d.cfg.DiskBaseline != nil {
+		if err := d.cfg.DiskBaseline("before", all); err != nil {
+			return fmt.Errorf("disk loads: baseline before: %w", err)
+		}
+	}
+	end := d.phase("disk loads")
 	for len(onDisk) > 0 {
-		n := min(len(onDisk), diskLoadBlocks, d.reg.Blocks)
+		n := min(len(onDisk), DiskLoadBlocks, d.reg.Blocks)
 		batch := onDisk[:n]
 		onDisk = onDisk[n:]
 		var jobs []*job
@@ -453,7 +594,14 @@ func (d *driver) diskLoads(ctx context.Context) error {
 		err := d.loadJobs(bctx, jobs, &d.res.DiskLoad, d.res.DiskLoadFailed)
 		cancel()
 		if err != nil {
+			end()
 			return fmt.Errorf("disk loads: %w", err)
+		}
+	}
+	end()
+	if d.cfg.DiskBaseline != nil {
+		if err := d.cfg.DiskBaseline("after", all); err != nil {
+			return fmt.Errorf("disk loads: baseline after: %w", err)
 		}
 	}
 	return nil
@@ -506,12 +654,27 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 	if len(wire) == 0 {
 		return nil
 	}
+	var blocks []int
+	for _, w := range wire {
+		for _, b := range w.BlockIds {
+			blocks = append(blocks, int(b))
+		}
+	}
+	first := d.cfg.Copier != nil && d.res.Steps%2 == 1
+	if first {
+		d.copyBaseline(blocks, true, &d.res.StoreCopy)
+	}
+	d.probing = true
 	results, err := d.transfer(ctx, &d.res.Store, wire, func(r *pb.TransferRequest) error {
 		_, err := d.c.API.Store(ctx, r)
 		return err
 	})
+	d.probing = false
 	if err != nil {
 		return fmt.Errorf("store: %w", err)
+	}
+	if d.cfg.Copier != nil && !first {
+		d.copyBaseline(blocks, true, &d.res.StoreCopy)
 	}
 	for _, jr := range results {
 		for _, f := range jr.GetFailures() {
@@ -529,6 +692,11 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 	for _, j := range jobs {
 		want[j.JobId] = true
 		blocks += len(j.BlockIds)
+	}
+	var p *probe
+	if d.probing {
+		p = d.startProbe(&d.res.BusyLookup, &d.res.BusyEmpty)
+		defer p.stop()
 	}
 	t0 := time.Now()
 	if err := send(&pb.TransferRequest{RegistrationId: d.id, Jobs: jobs}); err != nil {
@@ -557,6 +725,7 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 		}
 	}
 	op.Busy += time.Since(t0)
+	p.stop()
 	op.Calls++
 	op.Blocks += blocks
 	op.Bytes += moved

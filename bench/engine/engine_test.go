@@ -2,9 +2,11 @@ package engine
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/bench/workload"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
@@ -81,4 +83,54 @@ func TestRunFailedCopies(t *testing.T) {
 		t.Fatalf("%d blocks whose load failed with DMA_ERROR were offered again (DESIGN.md §3.4: their entry goes)", res.FailedReoffered)
 	}
 
+}
+
+// The same-window baselines: the Copier copies exactly the blocks each
+// step loads and stores, the prober's Lookups and empty calls land while
+// transfers are in flight, and every phase is reported.
+func TestRunBaselines(t *testing.T) {
+	d := testenv.Start(t, testenv.Options{Quiet: true})
+	region, err := model.NewRegion("/dev/shm", tiny, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer region.Close()
+	copier, err := baseline.NewSegmentCopier(region, 0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer copier.Close()
+	plan, err := workload.Steps(workload.Default(3), 20, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var phases []string
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res, err := Run(ctx, Config{Client: d.Client(t), Region: region, Fingerprint: []byte(t.Name()), Steps: plan, LeaseMs: 5000, IdleLookups: 10,
+		Copier: copier, Prober: d.Client(t),
+		Phase: func(name string) func() {
+			phases = append(phases, "start "+name)
+			return func() { phases = append(phases, "end "+name) }
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.CorruptDelivered != 0 {
+		t.Fatalf("%d wrong blocks delivered (a baseline copy landed in a loaded block after its check, or before the load)", res.CorruptDelivered)
+	}
+	if res.LoadCopy.Blocks != res.Load.Blocks || res.StoreCopy.Blocks != res.Store.Blocks || res.LoadCopy.Calls != res.Load.Calls || res.StoreCopy.Calls != res.Store.Calls {
+		t.Errorf("copies %d/%d blocks in %d/%d calls, transfers %d/%d blocks in %d/%d calls",
+			res.LoadCopy.Blocks, res.StoreCopy.Blocks, res.LoadCopy.Calls, res.StoreCopy.Calls, res.Load.Blocks, res.Store.Blocks, res.Load.Calls, res.Store.Calls)
+	}
+	if res.LoadCopy.Bytes != uint64(res.LoadCopy.Blocks)*uint64(tiny.BlockBytes()) || res.LoadCopy.Busy <= 0 {
+		t.Errorf("load copy: %+v", res.LoadCopy)
+	}
+	if res.BusyLookup.Calls == 0 || res.BusyEmpty.Calls == 0 || res.BusyLookup.Calls < res.BusyEmpty.Calls {
+		t.Errorf("prober: %d lookups, %d empty calls during transfers", res.BusyLookup.Calls, res.BusyEmpty.Calls)
+	}
+	want := []string{"start steps", "end steps", "start idle lookups", "end idle lookups"}
+	if !slices.Equal(phases, want) {
+		t.Errorf("phases %v, want %v", phases, want)
+	}
 }

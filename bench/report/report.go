@@ -33,6 +33,30 @@ type Report struct {
 	Sweep   []SweepPoint `json:"sweep,omitempty"`
 	Skipped []Skip       `json:"skipped"`
 	Goals   []Goal       `json:"goals"`
+	// Interference is what other processes did to the machine during
+	// each phase of the run; a flagged phase's figures are suspect.
+	Interference *Interference `json:"interference,omitempty"`
+}
+
+// Interference is the run's phases, each with the CPU share other
+// processes took while it ran.
+type Interference struct {
+	// Threshold is the share of the machine's CPU time above which a
+	// phase is flagged.
+	Threshold float64 `json:"threshold"`
+	Phases    []Phase `json:"phases"`
+}
+
+// Phase is one measured phase of the run (a scenario's steps, its
+// disk-only loads, a baseline).
+type Phase struct {
+	Name          string  `json:"name"`
+	Seconds       float64 `json:"seconds"`
+	OtherCPUShare float64 `json:"other_cpu_share"`
+	OwnCPUShare   float64 `json:"own_cpu_share"`
+	StealShare    float64 `json:"steal_share"`
+	Load1         float64 `json:"load1"`
+	Flagged       bool    `json:"flagged"`
 }
 
 // Model is the engine shape the run registered.
@@ -77,6 +101,17 @@ type Result struct {
 	FailedBlocksReoffered  int            `json:"failed_blocks_reoffered"`
 	// Daemon is the scenario's daemon setup: CPU and disk tier sizes.
 	Daemon string `json:"daemon"`
+	// On lookup rows: the same request trace replayed against an LRU
+	// cache and Belady's offline optimum of CapacityBlocks blocks (both
+	// tiers' slots), as hit rates of every looked-up block.
+	HitRateLRU     *float64 `json:"hit_rate_lru,omitempty"`
+	HitRateBelady  *float64 `json:"hit_rate_belady,omitempty"`
+	CapacityBlocks int      `json:"capacity_blocks,omitempty"`
+	// Interference is the largest share of the machine's CPU that other
+	// processes took in a phase this row was measured in; Flagged when it
+	// was above the threshold.
+	Interference float64 `json:"interference"`
+	Flagged      bool    `json:"flagged"`
 }
 
 // Baselines are the limits measured in the same run. A nil field was
@@ -101,7 +136,42 @@ type Baselines struct {
 	ODirectIOBytes int    `json:"odirect_io_bytes"`
 	DiskDir        string `json:"disk_dir,omitempty"`
 	RedisVersion   string `json:"redis_version,omitempty"`
+
+	// SegmentCopyLoadGBps and SegmentCopyStoreGBps are kvbench's own copy
+	// of the same segments as the cpu scenario's Loads and Stores, timed
+	// in the same steps right before or after each (interleaved), with
+	// the same workers.
+	SegmentCopyLoadGBps  *float64 `json:"segment_copy_load_gbps"`
+	SegmentCopyStoreGBps *float64 `json:"segment_copy_store_gbps"`
+	// TierRead is raw O_DIRECT reads of the disk scenario's own slot
+	// file with the disk tier's pattern, right before and right after its
+	// disk-only loads.
+	TierRead *TierRead `json:"tier_read"`
+	// GRPCEmptyBusyP50us and GRPCEmptyBusyP99us are the empty call issued
+	// from a second connection while the cpu scenario's transfers ran,
+	// alternating with the busy Lookups.
+	GRPCEmptyBusyP50us *float64 `json:"grpc_empty_busy_p50_us"`
+	GRPCEmptyBusyP99us *float64 `json:"grpc_empty_busy_p99_us"`
 }
+
+// TierRead is the tier-pattern O_DIRECT baseline: the same slots the
+// disk-only loads read, in the same file, header then payload per slot,
+// QueueDepth in flight, in bursts of Burst slots (one Load's reads).
+type TierRead struct {
+	Blocks     int     `json:"blocks"`
+	Burst      int     `json:"burst"`
+	QueueDepth int     `json:"queue_depth"`
+	IOBytes    int     `json:"io_bytes"`
+	FileBytes  uint64  `json:"file_bytes"`
+	BeforeGBps float64 `json:"before_gbps"`
+	AfterGBps  float64 `json:"after_gbps"`
+	BurstP50us float64 `json:"burst_p50_us"`
+	BurstP99us float64 `json:"burst_p99_us"`
+}
+
+// Min and Max of the two measurements.
+func (t *TierRead) Min() float64 { return min(t.BeforeGBps, t.AfterGBps) }
+func (t *TierRead) Max() float64 { return max(t.BeforeGBps, t.AfterGBps) }
 
 // Ratios compare the daemon with its limits; nil when a side is missing.
 type Ratios struct {
@@ -111,6 +181,19 @@ type Ratios struct {
 	DiskStoreVsODirectWrite *float64 `json:"disk_store_vs_odirect_write"`
 	CPULoadVsRedisGet       *float64 `json:"cpu_load_vs_redis_get"`
 	LookupP99VsGRPCEmptyP99 *float64 `json:"lookup_p99_vs_grpc_empty_p99"`
+
+	// Against the same-window baselines (issue 11).
+	CPULoadVsSegmentCopy  *float64 `json:"cpu_load_vs_segment_copy"`
+	CPUStoreVsSegmentCopy *float64 `json:"cpu_store_vs_segment_copy"`
+	// DiskLoadVsTierRead is the disk scenario's load-disk against the
+	// mean of the tier-pattern reads before and after it; the range is
+	// against the faster and the slower of the two.
+	DiskLoadVsTierRead          *float64  `json:"disk_load_vs_tier_read"`
+	DiskLoadVsTierReadRange     []float64 `json:"disk_load_vs_tier_read_range,omitempty"`
+	DiskLoadP99VsRawStepP99     *float64  `json:"disk_load_p99_vs_raw_step_p99"`
+	LookupBusyP99VsGRPCEmptyP99 *float64  `json:"lookup_busy_p99_vs_grpc_empty_p99"`
+	LookupBusyP99VsEmptyBusyP99 *float64  `json:"lookup_busy_p99_vs_empty_busy_p99"`
+	LookupIdleP99VsGRPCEmptyP99 *float64  `json:"lookup_idle_p99_vs_grpc_empty_p99"`
 }
 
 // Faults is what the fault-injection scenario found.
@@ -170,6 +253,11 @@ type Goal struct {
 	Target string   `json:"target"`
 	Value  *float64 `json:"value"`
 	Met    *bool    `json:"met"` // nil: not measured
+	// Note says what the value counts, where it needs saying.
+	Note string `json:"note,omitempty"`
+	// Flagged: a phase the value was measured in had other processes
+	// above the interference threshold.
+	Flagged bool `json:"flagged"`
 }
 
 // F returns a pointer to v, for the optional fields.
@@ -219,18 +307,25 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(w, "daemon:    %s\n\n", r.Daemon)
 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\tfailed\tcorrupt\treoffered\t")
+	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\tlru\tbelady\tfailed\tcorrupt\treoffered\tother cpu\t")
 	for _, x := range r.Results {
-		hc, hd := "", ""
+		hc, hd, hl, hb := "", "", "", ""
 		if x.HitRate != nil {
 			hc, hd = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"])
 		}
+		if x.HitRateLRU != nil && x.HitRateBelady != nil {
+			hl, hb = fmt.Sprintf("%.1f%%", 100**x.HitRateLRU), fmt.Sprintf("%.1f%%", 100**x.HitRateBelady)
+		}
 		gb := fmt.Sprintf("%.2f", x.GBps)
-		if strings.HasPrefix(x.Op, "lookup") {
+		if strings.HasPrefix(x.Op, "lookup") || strings.HasPrefix(x.Op, "empty") {
 			gb = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%d\t%d\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
-			hc, hd, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered)
+		other := fmt.Sprintf("%.0f%%", 100*x.Interference)
+		if x.Flagged {
+			other += " !"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
+			hc, hd, hl, hb, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered, other)
 	}
 	tw.Flush()
 
@@ -242,6 +337,14 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "  O_DIRECT read / write (%s I/Os, QD %d)\t%s / %s GB/s\n", sizeString(b.ODirectIOBytes), b.QueueDepth, opt(b.ODirectReadGBps, "%.2f"), opt(b.ODirectWriteGBps, "%.2f"))
 	fmt.Fprintf(tw, "  empty gRPC round trip p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyP50us, "%.0f"), opt(b.GRPCEmptyP99us, "%.0f"))
 	fmt.Fprintf(tw, "  Redis GET / SET (%d conns)\t%s / %s GB/s\n", b.Workers, opt(b.RedisGetGBps, "%.2f"), opt(b.RedisSetGBps, "%.2f"))
+	fmt.Fprintf(tw, "  same segments as cpu loads / stores, same steps\t%s / %s GB/s\n", opt(b.SegmentCopyLoadGBps, "%.2f"), opt(b.SegmentCopyStoreGBps, "%.2f"))
+	if t := b.TierRead; t != nil {
+		fmt.Fprintf(tw, "  O_DIRECT, tier pattern, disk scenario's slots before / after its disk loads\t%.2f / %.2f GB/s (%d slots, bursts of %d, QD %d; burst p50 %.0f p99 %.0f µs)\n",
+			t.BeforeGBps, t.AfterGBps, t.Blocks, t.Burst, t.QueueDepth, t.BurstP50us, t.BurstP99us)
+	} else {
+		fmt.Fprintf(tw, "  O_DIRECT, tier pattern\tskipped\n")
+	}
+	fmt.Fprintf(tw, "  empty gRPC during cpu transfers p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyBusyP50us, "%.0f"), opt(b.GRPCEmptyBusyP99us, "%.0f"))
 	tw.Flush()
 
 	q := r.Ratios
@@ -256,8 +359,18 @@ func (r *Report) Print(w io.Writer) {
 		{"disk_store_vs_odirect_write", q.DiskStoreVsODirectWrite},
 		{"cpu_load_vs_redis_get", q.CPULoadVsRedisGet},
 		{"lookup_p99_vs_grpc_empty_p99", q.LookupP99VsGRPCEmptyP99},
+		{"cpu_load_vs_segment_copy", q.CPULoadVsSegmentCopy},
+		{"cpu_store_vs_segment_copy", q.CPUStoreVsSegmentCopy},
+		{"disk_load_vs_tier_read", q.DiskLoadVsTierRead},
+		{"disk_load_p99_vs_raw_step_p99", q.DiskLoadP99VsRawStepP99},
+		{"lookup_busy_p99_vs_grpc_empty_p99", q.LookupBusyP99VsGRPCEmptyP99},
+		{"lookup_busy_p99_vs_empty_busy_p99", q.LookupBusyP99VsEmptyBusyP99},
+		{"lookup_idle_p99_vs_grpc_empty_p99", q.LookupIdleP99VsGRPCEmptyP99},
 	} {
-		fmt.Fprintf(w, "  %-30s %s\n", x.name, opt(x.v, "%.2f"))
+		fmt.Fprintf(w, "  %-34s %s\n", x.name, opt(x.v, "%.2f"))
+	}
+	if rg := q.DiskLoadVsTierReadRange; len(rg) == 2 {
+		fmt.Fprintf(w, "  %-34s %.2f-%.2f\n", "disk_load_vs_tier_read (range)", rg[0], rg[1])
 	}
 
 	if f := r.Faults; f != nil {
@@ -286,7 +399,23 @@ func (r *Report) Print(w io.Writer) {
 			if g.Met != nil {
 				state = map[bool]string{true: "met", false: "NOT met"}[*g.Met]
 			}
-			fmt.Fprintf(tw, "  %s %s\t%s\t%s\n", g.Name, g.Target, opt(g.Value, "%.2f"), state)
+			if g.Flagged {
+				state += " (interference)"
+			}
+			fmt.Fprintf(tw, "  %s %s\t%s\t%s\t%s\n", g.Name, g.Target, opt(g.Value, "%.2f"), state, g.Note)
+		}
+		tw.Flush()
+	}
+	if in := r.Interference; in != nil && len(in.Phases) > 0 {
+		fmt.Fprintf(w, "\ninterference (other processes' share of the machine's CPU time; ! above %.0f%%):\n", 100*in.Threshold)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "phase\tseconds\tother\tsteal\tkvbench+daemon\tload1\t\t")
+		for _, p := range in.Phases {
+			mark := ""
+			if p.Flagged {
+				mark = "!"
+			}
+			fmt.Fprintf(tw, "%s\t%.1f\t%.0f%%\t%.0f%%\t%.0f%%\t%.1f\t%s\t\n", p.Name, p.Seconds, 100*p.OtherCPUShare, 100*p.StealShare, 100*p.OwnCPUShare, p.Load1, mark)
 		}
 		tw.Flush()
 	}

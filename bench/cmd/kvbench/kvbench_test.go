@@ -49,6 +49,13 @@ func TestQuick(t *testing.T) {
 	if withFaults {
 		args = append(args, "--scenarios", "cpu,faults", "--fault-spec", faultSpec)
 	}
+	if raceDetector {
+		// The same run in blocks an eighth the size (8 segments of 32
+		// KiB) and a 64-block engine: every check is the same, the bytes
+		// kvbench fills, checks and copies under the race detector are
+		// an eighth.
+		args = append(args, "--layers", "4", "--engine-blocks", "64")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	var stdout, stderr bytes.Buffer
@@ -68,9 +75,13 @@ func TestQuick(t *testing.T) {
 		t.Fatal(err)
 	}
 	for section, keys := range map[string][]string{
-		"baselines": {"memcpy_gbps", "odirect_read_gbps", "odirect_write_gbps", "grpc_empty_p99_us", "redis_get_gbps", "redis_set_gbps"},
+		"baselines": {"memcpy_gbps", "odirect_read_gbps", "odirect_write_gbps", "grpc_empty_p99_us", "redis_get_gbps", "redis_set_gbps",
+			"segment_copy_load_gbps", "segment_copy_store_gbps", "tier_read", "grpc_empty_busy_p99_us"},
 		"ratios": {"cpu_load_vs_memcpy", "cpu_store_vs_memcpy", "disk_load_vs_odirect_read", "disk_store_vs_odirect_write",
-			"cpu_load_vs_redis_get", "lookup_p99_vs_grpc_empty_p99"},
+			"cpu_load_vs_redis_get", "lookup_p99_vs_grpc_empty_p99", "cpu_load_vs_segment_copy", "cpu_store_vs_segment_copy",
+			"disk_load_vs_tier_read", "disk_load_p99_vs_raw_step_p99", "lookup_busy_p99_vs_grpc_empty_p99",
+			"lookup_busy_p99_vs_empty_busy_p99", "lookup_idle_p99_vs_grpc_empty_p99"},
+		"interference": {"threshold", "phases"},
 	} {
 		m, _ := doc[section].(map[string]any)
 		for _, k := range keys {
@@ -94,6 +105,31 @@ func TestQuick(t *testing.T) {
 	}
 	if r := rep.Find("cpu", "load"); r.Blocks == 0 || r.GBps <= 0 {
 		t.Errorf("cpu scenario loaded nothing: %+v", r)
+	}
+	// The same-window baselines and references.
+	for _, op := range []string{"load-copy", "store-copy", "lookup-busy", "empty-busy", "lookup-idle"} {
+		if r := rep.Find("cpu", op); r == nil || r.Calls == 0 {
+			t.Errorf("cpu scenario has no %s row: %+v", op, r)
+		}
+	}
+	if r := rep.Find("cpu", "load-copy"); r != nil && r.Blocks != rep.Find("cpu", "load").Blocks {
+		t.Errorf("the copy baseline copied %d blocks, the loads asked for %d", r.Blocks, rep.Find("cpu", "load").Blocks)
+	}
+	if r := rep.Find("cpu", "lookup"); r.HitRateLRU == nil || r.HitRateBelady == nil || r.CapacityBlocks == 0 ||
+		*r.HitRateBelady < *r.HitRateLRU || *r.HitRateBelady < r.HitRate["all"] {
+		t.Errorf("cpu lookups: hit rate %v, LRU %v, Belady %v of %d blocks", r.HitRate["all"], r.HitRateLRU, r.HitRateBelady, r.CapacityBlocks)
+	}
+	phases := map[string]bool{}
+	for _, p := range rep.Interference.Phases {
+		phases[p.Name] = true
+		if p.Seconds <= 0 || p.OtherCPUShare < 0 || p.OwnCPUShare <= 0 {
+			t.Errorf("phase %+v", p)
+		}
+	}
+	for _, want := range []string{"cpu: steps", "cpu: idle lookups", "baseline: memcpy"} {
+		if !phases[want] {
+			t.Errorf("no interference phase %q in %v", want, phases)
+		}
 	}
 
 	if !withFaults {

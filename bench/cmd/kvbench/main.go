@@ -21,6 +21,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/interference"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
 )
@@ -59,6 +60,8 @@ type options struct {
 	redis          string
 	leaseMs        uint
 	keepDir        string
+	threshold      float64
+	daemonArgs     []string
 	args           []string
 	seedGiven      bool
 }
@@ -109,6 +112,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.redis, "redis-server", "redis-server", "redis-server binary for the Redis baseline, looked up in PATH; \"none\" skips it.")
 	fs.UintVar(&o.leaseMs, "lease-ms", 10000, "Lookup lease pinning the ready prefix until its Load (0: none).")
 	fs.StringVar(&o.keepDir, "keep", "", "keep each scenario's daemon log and final metrics in this directory (created if missing).")
+	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
+		o.daemonArgs = append(o.daemonArgs, v)
+		return nil
+	})
+	fs.Float64Var(&o.threshold, "interference-threshold", interference.DefaultThreshold, "flag a phase of the run, and every figure measured in it, when other processes used more than this share of the machine's CPU time (or the hypervisor stole it) while it ran.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
 		fs.PrintDefaults()
@@ -178,11 +186,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.leaseMs > 30000 {
 		bad("--lease-ms %d: the daemon allows at most 30000", o.leaseMs)
 	}
+	if !(o.threshold > 0 && o.threshold <= 1) {
+		bad("--interference-threshold %g: want a share in (0,1]", o.threshold)
+	}
 	if o.plotPath != "" && !strings.HasSuffix(o.plotPath, ".svg") && !strings.HasSuffix(o.plotPath, ".png") {
 		bad("--plot %q: want a .svg or .png file", o.plotPath)
 	}
-	if o.socket != "" && o.daemon != "" {
-		bad("--socket and --daemon: give one")
+	if o.socket != "" && (o.daemon != "" || len(o.daemonArgs) > 0) {
+		bad("--socket with --daemon or --daemon-arg: kvbench starts no daemon with --socket")
 	}
 	return o, errors.Join(errs...)
 }

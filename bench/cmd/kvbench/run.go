@@ -16,13 +16,17 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
+	"github.com/kvoffloadd/kvoffloadd/bench/cachesim"
 	"github.com/kvoffloadd/kvoffloadd/bench/corrupt"
 	"github.com/kvoffloadd/kvoffloadd/bench/daemon"
 	"github.com/kvoffloadd/kvoffloadd/bench/engine"
+	"github.com/kvoffloadd/kvoffloadd/bench/interference"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/bench/report"
 	"github.com/kvoffloadd/kvoffloadd/bench/workload"
+	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
@@ -60,6 +64,9 @@ type bench struct {
 	steps     [][]workload.Request
 	distinct  int
 	grpcTimed bool
+	meter     *interference.Meter
+	copier    *baseline.SegmentCopier // the cpu scenario's same-segment copies
+	trace     [][]cachesim.Request    // b.steps' keys, for the hit-rate references
 
 	rep report.Report
 }
@@ -79,6 +86,7 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	rep := &b.rep
 	rep.Schema, rep.Command, rep.Seed, rep.Quick = report.Schema, o.command(), o.seed, o.quick
 	rep.Skipped = []report.Skip{}
+	b.meter = interference.New(o.threshold)
 
 	var err error
 	if b.tmp, err = os.MkdirTemp("", "kvbench-"); err != nil {
@@ -134,6 +142,23 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 		return nil, err
 	}
 	defer b.region.Close()
+	if slices.Contains(o.scenarios, "cpu") {
+		if b.copier, err = baseline.NewSegmentCopier(b.region, 0, o.ioWorkers); err != nil {
+			return nil, err
+		}
+		defer b.copier.Close()
+	}
+	for _, st := range b.steps {
+		var reqs []cachesim.Request
+		for _, r := range st {
+			keys := make(cachesim.Request, len(r.Keys))
+			for i, k := range r.Keys {
+				keys[i] = string(k)
+			}
+			reqs = append(reqs, keys)
+		}
+		b.trace = append(b.trace, reqs)
+	}
 	rep.Model = report.Model{Name: shape.Name, Layers: shape.Layers, BlockTokens: shape.BlockTokens, KVHeads: shape.KVHeads,
 		HeadDim: shape.HeadDim, DTypeBytes: shape.DTypeBytes, Segments: shape.Segments(), SegmentBytes: shape.SegmentBytes(),
 		BlockBytes: shape.BlockBytes(), EngineBlocks: E, StepsPerScenario: nsteps}
@@ -173,6 +198,10 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	}
 	b.summarize(faults, sweep)
 	b.prog.end()
+	rep.Interference = &report.Interference{Threshold: b.meter.Threshold()}
+	for _, p := range b.meter.Phases() {
+		rep.Interference.Phases = append(rep.Interference.Phases, report.Phase(p))
+	}
 	rep.Print(b.stdout)
 
 	if o.jsonPath != "" {
@@ -298,6 +327,9 @@ type outcome struct {
 	desc        string // the daemon's setup
 	diskRead    uint64 // disk-tier bytes read and written, from the daemon's metrics
 	diskWritten uint64
+	// capacity is the blocks both tiers' slots hold (0: unknown).
+	capacity int
+	tier     *report.TierRead
 }
 
 // scenario starts a daemon set up for sc (or uses --socket's), drives it
@@ -314,6 +346,9 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 	}
 	if sc.kind == "corrupt" {
 		desc += ", slot bytes flipped from outside after every step"
+	}
+	if len(o.daemonArgs) > 0 {
+		desc += ", " + strings.Join(o.daemonArgs, " ")
 	}
 	if o.socket != "" {
 		desc = "external daemon"
@@ -353,16 +388,29 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 				opts.Extra = append(opts.Extra, "--disk-chunk-bytes", strconv.FormatUint(slots.DefaultChunkBytes(sc.diskBytes), 10))
 			}
 		}
+		opts.Extra = append(opts.Extra, o.daemonArgs...)
 		if d, err = daemon.Start(ctx, opts); err != nil {
 			return outcome{}, err
 		}
 		stop = d.Stop
 		defer d.Stop()
+		b.meter.Track(d.Pid())
+		defer b.meter.Untrack(d.Pid())
 		if c, err = client.Dial(d.Socket); err != nil {
 			return outcome{}, errors.Join(err, d.Stop())
 		}
 		defer c.Close()
 	}
+	// The scheduler's connection: Lookups during transfers.
+	socket := o.socket
+	if d != nil {
+		socket = d.Socket
+	}
+	prober, err := client.Dial(socket)
+	if err != nil {
+		return outcome{}, errors.Join(err, stop())
+	}
+	defer prober.Close()
 
 	cfg := engine.Config{
 		Client:      c,
@@ -372,6 +420,20 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 		LeaseMs:     uint32(o.leaseMs),
 		Progress:    func(int, int) { b.prog.advance(1) },
 		DiskLoads:   sc.diskBytes > 0,
+		Prober:      prober,
+		Phase: func(name string) func() {
+			mk := b.meter.Start(sc.name + ": " + name)
+			return func() { b.meter.End(mk) }
+		},
+	}
+	if sc.kind == "cpu" {
+		cfg.Copier = b.copier
+	}
+	var raw *diskRaw
+	if (sc.kind == "disk" || sc.kind == "mixed") && diskDir != "" {
+		raw = newDiskRaw(diskDir, int64(slots.DefaultChunkBytes(sc.diskBytes)), o.shape.BlockBytes(), o.queueDepth, o.seed, b.meter, sc.name)
+		defer raw.Close()
+		cfg.StepDisk, cfg.DiskBaseline = raw.step, raw.around
 	}
 	idle := 10000
 	if o.quick {
@@ -406,7 +468,10 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 	}
 	if !b.grpcTimed && runErr == nil {
 		b.grpcTimed = true
-		lat, err := baseline.GRPCEmpty(ctx, c, idle)
+		var lat []time.Duration
+		mk := b.meter.Start(sc.name + ": empty gRPC baseline")
+		lat, err = baseline.GRPCEmpty(ctx, c, idle)
+		b.meter.End(mk)
 		if err != nil {
 			runErr = errors.Join(runErr, fmt.Errorf("empty gRPC baseline: %w", err))
 		} else {
@@ -415,6 +480,7 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 		}
 	}
 	c.Close()
+	prober.Close()
 	if err := stop(); err != nil {
 		runErr = errors.Join(runErr, err)
 	}
@@ -456,6 +522,23 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 	out := outcome{res: res, faults: f, desc: desc,
 		diskRead:    uint64(daemon.Sum(metrics, "kvoffload_disk_bytes_total", `op="read"`)),
 		diskWritten: uint64(daemon.Sum(metrics, "kvoffload_disk_bytes_total", `op="write"`))}
+	if raw != nil {
+		out.tier = raw.Tier
+	}
+	if metrics != nil {
+		// Both tiers' slots, from the capacities the daemon reports.
+		B := uint64(o.shape.BlockBytes())
+		cpuN, err1 := cachesim.Capacity(uint64(daemon.Sum(metrics, "kvoffload_tier_capacity_bytes", `tier="cpu"`)), slots.DefaultChunkBytes(sc.cpuBytes), layout.AlignUp(B))
+		out.capacity = cpuN
+		if sc.diskBytes > 0 {
+			diskN, err2 := cachesim.Capacity(uint64(daemon.Sum(metrics, "kvoffload_tier_capacity_bytes", `tier="disk"`)), slots.DefaultChunkBytes(sc.diskBytes), disk.SlotBytes(B))
+			out.capacity += diskN
+			err1 = errors.Join(err1, err2)
+		}
+		if err1 != nil {
+			out.capacity = 0
+		}
+	}
 	return out, runErr
 }
 
@@ -504,23 +587,86 @@ func (b *bench) addResults(sc scenario, out outcome) {
 			hit[k.String()] = float64(r.KindHit[k]) / float64(r.KindLookedUp[k])
 		}
 	}
-	row := func(op string, x *engine.Op, failed map[string]int) report.Result {
+	row := func(op, phase string, x *engine.Op, failed map[string]int) report.Result {
+		share, flagged := b.phaseShare(sc.name + ": " + phase)
 		return report.Result{Scenario: sc.name, Op: op, GBps: x.GBps(), Blocks: x.Blocks, Bytes: x.Bytes, Calls: x.Calls, CompletionsCalls: x.Completions,
 			P50us: us(engine.Percentile(x.Latencies, 50)), P99us: us(engine.Percentile(x.Latencies, 99)),
-			Failed: failed, CorruptBlocksDelivered: r.CorruptDelivered, FailedBlocksReoffered: r.FailedReoffered, Daemon: out.desc}
+			Failed: failed, CorruptBlocksDelivered: r.CorruptDelivered, FailedBlocksReoffered: r.FailedReoffered, Daemon: out.desc,
+			Interference: share, Flagged: flagged}
 	}
-	lk := row("lookup", &r.Lookup, nil)
+	lk := row("lookup", "steps", &r.Lookup, nil)
 	lk.HitRate, lk.Blocks = hit, r.LookedUp
+	if out.capacity > 0 {
+		lk.CapacityBlocks = out.capacity
+		lk.HitRateLRU = report.F(cachesim.LRU(b.trace, out.capacity).Rate())
+		lk.HitRateBelady = report.F(cachesim.Belady(b.trace, out.capacity).Rate())
+	}
 	b.rep.Results = append(b.rep.Results, lk)
 	if r.IdleLookup.Calls > 0 {
-		b.rep.Results = append(b.rep.Results, row("lookup-idle", &r.IdleLookup, nil))
+		b.rep.Results = append(b.rep.Results, row("lookup-idle", "idle lookups", &r.IdleLookup, nil))
 	}
-	load, store := row("load", &r.Load, r.LoadFailed), row("store", &r.Store, r.StoreFailed)
+	if r.BusyLookup.Calls > 0 {
+		b.rep.Results = append(b.rep.Results, row("lookup-busy", "steps", &r.BusyLookup, nil), row("empty-busy", "steps", &r.BusyEmpty, nil))
+	}
+	load, store := row("load", "steps", &r.Load, r.LoadFailed), row("store", "steps", &r.Store, r.StoreFailed)
 	load.DiskBytes, store.DiskBytes = out.diskRead, out.diskWritten
 	b.rep.Results = append(b.rep.Results, load, store)
-	if r.DiskLoad.Calls > 0 || sc.diskBytes > 0 {
-		b.rep.Results = append(b.rep.Results, row("load-disk", &r.DiskLoad, r.DiskLoadFailed))
+	if r.LoadCopy.Calls > 0 {
+		b.rep.Results = append(b.rep.Results, row("load-copy", "steps", &r.LoadCopy, nil), row("store-copy", "steps", &r.StoreCopy, nil))
 	}
+	if r.DiskLoad.Calls > 0 || sc.diskBytes > 0 {
+		b.rep.Results = append(b.rep.Results, row("load-disk", "disk loads", &r.DiskLoad, r.DiskLoadFailed))
+	}
+	if len(r.StepsDisk) > 0 {
+		// Raw O_DIRECT of each step's disk reads, as an op of its own:
+		// one "call" per step.
+		var raw engine.Op
+		for _, sd := range r.StepsDisk {
+			raw.Calls++
+			raw.Blocks += sd.Blocks
+			raw.Bytes += uint64(sd.Blocks) * uint64(b.o.shape.BlockBytes())
+			raw.Busy += sd.Raw
+			raw.Latencies = append(raw.Latencies, sd.Raw)
+		}
+		b.rep.Results = append(b.rep.Results, row("raw-step-read", "steps", &raw, nil))
+	}
+	bl := &b.rep.Baselines
+	if sc.kind == "cpu" {
+		if r.LoadCopy.Blocks > 0 {
+			bl.SegmentCopyLoadGBps = report.F(r.LoadCopy.GBps())
+		}
+		if r.StoreCopy.Blocks > 0 {
+			bl.SegmentCopyStoreGBps = report.F(r.StoreCopy.GBps())
+		}
+		if r.BusyEmpty.Calls > 0 {
+			bl.GRPCEmptyBusyP50us = report.F(us(engine.Percentile(r.BusyEmpty.Latencies, 50)))
+			bl.GRPCEmptyBusyP99us = report.F(us(engine.Percentile(r.BusyEmpty.Latencies, 99)))
+		}
+	}
+	if sc.kind == "disk" && out.tier != nil {
+		bl.TierRead = out.tier
+	}
+}
+
+// phaseShare is the largest share of the machine other processes took in
+// the phases named name (or starting with it), and whether any was flagged.
+func (b *bench) phaseShare(name string) (float64, bool) {
+	share, flagged := 0.0, false
+	for _, p := range b.meter.Phases() {
+		if strings.HasPrefix(p.Name, name) {
+			share = max(share, p.OtherCPUShare, p.StealShare)
+			flagged = flagged || p.Flagged
+		}
+	}
+	return share, flagged
+}
+
+// measure runs f as a phase of the run.
+func (b *bench) measure(name string, f func() error) error {
+	mk := b.meter.Start(name)
+	err := f()
+	b.meter.End(mk)
+	return err
 }
 
 // baselines measures the limits on the same block size.
@@ -533,18 +679,24 @@ func (b *bench) baselines(ctx context.Context) error {
 	b.prog.phase(fmt.Sprintf("baseline: Go copy() of %s blocks, %d workers", model.FormatBytes(uint64(B)), o.ioWorkers))
 	buf, total := int64(512<<20), int64(4<<30)
 	if o.quick {
-		buf, total = 256<<20, 1<<30
+		// Larger than the caches, and in proportion to the run: a
+		// quick run of small blocks copies less.
+		buf = min(256<<20, max(32<<20, 4*int64(b.region.Blocks)*int64(B)))
+		total = 4 * buf
 	}
-	if v, err := baseline.Memcpy(B, B, o.ioWorkers, buf, total); err != nil {
-		errs = append(errs, fmt.Errorf("memcpy baseline: %w", err))
-	} else {
-		bl.MemcpyGBps = report.F(v)
-	}
-	if v, err := baseline.Memcpy(B, o.shape.SegmentBytes(), o.ioWorkers, buf, total); err != nil {
-		errs = append(errs, fmt.Errorf("memcpy baseline: %w", err))
-	} else {
-		bl.MemcpySegmentGBps = report.F(v)
-	}
+	errs = append(errs, b.measure("baseline: memcpy", func() error {
+		if v, err := baseline.Memcpy(B, B, o.ioWorkers, buf, total); err != nil {
+			return fmt.Errorf("memcpy baseline: %w", err)
+		} else {
+			bl.MemcpyGBps = report.F(v)
+		}
+		if v, err := baseline.Memcpy(B, o.shape.SegmentBytes(), o.ioWorkers, buf, total); err != nil {
+			return fmt.Errorf("memcpy baseline: %w", err)
+		} else {
+			bl.MemcpySegmentGBps = report.F(v)
+		}
+		return nil
+	}))
 	b.prog.advance(1)
 
 	if b.diskDir == "" {
@@ -555,11 +707,14 @@ func (b *bench) baselines(ctx context.Context) error {
 		if o.quick {
 			file = 256 << 20
 		}
-		if r, err := baseline.MeasureODirect(b.diskDir, int(slotBytes(B)), o.queueDepth, file, o.seed); err != nil {
-			errs = append(errs, fmt.Errorf("O_DIRECT baseline: %w", err))
-		} else {
+		errs = append(errs, b.measure("baseline: O_DIRECT", func() error {
+			r, err := baseline.MeasureODirect(b.diskDir, int(slotBytes(B)), o.queueDepth, file, o.seed)
+			if err != nil {
+				return fmt.Errorf("O_DIRECT baseline: %w", err)
+			}
 			bl.ODirectReadGBps, bl.ODirectWriteGBps, bl.DiskDir = report.F(r.ReadGBps), report.F(r.WriteGBps), filepath.Dir(b.diskDir)
-		}
+			return nil
+		}))
 	}
 	b.prog.advance(1)
 
@@ -579,7 +734,7 @@ func (b *bench) baselines(ctx context.Context) error {
 	}
 	if redis != "" {
 		b.prog.phase(fmt.Sprintf("baseline: Redis SET/GET of %d %s blocks on 127.0.0.1, %d connections", b.region.Blocks, model.FormatBytes(uint64(B)), o.ioWorkers))
-		if err := b.redis(ctx, redis); err != nil {
+		if err := b.measure("baseline: redis", func() error { return b.redis(ctx, redis) }); err != nil {
 			errs = append(errs, fmt.Errorf("redis baseline: %w", err))
 		}
 	}
@@ -619,7 +774,7 @@ func (b *bench) redis(ctx context.Context, binary string) error {
 	if err != nil {
 		return err
 	}
-	r, err := baseline.MeasureRedis(ctx, binary, dir, port, keys, values, b.o.ioWorkers)
+	r, err := baseline.MeasureRedis(ctx, binary, dir, port, keys, values, b.o.ioWorkers, b.meter.Track)
 	if err != nil {
 		return err
 	}
@@ -652,6 +807,19 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		DiskStoreVsODirectWrite: report.Ratio(gb("disk", "store"), bl.ODirectWriteGBps),
 		CPULoadVsRedisGet:       report.Ratio(gb(cpu, "load"), bl.RedisGetGBps),
 		LookupP99VsGRPCEmptyP99: report.Ratio(lookupP99, bl.GRPCEmptyP99us),
+
+		CPULoadVsSegmentCopy:        report.Ratio(gb(cpu, "load"), bl.SegmentCopyLoadGBps),
+		CPUStoreVsSegmentCopy:       report.Ratio(gb(cpu, "store"), bl.SegmentCopyStoreGBps),
+		DiskLoadP99VsRawStepP99:     report.Ratio(p99(rep, "disk", "load"), p99(rep, "disk", "raw-step-read")),
+		LookupBusyP99VsGRPCEmptyP99: report.Ratio(p99(rep, cpu, "lookup-busy"), bl.GRPCEmptyP99us),
+		LookupBusyP99VsEmptyBusyP99: report.Ratio(p99(rep, cpu, "lookup-busy"), p99(rep, cpu, "empty-busy")),
+		LookupIdleP99VsGRPCEmptyP99: report.Ratio(p99(rep, cpu, "lookup-idle"), bl.GRPCEmptyP99us),
+	}
+	if t := bl.TierRead; t != nil && t.Min() > 0 {
+		if v := gb("disk", "load-disk"); v != nil {
+			rep.Ratios.DiskLoadVsTierRead = report.F(*v / ((t.BeforeGBps + t.AfterGBps) / 2))
+			rep.Ratios.DiskLoadVsTierReadRange = []float64{*v / t.Max(), *v / t.Min()}
+		}
 	}
 	if len(faults) > 0 {
 		agg := report.Faults{InjectedByKind: map[string]int{}}
@@ -682,19 +850,54 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 	}
 	rep.Sweep = sweep
 
-	goal := func(name, target string, v *float64, ok func(float64) bool) {
+	// A goal is flagged when a phase it was measured in was: phases
+	// named by the scenarios it reads (and the baselines).
+	goal := func(name, target string, v *float64, ok func(float64) bool, phases ...string) *report.Goal {
 		g := report.Goal{Name: name, Target: target, Value: v}
 		if v != nil {
 			m := ok(*v)
 			g.Met = &m
 		}
+		for _, p := range phases {
+			_, f := b.phaseShare(p)
+			g.Flagged = g.Flagged || (f && v != nil)
+		}
 		rep.Goals = append(rep.Goals, g)
+		return &rep.Goals[len(rep.Goals)-1]
 	}
 	q := rep.Ratios
-	goal("cpu_load_vs_memcpy", ">= 0.8", q.CPULoadVsMemcpy, func(v float64) bool { return v >= 0.8 })
-	goal("disk_load_vs_odirect_read", ">= 0.85", q.DiskLoadVsODirectRead, func(v float64) bool { return v >= 0.85 })
-	goal("cpu_load_vs_redis_get", ">= 4", q.CPULoadVsRedisGet, func(v float64) bool { return v >= 4 })
-	goal("lookup_p99_vs_grpc_empty_p99", "<= 2", q.LookupP99VsGRPCEmptyP99, func(v float64) bool { return v <= 2 })
+	goal("cpu_load_vs_memcpy", ">= 0.8", q.CPULoadVsMemcpy, func(v float64) bool { return v >= 0.8 }, cpu+": steps", "baseline: memcpy")
+	goal("disk_load_vs_odirect_read", ">= 0.85", q.DiskLoadVsODirectRead, func(v float64) bool { return v >= 0.85 }, "disk: disk loads", "baseline: O_DIRECT")
+	goal("cpu_load_vs_redis_get", ">= 4", q.CPULoadVsRedisGet, func(v float64) bool { return v >= 4 }, cpu+": steps", "baseline: redis")
+	goal("lookup_p99_vs_grpc_empty_p99", "<= 2", q.LookupP99VsGRPCEmptyP99, func(v float64) bool { return v <= 2 }, cpu+": steps", cpu+": empty gRPC baseline")
+
+	// Issue 11's goals.
+	le := func(x float64) func(float64) bool { return func(v float64) bool { return v <= x } }
+	ge := func(x float64) func(float64) bool { return func(v float64) bool { return v >= x } }
+	for _, sc := range []string{"disk", "mixed"} {
+		if r := rep.Find(sc, "store"); r != nil {
+			goal(sc+" store NO_SPACE blocks", "== 0", report.F(float64(r.Failed["NO_SPACE"])), le(0), sc+": steps").Note =
+				fmt.Sprintf("of %d blocks stored", r.Blocks)
+		}
+		if r := rep.Find(sc, "lookup"); r != nil && r.HitRateLRU != nil && *r.HitRateLRU > 0 {
+			goal(sc+" hit rate vs LRU", ">= 1", report.F(r.HitRate["all"] / *r.HitRateLRU), ge(1), sc+": steps").Note =
+				fmt.Sprintf("%.1f%% against LRU %.1f%% and Belady %.1f%% of %d blocks", 100*r.HitRate["all"], 100**r.HitRateLRU, 100**r.HitRateBelady, r.CapacityBlocks)
+		}
+	}
+	goal("disk_load_p99_vs_raw_step_p99", "<= 2", q.DiskLoadP99VsRawStepP99, le(2), "disk: steps")
+	var worst *float64
+	for _, r := range rep.Results {
+		if (r.Scenario == "cpu" || r.Scenario == "disk" || r.Scenario == "mixed" || r.Scenario == "external") &&
+			(r.Op == "load" || r.Op == "store" || r.Op == "load-disk") && r.Calls > 0 && (worst == nil || r.P99us/1e3 > *worst) {
+			worst = report.F(r.P99us / 1e3)
+		}
+	}
+	goal("worst load or store p99 without faults (ms)", "<= 100", worst, le(100), cpu+": ", "disk: ", "mixed: ")
+	goal("cpu_load_vs_segment_copy", ">= 0.9", q.CPULoadVsSegmentCopy, ge(0.9), cpu+": steps")
+	goal("cpu_store_vs_segment_copy", ">= 0.85", q.CPUStoreVsSegmentCopy, ge(0.85), cpu+": steps")
+	goal("lookup_busy_p99_vs_grpc_empty_p99", "<= 2", q.LookupBusyP99VsGRPCEmptyP99, le(2), cpu+": steps", cpu+": empty gRPC baseline")
+	goal("lookup_idle_p99_vs_grpc_empty_p99", "<= 1.2", q.LookupIdleP99VsGRPCEmptyP99, le(1.2), cpu+": idle lookups", cpu+": empty gRPC baseline")
+	goal("disk_load_vs_tier_read", ">= 0.9", q.DiskLoadVsTierRead, ge(0.9), "disk: disk loads", "disk: tier-pattern")
 	for _, want := range []float64{0.01, 0.05, 0.1} {
 		var v *float64
 		for _, p := range sweep {
@@ -704,6 +907,14 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		}
 		goal(fmt.Sprintf("corrupt_blocks_delivered at %g%% read faults", 100*want), "== 0", v, func(v float64) bool { return v == 0 })
 	}
+}
+
+// p99 is the p99 of a result row, nil when it has no calls.
+func p99(rep *report.Report, scenario, op string) *float64 {
+	if r := rep.Find(scenario, op); r != nil && r.Calls > 0 {
+		return report.F(r.P99us)
+	}
+	return nil
 }
 
 // verdict fails the run when the daemon broke a promise.
