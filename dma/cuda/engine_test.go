@@ -198,6 +198,11 @@ func TestEngineStoreThenLoad(t *testing.T) {
 		if h.drv.recorded != 2 || h.drv.destroyed != 2 {
 			t.Errorf("%d events recorded, %d destroyed, want 2 and 2", h.drv.recorded, h.drv.destroyed)
 		}
+		// Completion is a blocking wait per event, in the kernel: no
+		// polling, no timer.
+		if h.drv.waits != 2 || h.drv.polls != 0 {
+			t.Errorf("%d waits and %d polls of completion events, want 2 waits and no poll", h.drv.waits, h.drv.polls)
+		}
 	})
 	want2 := Stats{Batches: 2, Copies: 32, DriverCopies: 4, BytesToArena: 8 * slotSize, BytesToDevice: 8 * slotSize}
 	if s := h.e.Stats(); s != want2 {

@@ -92,6 +92,24 @@ func TestEngineStickyErrorWhileWaiting(t *testing.T) {
 	})
 }
 
+// TestEngineStickyErrorWhileIssuing: a copy call that returns a sticky
+// error (the context was lost by something else, between two batches) fails
+// the engine as well.
+func TestEngineStickyErrorWhileIssuing(t *testing.T) {
+	h := newHarness(t, Config{})
+	h.drv.locked(func() {
+		h.drv.noBatch, h.drv.failCopyAt = true, 1
+		h.drv.failCopyAs = fakeErr("cuMemcpy2DAsync", "CUDA_ERROR_ILLEGAL_ADDRESS", 700)
+	})
+	err := wait(t, h.submit(true, h.copies(seq(0, 2), seq(0, 2)), nil))
+	if !errors.Is(err, dma.ErrCopy) || !strings.Contains(err.Error(), "CUDA_ERROR_ILLEGAL_ADDRESS") {
+		t.Fatalf("err = %v", err)
+	}
+	if !failed(h.e) {
+		t.Fatal("a sticky error from a copy call did not fail the engine")
+	}
+}
+
 // TestEngineUnsettledBatchIsNeverDone: a completion wait fails, and so does
 // the stream synchronization meant to make sure the copies stopped, neither
 // with a sticky error. Nothing says the copies stopped: the engine fails

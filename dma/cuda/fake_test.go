@@ -20,13 +20,14 @@ type fakeDriver struct {
 	gpus    map[int]*fakeGPU
 	queried chan struct{} // gets a token on every query and wait
 
-	hold       bool   // copies do not run until released
-	noBatch    bool   // the driver has no cuMemcpyBatchAsync
-	failCopyAt int    // the n-th copy call (1-based) fails; 0: none
-	failRecord bool   // record fails
-	faultWait  string // waits report this error...
-	faultCode  int    // ...with this code
-	faultSync  string // and so does sync, when set
+	hold       bool         // copies do not run until released
+	noBatch    bool         // the driver has no cuMemcpyBatchAsync
+	failCopyAt int          // the n-th copy call (1-based) fails; 0: none
+	failCopyAs *DriverError // ...with this error (default CUDA_ERROR_INVALID_VALUE)
+	failRecord bool         // record fails
+	faultWait  string       // waits report this error...
+	faultCode  int          // ...with this code
+	faultSync  string       // and so does sync, when set
 	badBusID   bool
 
 	copyCalls  []Run
@@ -41,6 +42,8 @@ type fakeDriver struct {
 	openedEvs  int
 	injected   int
 	syncs      int
+	waits      int // wait calls
+	polls      int // queries of completion events (not IPC events)
 }
 
 type fakeAlloc struct {
@@ -310,6 +313,7 @@ func (g *fakeGPU) query(ev event) (bool, error) {
 		}
 		return ev.signalled, nil
 	case *fakeEvent:
+		d.polls++
 		return ev.done, nil
 	}
 	return false, fmt.Errorf("query of %T", ev)
@@ -342,6 +346,10 @@ func (g *fakeGPU) copy(stream int, r Run, addr uint64, host []byte, toArena bool
 	}
 	d.copyCalls = append(d.copyCalls, r)
 	if d.failCopyAt == len(d.copyCalls)+len(d.batchCalls) {
+		if d.failCopyAs != nil {
+			g.lost = d.failCopyAs.Sticky()
+			return d.failCopyAs
+		}
 		return fakeErr("cuMemcpy2DAsync", "CUDA_ERROR_INVALID_VALUE", 1)
 	}
 	if r.Rows > 1 && (r.RegionPitch < r.Width || r.ArenaPitch < r.Width) {
@@ -429,6 +437,7 @@ func (g *fakeGPU) wait(ev event) error {
 	d := g.d
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.waits++
 	for {
 		g.tick()
 		if d.faultWait != "" {
