@@ -174,3 +174,18 @@ def test_event_pool_checks_the_handle_size():
 
     with pytest.raises(CudaExportError):
         IpcEventPool(make_event=Short).record()
+
+
+def test_load_and_store_send_the_ready_event(monkeypatch):
+    """Loads carry the ready event as stores do (the copies wait for the
+    kernels still reading the destination blocks)."""
+    import kvoffload as kv
+
+    sent = []
+    c = kv.Client("/nonexistent/kvoffloadd.sock")
+    monkeypatch.setattr(c, "_call", lambda method, req, **kw: sent.append((method, req)) or kvclient.pb.TransferResponse())
+    job = kv.Job(job_id=1, hashes=[b"\1" * 16], block_ids=[3])
+    c.load(7, [job], ready_event=b"\2" * 64)
+    c.store(7, [job], ready_event=b"\3" * 64)
+    c.close()
+    assert [(m, r.ready_event) for m, r in sent] == [("Load", b"\2" * 64), ("Store", b"\3" * 64)]
