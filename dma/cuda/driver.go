@@ -123,6 +123,7 @@ static const char kvTrapPTX[] =
 	".visible .entry kvoffload_trap()\n"
 	"{\n"
 	"\ttrap;\n"
+	"\tret;\n"
 	"}\n";
 
 static CUresult kvTrap(CUstream s) {
