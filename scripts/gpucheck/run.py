@@ -313,7 +313,8 @@ def main() -> int:
         line = (f"torch {td.get('torch')}: handle {ex.get('handle_bytes')} bytes ({ex.get('handle_form')}), "
                 f"{ex.get('share_cuda_calls')} _share_cuda_ for {ex.get('regions')} regions; "
                 f"round trips {[x.get('case') for x in td.get('round_trips', [])]} byte-exact behind writing/reading streams; "
-                f"killed engine: store failed after {kd.get('failed_after_s')} s, {kd.get('killed_engine_blocks_ready')} blocks ready")
+                f"killed engine: store failed by {kd.get('failed_by')} after {kd.get('failed_after_s')} s, "
+                f"{kd.get('killed_engine_blocks_ready')} blocks ready")
         if not tr.get("pass"):
             line += f"; {tr.get('failures')}"
         tr["metrics_after"] = da.scrape()

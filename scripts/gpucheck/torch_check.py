@@ -133,14 +133,27 @@ def round_trip(kv, torch, cl, reg, eng, pool, name: str, src: list[int], dst: li
     return out
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, prefix: str) -> float:
+    """The sum of the samples whose line starts with prefix (a name, or a
+    name and the start of its labels)."""
     if not url:
         return -1.0
+    total = 0.0
     with urllib.request.urlopen(url, timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+            if line.startswith(prefix) and line[len(prefix):len(prefix) + 1] in (" ", "{", ",", ""):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# A dead engine's store fails either at the ready timeout or, if the driver
+# reports the dead process's event as failed, at the query: both count.
+TIMEOUTS = "kvoffload_cuda_ready_timeouts_total"
+EVENT_ERRORS = 'kvoffload_cuda_errors_total{call="cuEventQuery"'
+
+
+def dead_store_failures(url: str) -> tuple[float, float]:
+    return metric(url, TIMEOUTS), metric(url, EVENT_ERRORS)
 
 
 def child_engine(args) -> int:
@@ -169,7 +182,7 @@ def child_engine(args) -> int:
 
 def killed_engine(args, kv, cl, out: dict) -> None:
     fp = f"torch-check-doomed-{os.getpid()}"
-    before = metric(args.metrics, "kvoffload_cuda_ready_timeouts_total")
+    before = dead_store_failures(args.metrics)
     child = subprocess.Popen([sys.executable, __file__, "--child-engine", "--socket", args.socket, "--device", str(args.device),
                               "--fingerprint", fp], stdout=subprocess.PIPE, text=True)
     try:
@@ -186,15 +199,17 @@ def killed_engine(args, kv, cl, out: dict) -> None:
     log("killed the engine with a store waiting for its ready event")
     # The daemon must fail that job at its ready timeout, and keep serving.
     deadline = killed + args.ready_timeout + 20
-    timeouts = before
+    after = before
     while time.monotonic() < deadline:
         if not cl.healthy(timeout=2):
             raise AssertionError("the daemon stopped serving after an engine died mid-store")
-        timeouts = metric(args.metrics, "kvoffload_cuda_ready_timeouts_total")
-        if timeouts > before:
+        after = dead_store_failures(args.metrics)
+        if after != before:
             break
         time.sleep(0.2)
-    out["ready_timeouts_before"], out["ready_timeouts_after"] = before, timeouts
+    out["ready_timeouts"] = [before[0], after[0]]
+    out["event_query_errors"] = [before[1], after[1]]
+    out["failed_by"] = "ready timeout" if after[0] > before[0] else ("event query error" if after[1] > before[1] else "nothing")
     out["failed_after_s"] = round(time.monotonic() - killed, 1)
     ns = cl.resolve([fp.encode()])[0]
     ready = -1
@@ -202,12 +217,12 @@ def killed_engine(args, kv, cl, out: dict) -> None:
         hashes = [b"doomed-".ljust(8, b"\0") + i.to_bytes(8, "little") for i in range(8)]
         ready = cl.lookup([ns], hashes).ready
     out["killed_engine_blocks_ready"] = ready
-    if args.metrics and timeouts <= before:
-        raise AssertionError(f"no ready timeout counted {out['failed_after_s']} s after the engine died "
+    if args.metrics and after == before:
+        raise AssertionError(f"neither a ready timeout nor an event error counted {out['failed_after_s']} s after the engine died "
                              f"(its store completed or is still waiting; {ready} of its blocks ready)")
     if ready > 0:
         raise AssertionError(f"{ready} blocks of the killed engine's store are ready: bytes of a dead engine were stored")
-    log(f"the daemon failed the dead engine's store after {out['failed_after_s']} s and kept serving")
+    log(f"the daemon failed the dead engine's store ({out['failed_by']}) after {out['failed_after_s']} s and kept serving")
 
 
 def main() -> int:
