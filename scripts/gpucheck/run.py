@@ -67,6 +67,11 @@ class Check:
                               "host": socket.gethostname(), "phases": {}}
         self.lines: list[str] = []
         self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.budget
+
+    def left(self, want: float) -> float:
+        """want seconds, or what is left of the whole run's budget."""
+        return max(1.0, min(want, self.deadline - time.monotonic()))
 
     def phase(self, name: str, ok: bool | None, line: str, data: dict | None = None) -> None:
         status = "ok" if ok else ("skip" if ok is None else "FAIL")
@@ -77,6 +82,7 @@ class Check:
     def run(self, name: str, cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
         log = open(os.path.join(self.out, f"{name}.log"), "w")
         print(f"gpu-check: {name}: {' '.join(cmd)}", flush=True)
+        timeout = self.left(timeout)
         try:
             p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, **kw)
         except subprocess.TimeoutExpired as e:
@@ -269,6 +275,7 @@ def main() -> int:
     p.add_argument("--min-ratio", type=float, default=0.9)
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--skip-sticky", action="store_true")
+    p.add_argument("--budget", type=float, default=285, help="seconds for the whole run; phases are cut short to fit")
     a = p.parse_args()
     if not a.out:
         a.out = os.path.abspath(f"gpu-check-{datetime.datetime.now():%Y%m%d-%H%M%S}")
@@ -320,7 +327,7 @@ def main() -> int:
         tr["metrics_after"] = da.scrape()
         c.phase("torch", r.returncode == 0 and tr.get("pass"), line, tr)
 
-        code = da.stop()
+        code = da.stop(c.left(60))
         errors = [x for x in da.records() if x.get("level") == "ERROR"]
         unexpected = [x for x in errors if not any(e in json.dumps(x) for e in EXPECTED_ERRORS)]
         c.phase("shutdown", code == 0 and not unexpected,
@@ -328,8 +335,10 @@ def main() -> int:
                 + (f": {[u.get('msg') for u in unexpected[:3]]}" if unexpected else ""),
                 {"exit": code, "errors": errors[:20]})
 
-    if a.skip_sticky or c.results.get("mps"):
-        c.phase("sticky", None, "skipped (" + ("--skip-sticky" if a.skip_sticky else "MPS is active: a fault could reach other clients") + ")")
+    if a.skip_sticky or c.results.get("mps") or c.deadline - time.monotonic() < 60:
+        why = ("--skip-sticky" if a.skip_sticky else "MPS is active: a fault could reach other clients" if c.results.get("mps")
+               else "less than a minute of the budget left")
+        c.phase("sticky", None, f"skipped ({why})")
     else:
         db = Daemon(c, "b", ["--cuda-fault-after-batches", "2"])
         if not db.wait_socket():
@@ -339,7 +348,7 @@ def main() -> int:
             r = c.run("sticky", [gc, "sticky", "--socket", db.socket, "--device", str(a.device),
                                  "--json", os.path.join(a.out, "sticky.json")], 90, env=env)
             sr = read_json(os.path.join(a.out, "sticky.json"))
-            code = db.exited(40)  # it must exit by itself
+            code = db.exited(c.left(40))  # it must exit by itself
             recs = db.records()
             text = "\n".join(json.dumps(x) for x in recs)
             lost = "CUDA context lost" in text
