@@ -20,7 +20,7 @@
 # and an engine killed mid-store, a clean SIGTERM, and a device fault on
 # purpose in a second daemon. See docs/cuda.md.
 #
-#   gpu-check.sh [--out DIR] [--device N] [--min-ratio R] [--skip-sticky] [--cpu-bytes 4GiB]
+#   gpu-check.sh [--out DIR] [--device N] [--min-ratio R] [--skip-sticky] [--cpu-bytes 4GiB] [--budget 285]
 #
 # Environment: PYTHON (default python3), KVOFFLOADD_LIBCUDA (the driver's
 # libcuda.so.1, when it cannot be found).
