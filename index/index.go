@@ -67,6 +67,27 @@ func (e *Entry) Offerable() bool {
 	return e.State == Ready && (e.CPU != NoSlot || e.Disk != NoSlot)
 }
 
+// copies classifies an entry for the counts Copies reports.
+func (e *Entry) copies() copyKind {
+	switch {
+	case e.State != Ready || e.CPU == NoSlot:
+		return noCPU
+	case e.Disk != NoSlot:
+		return clean
+	case e.Flags&(DiskWriting|Spill) == 0:
+		return dirty
+	}
+	return noCPU
+}
+
+type copyKind uint8
+
+const (
+	noCPU copyKind = iota
+	clean          // ready in the CPU tier and on disk: the CPU copy can go at once
+	dirty          // ready in the CPU tier only, and no disk write of it in flight
+)
+
 // Holds reports whether a tier holds the block or a disk write of it is in
 // flight: an entry that holds nothing is removed.
 func (e *Entry) Holds() bool {
@@ -105,7 +126,14 @@ type shard struct {
 	n       int
 	perNS   map[uint32]int // entries per namespace
 	scratch Entry
+	kinds   [3]int   // entries by copyKind
 	_       [20]byte // keep shards' locks on separate cache lines
+}
+
+// count moves an entry from one copyKind to another.
+func (s *shard) count(from, to copyKind) {
+	s.kinds[from]--
+	s.kinds[to]++
 }
 
 // Index is safe for concurrent use.
@@ -224,9 +252,13 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	pos, ok := s.find(k, h)
 	if ok {
 		r := s.rec(s.table[pos] - 1)
+		before := r.e.copies()
 		if !fn(&r.e, true) {
+			s.count(before, noCPU)
 			s.remove(pos)
+			return
 		}
+		s.count(before, r.e.copies())
 		return
 	}
 	// A shard-owned scratch entry: a local would escape through fn.
@@ -240,6 +272,7 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	}
 	n := s.newRecord()
 	*s.rec(n) = record{key: *k, e: *e}
+	s.count(noCPU, e.copies())
 	s.table[pos] = n + 1
 	s.n++
 	s.perNS[k.NS]++
@@ -263,8 +296,12 @@ func (ix *Index) Range(fn func(k *Key, e *Entry) (keep bool)) {
 				if r.e.State == stateFree {
 					continue
 				}
+				before := r.e.copies()
 				if !fn(&r.key, &r.e) {
 					drop = append(drop, r.key)
+					s.count(before, noCPU)
+				} else {
+					s.count(before, r.e.copies())
 				}
 			}
 		}
@@ -287,6 +324,20 @@ func (ix *Index) Len() int {
 		s.mu.Unlock()
 	}
 	return n
+}
+
+// Copies counts the entries whose block is ready in the CPU tier: clean
+// ones (also on disk: the CPU copy can be dropped at once) and dirty ones
+// (in the CPU tier only, with no disk write of them in flight).
+func (ix *Index) Copies() (cleanN, dirtyN int) {
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		cleanN += s.kinds[clean]
+		dirtyN += s.kinds[dirty]
+		s.mu.Unlock()
+	}
+	return cleanN, dirtyN
 }
 
 // CountNS is the number of entries of namespace ns.

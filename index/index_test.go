@@ -142,3 +142,60 @@ func BenchmarkLookup512(b *testing.B) {
 	}
 	b.ReportMetric(float64(ix.MemBytes())/n, "bytes/entry")
 }
+
+// TestCopies drives random entries through every combination of tiers,
+// states and flags, with Mutate and Range, and checks the clean and dirty
+// counts against a recount after every step.
+func TestCopies(t *testing.T) {
+	ix := New()
+	model := map[Key]Entry{}
+	r := rand.New(rand.NewPCG(5, 6))
+	random := func() Entry {
+		e := Entry{CPU: NoSlot, Disk: NoSlot, State: Writing + State(r.IntN(2)), Flags: uint8(r.IntN(16))}
+		if r.IntN(3) > 0 {
+			e.CPU = r.Uint32N(1000)
+		}
+		if r.IntN(2) == 0 {
+			e.Disk = r.Uint32N(1000)
+		}
+		return e
+	}
+	for step := 0; step < 20000; step++ {
+		k := key(0, 0, uint64(r.IntN(500)))
+		switch r.IntN(5) {
+		case 0, 1, 2:
+			e := random()
+			ix.Mutate(&k, func(x *Entry, _ bool) bool { *x = e; return true })
+			model[k] = e
+		case 3:
+			del(ix, k)
+			delete(model, k)
+		case 4:
+			// Range changes some entries and drops others.
+			ix.Range(func(rk *Key, x *Entry) bool {
+				switch r.IntN(4) {
+				case 0:
+					delete(model, *rk)
+					return false
+				case 1:
+					*x = random()
+					model[*rk] = *x
+				}
+				return true
+			})
+		}
+		wantClean, wantDirty := 0, 0
+		for _, e := range model {
+			if e.State == Ready && e.CPU != NoSlot {
+				if e.Disk != NoSlot {
+					wantClean++
+				} else if e.Flags&(DiskWriting|Spill) == 0 {
+					wantDirty++
+				}
+			}
+		}
+		if c, d := ix.Copies(); c != wantClean || d != wantDirty {
+			t.Fatalf("step %d: Copies() = %d clean, %d dirty; recount %d, %d", step, c, d, wantClean, wantDirty)
+		}
+	}
+}
