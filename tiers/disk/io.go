@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sync"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/layout"
@@ -112,60 +111,6 @@ func (t *Tier) submit(r *request) {
 	if !t.files[fi].q.push(r) {
 		r.done(fmt.Errorf("%w: slot %d", ErrClosed, r.s))
 	}
-}
-
-// queue is a file's FIFO of requests; it never blocks a submitter.
-type queue struct {
-	mu     sync.Mutex
-	cond   sync.Cond
-	reqs   []*request
-	head   int
-	closed bool
-}
-
-func (q *queue) init() { q.cond.L = &q.mu }
-
-func (q *queue) push(r *request) bool {
-	q.mu.Lock()
-	if q.closed || q.cond.L == nil {
-		q.mu.Unlock()
-		return false
-	}
-	if q.head > 64 && q.head > len(q.reqs)/2 {
-		n := copy(q.reqs, q.reqs[q.head:])
-		clear(q.reqs[n:])
-		q.reqs, q.head = q.reqs[:n], 0
-	}
-	q.reqs = append(q.reqs, r)
-	q.mu.Unlock()
-	q.cond.Signal()
-	return true
-}
-
-// pop waits for a request; false once the queue is closed and drained.
-func (q *queue) pop() (*request, bool) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	for q.head == len(q.reqs) && !q.closed {
-		q.cond.Wait()
-	}
-	if q.head == len(q.reqs) {
-		return nil, false
-	}
-	r := q.reqs[q.head]
-	q.reqs[q.head] = nil
-	q.head++
-	if q.head == len(q.reqs) {
-		q.reqs, q.head = q.reqs[:0], 0
-	}
-	return r, true
-}
-
-func (q *queue) close() {
-	q.mu.Lock()
-	q.closed = true
-	q.mu.Unlock()
-	q.cond.Broadcast()
 }
 
 // worker serves f's queue with its own header block buffer until the
