@@ -38,6 +38,9 @@ type demotion struct {
 	// by the key's index lock.
 	dslot    slots.SlotID
 	released bool
+	// cleaning: the cleaner's write ahead of an eviction (keepCPU too).
+	cleaning bool
+	queued   time.Time
 }
 
 const demotionQueue = 4096
@@ -200,6 +203,7 @@ func (s *Service) diskMeta(k *index.Key) disk.Meta {
 // slots, and never touches the entry or the policy of this one.
 func (s *Service) demote(d demotion) bool {
 	d.dslot = index.NoSlot
+	d.queued = time.Now()
 	dp := &d
 	s.writing.Lock()
 	s.writing.byKey[d.key] = dp
@@ -311,6 +315,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 				c.Forget(&d.key)
 			}
 			s.dm.demotions.WithLabelValues(result).Inc()
+			s.endCleaning(d, false)
 			s.endDemotion(d)
 			s.cpu.Unpin(d.cpuSlot)
 			s.diskWrites.Add(-1)
@@ -318,6 +323,10 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		}
 		m := s.diskMeta(&d.key)
 		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
+		// Fed on demand: a burst of demotions waits here, not in the
+		// file's queue. (At shutdown the write goes in regardless; the
+		// tier's Close drains or refuses it.)
+		s.disk.WaitWriteRoom(dslot, s.writeRoom, s.stop)
 		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
 	}
 }
@@ -337,7 +346,7 @@ func (s *Service) dropCPUCopyLocked(e *index.Entry, d *demotion) {
 // written and not attached is erased: the block must not come back at a
 // restart (its entry may have been invalidated).
 func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, err error) {
-	forget, attached := false, false
+	forget, attached, clean := false, false, false
 	s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
 		if !found || !s.current(d) {
 			// Its entry was removed while written; a later entry of the
@@ -359,8 +368,11 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 		}
 		e.Flags &^= index.DiskWriting | index.DiskEvicted
 		s.dropCPUCopyLocked(e, d)
+		clean = attached && e.CPU == d.cpuSlot && e.State == index.Ready
 		return e.Holds()
 	})
+	s.noteWrite(time.Since(d.queued))
+	s.endCleaning(d, clean)
 	// Forget while the slot still holds the class alive.
 	if forget {
 		c.Forget(&d.key)
@@ -474,6 +486,7 @@ func (s *Service) dropQueuedDemotions() {
 				s.dropCPUCopyLocked(e, d)
 				return e.Holds()
 			})
+			s.endCleaning(d, false)
 			s.endDemotion(d)
 			s.cpu.Unpin(d.cpuSlot)
 			s.diskWrites.Add(-1)
@@ -528,7 +541,7 @@ func (s *Service) stager() {
 		select {
 		case req := <-s.staging:
 			for {
-				if slot, ok := req.c.Alloc(); ok {
+				if slot, ok := s.allocCPU(req.c, pollTries); ok {
 					req.lj.read(req.rd, slot)
 					break
 				}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sync"
 	"time"
 
@@ -453,7 +454,7 @@ func (lj *loadJob) promote(reads []diskRead) {
 	lj.left = len(reads)
 	deadline := time.Now().Add(stageWait)
 	for _, rd := range reads {
-		staging, ok := c.Alloc()
+		staging, ok := s.allocCPU(c, math.MaxInt)
 		if !ok {
 			// Slots free up as evicted blocks reach the disk; the
 			// stager waits for one (briefly) instead of failing now.
@@ -529,6 +530,7 @@ func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
 	}
 	if attached {
 		s.dm.promoted.Inc()
+		s.noteClean(r.ns.classes[g], rd.key) // it is on disk too
 	}
 	if st != OK && staging != index.NoSlot {
 		s.cpu.Release(staging)
@@ -582,9 +584,12 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 			}
 		}
 	}
+	claimed := 0
 	for g, keys := range admit {
 		r.ns.classes[g].Admit(keys)
+		claimed += len(keys)
 	}
+	s.noteStore(claimed)
 	for j := range jobs {
 		job := &jobs[j]
 		cl := &claims[j]
@@ -593,24 +598,38 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 		kept := cl.refs[:0]
 		for _, ref := range cl.refs {
 			st := OK
+			// The slot is taken outside the entry's lock: a clean copy
+			// that gives its slot up (allocCPU) is another entry, maybe
+			// of the same index shard.
+			var slotID cpu.SlotID
+			have := false
+			if e, found := s.ix.Get(&ref.key); found && e.State == index.Writing && e.CPU == index.NoSlot {
+				slotID, have = s.allocCPU(c, math.MaxInt)
+			}
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if !found || e.State != index.Writing || e.CPU != index.NoSlot {
 					st = Rejected
 					return found
 				}
-				slotID, ok := c.Alloc()
-				if !ok {
+				if !have {
 					st = NoSpace
 					return false
 				}
 				e.CPU = slotID
 				ref.slot = slotID
+				have = false
 				return true
 			})
+			if have {
+				// The entry changed in between: the slot goes back.
+				s.cpu.Release(slotID)
+				s.cpu.Unpin(slotID)
+			}
 			switch st {
 			case OK:
 				kept = append(kept, ref)
 			case NoSpace:
+				s.noSpace()
 				forget = append(forget, ref.key)
 				fallthrough
 			default:
@@ -657,6 +676,7 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 	var forget []index.Key
 	for _, ref := range refs {
 		if op == OpStore {
+			dirty := false
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if !found || e.CPU != ref.slot || e.State != index.Writing {
 					// Evicted or invalidated while written; whoever
@@ -695,9 +715,14 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 							s.cpu.Unpin(e.CPU)
 						}
 					}
+				default:
+					dirty = s.disk != nil
 				}
 				return true
 			})
+			if dirty {
+				s.noteDirty(r.ns.classes[job.Keys.Group], ref.key)
+			}
 		}
 		if op == OpLoad && copyErr != nil {
 			// DESIGN §3.4: a block whose load failed for any reason

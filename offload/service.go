@@ -169,6 +169,15 @@ type Service struct {
 	demotions    chan *demotion
 	staging      chan stageReq // disk reads of loads waiting for a CPU slot
 	diskWrites   atomic.Int64  // demotions and discards queued or in flight
+	// cl is the clean CPU copies and the cleaner (clean.go); nil without
+	// a disk tier. The cleaner keeps at most cleanBacklog disk writes
+	// queued.
+	cl           *cleaning
+	cleanBacklog int
+	// writeRoom is the most disk writes the demoter leaves waiting for an
+	// I/O worker per file: the rest wait in the demotion queue, fed to
+	// the file as its workers take them.
+	writeRoom int
 	// writing is the demotion in flight for each key: a demotion that
 	// finds another in its place belongs to an entry since removed.
 	writing struct {
@@ -261,10 +270,23 @@ func New(cfg Config) (*Service, error) {
 	}
 	s.registerGauges(cfg.Registerer)
 	if cfg.Disk != nil {
+		// Twice the I/Os a file keeps in flight: enough to keep its
+		// workers busy, and all a demotion burst puts in its queue.
+		depth := cfg.Disk.QueueDepth
+		if depth == 0 {
+			depth = disk.DefaultQueueDepth
+		}
+		s.writeRoom = 2 * depth
+		s.cl = newCleaning(s, cfg.Registerer)
 		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
 			s.dma.SetArena(nil)
 			t.Close()
 			return nil, fmt.Errorf("disk tier: %w", err)
+		}
+		if !cfg.WriteThrough {
+			s.cleanBacklog = s.writeRoom * len(cfg.Disk.Dirs)
+			s.reaper.Add(1)
+			go s.cleaner()
 		}
 	}
 	s.mu.Lock()

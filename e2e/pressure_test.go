@@ -1,0 +1,69 @@
+package e2e
+
+import (
+	"testing"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+// TestStoresTakeCleanCopies: with write-back, the cleaner writes stored
+// blocks to disk ahead of their eviction, keeping their CPU copies; a burst
+// of stores that finds no free CPU slot while the disk is slow (its writes
+// held) drops those clean copies (their blocks stay on disk, and load from
+// there) instead of failing NO_SPACE. A store is refused only once no idle
+// clean copy is left (issue 11).
+func TestStoresTakeCleanCopies(t *testing.T) {
+	gate := testenv.NewDiskGate()
+	// 4 MiB arena of 256 KiB blocks: 16 slots, 2 of them the write-back
+	// reserve.
+	d := testenv.Start(t, testenv.Options{CPUBytes: 4 << 20, ChunkBytes: 4 << 20, DiskDirs: []string{t.TempDir()}, DiskFS: gate, Quiet: true})
+	e := register(t, d, small, "m")
+	first := e.hashes(1, 14)
+	e.lookup(t, first)
+	if res := e.store(t, 1, first, seq(0, 14)); !res.Ok {
+		t.Fatalf("first store into an empty tier: %+v", res)
+	}
+	// One Store of 14 blocks: the cleaner aims for half the tier's blocks.
+	waitFor(t, "the cleaner to write blocks ahead", func() bool { c, _ := d.Svc.CPUCopies(); return c >= 7 })
+	clean, _ := d.Svc.CPUCopies()
+
+	gate.Hold()
+	burst := e.hashes(2, 12)
+	e.lookup(t, burst)
+	res := e.store(t, 2, burst, seq(20, 12))
+	noSpace := 0
+	for _, f := range res.Failures {
+		if f.Status == pb.BlockStatus_BLOCK_STATUS_NO_SPACE {
+			noSpace++
+		}
+	}
+	left, _ := d.Svc.CPUCopies()
+	stored := 12 - len(res.Failures)
+	t.Logf("%d clean copies before the burst; burst of 12: %d stored, %d NO_SPACE, %d clean copies left", clean, stored, noSpace, left)
+	if noSpace > 0 && left > 0 {
+		t.Errorf("%d blocks refused NO_SPACE while %d clean copies could have given up their slots", noSpace, left)
+	}
+	// Two free slots, and every clean copy: with the disk held, the
+	// blocks the policy evicts that are not clean keep their slots.
+	if stored < 2+clean-left {
+		t.Errorf("%d blocks stored; 2 free slots and %d clean copies given up", stored, clean-left)
+	}
+	gate.Release()
+	flush(t, d)
+
+	// Every block reported stored, and every first one, loads intact,
+	// from whichever tier holds it now.
+	ok := append(storedOK(res, burst), first...)
+	lr := e.lookup(t, ok)
+	if int(lr.Ready) != len(ok) {
+		t.Fatalf("%d of %d stored blocks ready", lr.Ready, len(ok))
+	}
+	if failed := loadAll(t, e, ok); len(failed) != 0 {
+		t.Fatalf("loads failed: %v", failed)
+	}
+	flush(t, d)
+	if err := d.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
