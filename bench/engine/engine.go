@@ -43,6 +43,11 @@ type Config struct {
 	IdleLookups int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
+	// Wait makes every Load and Store wait for its jobs and return their
+	// results in its reply, one round trip instead of the call and its
+	// Completions (what an engine that needs the results before going on
+	// can do).
+	Wait bool
 
 	// Copier, if set, copies the same segments as every step's Load and
 	// Store without the daemon, right before or right after it (the order
@@ -243,9 +248,9 @@ func (d *driver) warm(ctx context.Context) error {
 	}
 	keys, _ := client.Keys(0, model.HashBytes, hashes...)
 	var scratch Op
-	for i, send := range []func(*pb.TransferRequest) error{
-		func(r *pb.TransferRequest) error { _, err := d.c.API.Store(ctx, r); return err },
-		func(r *pb.TransferRequest) error { _, err := d.c.API.Load(ctx, r); return err },
+	for i, send := range []func(*pb.TransferRequest) (*pb.TransferResponse, error){
+		func(r *pb.TransferRequest) (*pb.TransferResponse, error) { return d.c.API.Store(ctx, r) },
+		func(r *pb.TransferRequest) (*pb.TransferResponse, error) { return d.c.API.Load(ctx, r) },
 	} {
 		d.nextJob++
 		results, err := d.transfer(ctx, &scratch, []*pb.Job{{JobId: d.nextJob, RequestId: "warm-up", Keys: keys, BlockIds: ids}}, send)
@@ -460,9 +465,8 @@ func (d *driver) loadJobs(ctx context.Context, jobs []*job, op *Op, failedBy map
 	if len(wire) == 0 {
 		return nil
 	}
-	results, err := d.transfer(ctx, op, wire, func(r *pb.TransferRequest) error {
-		_, err := d.c.API.Load(ctx, r)
-		return err
+	results, err := d.transfer(ctx, op, wire, func(r *pb.TransferRequest) (*pb.TransferResponse, error) {
+		return d.c.API.Load(ctx, r)
 	})
 	if err != nil {
 		return fmt.Errorf("load: %w", err)
@@ -665,9 +669,8 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 		d.copyBaseline(blocks, true, &d.res.StoreCopy)
 	}
 	d.probing = true
-	results, err := d.transfer(ctx, &d.res.Store, wire, func(r *pb.TransferRequest) error {
-		_, err := d.c.API.Store(ctx, r)
-		return err
+	results, err := d.transfer(ctx, &d.res.Store, wire, func(r *pb.TransferRequest) (*pb.TransferResponse, error) {
+		return d.c.API.Store(ctx, r)
 	})
 	d.probing = false
 	if err != nil {
@@ -685,8 +688,9 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 }
 
 // transfer sends one Load or Store with every job of the step and reads
-// Completions until each job has finished.
-func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func(*pb.TransferRequest) error) ([]*pb.JobResult, error) {
+// Completions until each job has finished; with Config.Wait the call waits
+// for its results and returns them (one round trip instead of two or more).
+func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func(*pb.TransferRequest) (*pb.TransferResponse, error)) ([]*pb.JobResult, error) {
 	want := map[uint64]bool{}
 	blocks := 0
 	for _, j := range jobs {
@@ -699,11 +703,28 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 		defer p.stop()
 	}
 	t0 := time.Now()
-	if err := send(&pb.TransferRequest{RegistrationId: d.id, Jobs: jobs}); err != nil {
+	resp, err := send(&pb.TransferRequest{RegistrationId: d.id, Jobs: jobs, Wait: d.cfg.Wait})
+	if err != nil {
 		return nil, err
 	}
 	var out []*pb.JobResult
 	var moved uint64
+	take := func(jr *pb.JobResult, now time.Duration) error {
+		if !want[jr.GetJobId()] {
+			return fmt.Errorf("completion for job %d, which is not in flight", jr.GetJobId())
+		}
+		delete(want, jr.GetJobId())
+		op.Latencies = append(op.Latencies, now)
+		moved += jr.GetBytes()
+		out = append(out, jr)
+		return nil
+	}
+	now := time.Since(t0)
+	for _, jr := range resp.GetResults() {
+		if err := take(jr, now); err != nil {
+			return nil, err
+		}
+	}
 	for len(want) > 0 {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("%d jobs still unfinished: %w", len(want), err)
@@ -715,13 +736,9 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 		}
 		now := time.Since(t0)
 		for _, jr := range cr.GetResults() {
-			if !want[jr.GetJobId()] {
-				return nil, fmt.Errorf("completion for job %d, which is not in flight", jr.GetJobId())
+			if err := take(jr, now); err != nil {
+				return nil, err
 			}
-			delete(want, jr.GetJobId())
-			op.Latencies = append(op.Latencies, now)
-			moved += jr.GetBytes()
-			out = append(out, jr)
 		}
 	}
 	op.Busy += time.Since(t0)

@@ -108,7 +108,7 @@ func TestRunBaselines(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	res, err := Run(ctx, Config{Client: d.Client(t), Region: region, Fingerprint: []byte(t.Name()), Steps: plan, LeaseMs: 5000, IdleLookups: 10,
-		Copier: copier, Prober: d.Client(t),
+		Copier: copier, Prober: d.Client(t), Wait: true,
 		Phase: func(name string) func() {
 			phases = append(phases, "start "+name)
 			return func() { phases = append(phases, "end "+name) }
@@ -125,6 +125,9 @@ func TestRunBaselines(t *testing.T) {
 	}
 	if res.LoadCopy.Bytes != uint64(res.LoadCopy.Blocks)*uint64(tiny.BlockBytes()) || res.LoadCopy.Busy <= 0 {
 		t.Errorf("load copy: %+v", res.LoadCopy)
+	}
+	if res.Load.Completions != 0 || res.Store.Completions != 0 {
+		t.Errorf("with Wait, %d and %d Completions calls", res.Load.Completions, res.Store.Completions)
 	}
 	if res.BusyLookup.Calls == 0 || res.BusyEmpty.Calls == 0 || res.BusyLookup.Calls < res.BusyEmpty.Calls {
 		t.Errorf("prober: %d lookups, %d empty calls during transfers", res.BusyLookup.Calls, res.BusyEmpty.Calls)

@@ -107,6 +107,11 @@ type Result struct {
 	HitRateLRU     *float64 `json:"hit_rate_lru,omitempty"`
 	HitRateBelady  *float64 `json:"hit_rate_belady,omitempty"`
 	CapacityBlocks int      `json:"capacity_blocks,omitempty"`
+	// NoSpaceWithCleanCopies, on store rows of a daemon with a disk
+	// tier: blocks refused NO_SPACE while the CPU tier held clean copies
+	// (all pinned, or of another block size), from the daemon's metrics;
+	// the rest of Failed["NO_SPACE"] found none.
+	NoSpaceWithCleanCopies *int `json:"no_space_with_clean_copies,omitempty"`
 	// Interference is the largest share of the machine's CPU that other
 	// processes took in a phase this row was measured in; Flagged when it
 	// was above the threshold.

@@ -62,6 +62,7 @@ type options struct {
 	keepDir        string
 	threshold      float64
 	daemonArgs     []string
+	wait           bool
 	args           []string
 	seedGiven      bool
 }
@@ -112,6 +113,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.redis, "redis-server", "redis-server", "redis-server binary for the Redis baseline, looked up in PATH; \"none\" skips it.")
 	fs.UintVar(&o.leaseMs, "lease-ms", 10000, "Lookup lease pinning the ready prefix until its Load (0: none).")
 	fs.StringVar(&o.keepDir, "keep", "", "keep each scenario's daemon log and final metrics in this directory (created if missing).")
+	fs.BoolVar(&o.wait, "wait", true, "every Load and Store waits for its results in its reply, one round trip each; --wait=false reads them through Completions instead, as a connector that polls does.")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)
 		return nil
