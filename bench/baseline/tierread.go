@@ -13,10 +13,10 @@ import (
 )
 
 // TierReader reads slots of the daemon's own slot file with the disk
-// tier's pattern, without the daemon: per slot the 4 KiB header, then the
-// payload, each with O_DIRECT (tiers/disk/io.go read does the same two
-// reads), queueDepth reads in flight per file (the tier's I/O workers per
-// file), in bursts (a Load's disk reads all queued at once). Reading the
+// tier's pattern, without the daemon: per slot the 4 KiB header and the
+// payload in one O_DIRECT preadv (vfs.ReadvAt, as tiers/disk/io.go read
+// does on a real file), queueDepth reads in flight per file (the tier's I/O
+// workers per file), in bursts (a Load's disk reads all queued at once). Reading the
 // slots the daemon wrote, in the file it wrote them to, takes the file's
 // size, layout and age out of the comparison; what is left is the daemon.
 type TierReader struct {
@@ -104,13 +104,7 @@ func (r *TierReader) Read(slots []slotfile.Slot) (time.Duration, error) {
 						return
 					}
 					hdr, pay := buf[:slot.HeaderSize], buf[slot.HeaderSize:]
-					if _, err := f.ReadAt(hdr, ss[i].Off); err != nil {
-						mu.Lock()
-						errs = append(errs, err)
-						mu.Unlock()
-						return
-					}
-					if _, err := f.ReadAt(pay, ss[i].Off+slot.HeaderSize); err != nil {
+					if _, err := vfs.ReadvAt(f, [][]byte{hdr, pay}, ss[i].Off); err != nil {
 						mu.Lock()
 						errs = append(errs, err)
 						mu.Unlock()

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/slot"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
@@ -247,9 +248,19 @@ func (t *Tier) read(f *file, hdr []byte, r *request) (err error) {
 	if w == 0 {
 		return fmt.Errorf("%w: slot %d holds no completed write", ErrCorrupt, r.s)
 	}
-	n, err := f.f.ReadAt(hdr, off)
+	// Header and payload lie back to back: one I/O reads both where the
+	// file can (a preadv; about a tenth faster than two reads on the
+	// machine issue 11 measured on). Elsewhere (the in-memory FS, a fault
+	// injector) the header is read and checked before the payload.
+	vec, oneIO := f.f.(vfs.ReaderVAt)
+	var n int
+	if oneIO {
+		n, err = vec.ReadvAt([][]byte{hdr, r.buf}, off)
+	} else {
+		n, err = f.f.ReadAt(hdr, off)
+	}
 	t.m.readBytes.Add(float64(n))
-	if n != len(hdr) {
+	if n < len(hdr) {
 		short = err == nil || errors.Is(err, io.EOF)
 		return readError(f, r.s, off, n, len(hdr), err)
 	}
@@ -270,10 +281,13 @@ func (t *Tier) read(f *file, hdr []byte, r *request) (err error) {
 	case h.PayloadLen != r.payLen:
 		return fmt.Errorf("%w: %w: slot %d holds %d payload bytes, want %d", ErrCorrupt, slot.ErrLength, r.s, h.PayloadLen, r.payLen)
 	}
-	n, err = f.f.ReadAt(r.buf, off+slot.HeaderSize)
-	t.m.readBytes.Add(float64(n))
+	n -= len(hdr)
+	if !oneIO {
+		n, err = f.f.ReadAt(r.buf, off+slot.HeaderSize)
+		t.m.readBytes.Add(float64(n))
+	}
 	if n != len(r.buf) {
-		short = err == nil || errors.Is(err, io.EOF)
+		short = err == nil || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 		return readError(f, r.s, off+slot.HeaderSize, n, len(r.buf), err)
 	}
 	if err := slot.VerifyPayload(h, r.buf[:r.payLen]); err != nil {
