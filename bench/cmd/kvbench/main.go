@@ -63,6 +63,7 @@ type options struct {
 	threshold      float64
 	daemonArgs     []string
 	wait           bool
+	baselines      bool
 	args           []string
 	seedGiven      bool
 }
@@ -113,6 +114,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.redis, "redis-server", "redis-server", "redis-server binary for the Redis baseline, looked up in PATH; \"none\" skips it.")
 	fs.UintVar(&o.leaseMs, "lease-ms", 10000, "Lookup lease pinning the ready prefix until its Load (0: none).")
 	fs.StringVar(&o.keepDir, "keep", "", "keep each scenario's daemon log and final metrics in this directory (created if missing).")
+	fs.BoolVar(&o.baselines, "baselines", true, "measure the separate baselines after the scenarios (memcpy, O_DIRECT of a new file, Redis); the same-window ones (segment copies, tier-pattern reads, the busy empty call) run regardless. --baselines=false for A/B runs of daemon settings.")
 	fs.BoolVar(&o.wait, "wait", true, "every Load and Store waits for its results in its reply, one round trip each; --wait=false reads them through Completions instead, as a connector that polls does.")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)

@@ -193,8 +193,10 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 			}
 		}
 	}
-	if ctx.Err() == nil {
+	if ctx.Err() == nil && o.baselines {
 		errs = append(errs, b.baselines(ctx))
+	} else if !o.baselines {
+		rep.Skipped = append(rep.Skipped, report.Skip{What: "memcpy, O_DIRECT and Redis baselines", Reason: "--baselines=false"})
 	}
 	b.summarize(faults, sweep)
 	b.prog.end()
