@@ -3,6 +3,7 @@ package disk
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"maps"
@@ -79,7 +80,8 @@ type Tier struct {
 	fileBytes  uint64
 	chunkBytes uint64
 	fileChunks int
-	hdrMem     []byte // one HeaderSize block per I/O worker
+	hdrMem     []byte      // one HeaderSize block per I/O worker
+	locks      []io.Closer // one per directory, held until Close
 	m          *metrics
 	seqs       seqTable
 	workers    sync.WaitGroup
@@ -139,6 +141,19 @@ func Open(cfg Config) (*Tier, error) {
 	for i, dir := range cfg.Dirs {
 		if err := t.fs.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("disk tier: %w", err)
+		}
+		// Before anything in the directory is read or written: a second
+		// daemon would overwrite the first one's slots.
+		lock, err := t.fs.Lock(filepath.Join(dir, lockFileName))
+		if errors.Is(err, vfs.ErrLocked) {
+			return nil, fmt.Errorf("disk tier: directory %s is in use by another kvoffloadd (%w); two daemons on one directory would overwrite each other's slots", dir, err)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("disk tier: lock directory %s: %w", dir, err)
+		}
+		t.locks = append(t.locks, lock)
+		if err := checkFiles(t.fs, dir, i); err != nil {
+			return nil, err
 		}
 		path := filepath.Join(dir, slotFileName(i))
 		vf, err := t.fs.OpenFile(path, int64(t.fileBytes), cfg.Direct)
@@ -398,5 +413,13 @@ func (t *Tier) release() error {
 	if t.Space != nil {
 		t.Space.Close()
 	}
+	// Last: another daemon may take the directories once the files are
+	// closed.
+	for _, l := range t.locks {
+		if err := l.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("disk tier: unlock: %w", err))
+		}
+	}
+	t.locks = nil
 	return errors.Join(errs...)
 }

@@ -1,0 +1,95 @@
+package main
+
+import (
+	"context"
+	"io"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+)
+
+// daemonArgs are the flags of a small daemon with a disk tier in dir.
+func daemonArgs(sock, dir string, extra ...string) []string {
+	return append([]string{"--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB", "--cpu-chunk-bytes", "4MiB",
+		"--disk-dir", dir, "--disk-bytes", "64MiB", "--disk-chunk-bytes", "4MiB"}, extra...)
+}
+
+// runInProcess runs the daemon until the test ends; it returns a client
+// once the daemon reports SERVING, and run's error channel.
+func runInProcess(t *testing.T, args []string, stderr io.Writer) (*client.Client, chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, args, io.Discard, stderr) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("daemon: %v", err)
+		}
+		done <- nil
+	})
+	c, err := client.Dial(args[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	for {
+		hctx, hcancel := context.WithTimeout(ctx, time.Second)
+		ok, _ := c.Healthy(hctx)
+		hcancel()
+		if ok {
+			return c, done
+		}
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("daemon exited at start: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// TestSecondDaemonOnDiskDirRefuses: a second daemon given a --disk-dir
+// that a running one uses refuses to start, saying why, and the first
+// keeps serving.
+func TestSecondDaemonOnDiskDirRefuses(t *testing.T) {
+	dir := t.TempDir()
+	first, _ := runInProcess(t, daemonArgs(filepath.Join(t.TempDir(), "a.sock"), dir), io.Discard)
+
+	sock2 := filepath.Join(t.TempDir(), "b.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, daemonArgs(sock2, dir), io.Discard, io.Discard) }()
+	c2, err := client.Dial(sock2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	for {
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), "in use by another kvoffloadd") || !strings.Contains(err.Error(), dir) {
+				t.Fatalf("second daemon on %s: %v; want a refusal naming the directory", dir, err)
+			}
+			hctx, hcancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer hcancel()
+			if ok, err := first.Healthy(hctx); !ok {
+				t.Fatalf("the first daemon stopped serving: %v", err)
+			}
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+		hctx, hcancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		ok, _ := c2.Healthy(hctx)
+		hcancel()
+		if ok {
+			cancel()
+			<-done
+			t.Fatal("a second daemon started serving on a --disk-dir another one uses")
+		}
+	}
+}
