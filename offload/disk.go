@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -385,13 +384,14 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 }
 
 // releaseWritten lets go of a disk slot a demotion wrote but did not
-// attach, and of the writer's pin on it: quarantined if the device returned
-// EIO (a bad spot), erased if the write went through (so the block does not
-// come back at a restart; the pin passes to the erase), free otherwise
-// (ENOSPC, a refused or cancelled write: no header was written).
+// attach, and of the writer's pin on it: quarantined if the device failed
+// the slot's own write (a bad spot: disk.ShouldQuarantine), erased if the
+// write went through (so the block does not come back at a restart; the pin
+// passes to the erase), free otherwise (ENOSPC, a chunk map that could not
+// be saved, a refused or cancelled write: no header was written).
 func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	switch {
-	case err != nil && errors.Is(err, syscall.EIO):
+	case err != nil && disk.ShouldQuarantine(err):
 		s.disk.Quarantine(dslot)
 		s.disk.Unpin(dslot)
 	case err == nil:

@@ -390,7 +390,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 			// rather than cache what the disk cannot name.
 			s.dropNamespaceLocked(ns)
 			closeAll()
-			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", err)
+			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", storageError(err))
 		}
 	}
 	ns.regs++

@@ -244,6 +244,16 @@ func toStatus(err error) error {
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
+	// The disk's faults, by codes.go's litmus test: out of space is
+	// RESOURCE_EXHAUSTED ("the entire file system is out of space"); a
+	// directory that refuses writes will not accept a retry until someone
+	// fixes it, FAILED_PRECONDITION; a device error may pass, UNAVAILABLE.
+	case errors.Is(err, offload.ErrDiskFull):
+		code = codes.ResourceExhausted
+	case errors.Is(err, offload.ErrDiskReadOnly):
+		code = codes.FailedPrecondition
+	case errors.Is(err, offload.ErrDiskFailed):
+		code = codes.Unavailable
 	case errors.Is(err, context.Canceled):
 		code = codes.Canceled
 	case errors.Is(err, context.DeadlineExceeded):

@@ -25,13 +25,15 @@ func TestFaultKinds(t *testing.T) {
 		write bool  // the fault hits writes, not reads
 		want  error // the class of the failures it causes
 		cause error // what the failure wraps
+		// quarantine: the slot is to blame (disk.ShouldQuarantine)
+		quarantine bool
 	}{
-		{errorfs.ReadEIO, errorfs.Plan{ReadEIO: 0.4}, false, disk.ErrIO, syscall.EIO},
-		{errorfs.ShortRead, errorfs.Plan{ShortRead: 0.4}, false, disk.ErrIO, nil},
-		{errorfs.BitFlip, errorfs.Plan{BitFlip: 0.4}, false, disk.ErrCorrupt, nil},
-		{errorfs.WriteEIO, errorfs.Plan{WriteEIO: 0.3}, true, disk.ErrIO, syscall.EIO},
-		{errorfs.TornWrite, errorfs.Plan{TornWrite: 0.3}, true, disk.ErrIO, syscall.EIO},
-		{errorfs.ENOSPC, errorfs.Plan{ENOSPC: 0.3}, true, disk.ErrIO, syscall.ENOSPC},
+		{errorfs.ReadEIO, errorfs.Plan{ReadEIO: 0.4}, false, disk.ErrIO, syscall.EIO, true},
+		{errorfs.ShortRead, errorfs.Plan{ShortRead: 0.4}, false, disk.ErrIO, nil, true},
+		{errorfs.BitFlip, errorfs.Plan{BitFlip: 0.4}, false, disk.ErrCorrupt, nil, false},
+		{errorfs.WriteEIO, errorfs.Plan{WriteEIO: 0.3}, true, disk.ErrIO, syscall.EIO, true},
+		{errorfs.TornWrite, errorfs.Plan{TornWrite: 0.3}, true, disk.ErrIO, syscall.EIO, true},
+		{errorfs.ENOSPC, errorfs.Plan{ENOSPC: 0.3}, true, disk.ErrIO, syscall.ENOSPC, false},
 	}
 	const size = 6 * 4096 // several 4 KiB units, so torn writes and short reads can keep some
 	for _, c := range cases {
@@ -74,6 +76,9 @@ func TestFaultKinds(t *testing.T) {
 				if !c.write || !errors.Is(err, c.want) || !errors.Is(err, errorfs.ErrInjected) || (c.cause != nil && !errors.Is(err, c.cause)) {
 					t.Errorf("write: %v; want %v from an injected %v", err, c.want, c.cause)
 				}
+				if disk.ShouldQuarantine(err) != c.quarantine {
+					t.Errorf("write: %v: ShouldQuarantine = %v", err, !c.quarantine)
+				}
 			}
 			for i, s := range ss {
 				err := readBlock(t, tier, s, bs[i])
@@ -89,6 +94,9 @@ func TestFaultKinds(t *testing.T) {
 					failures++
 					if c.write || !errors.Is(err, c.want) || (c.cause != nil && !errors.Is(err, c.cause)) {
 						t.Errorf("slot %d: Read = %v; want %v", s, err, c.want)
+					}
+					if disk.ShouldQuarantine(err) != c.quarantine {
+						t.Errorf("slot %d: Read = %v: ShouldQuarantine = %v", s, err, !c.quarantine)
 					}
 				}
 			}
