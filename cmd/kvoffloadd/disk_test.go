@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
 // daemonArgs are the flags of a small daemon with a disk tier in dir.
@@ -91,5 +92,27 @@ func TestSecondDaemonOnDiskDirRefuses(t *testing.T) {
 			<-done
 			t.Fatal("a second daemon started serving on a --disk-dir another one uses")
 		}
+	}
+}
+
+// waitRecovered waits until the daemon's disk tier has finished
+// recovering its files (it serves before that), and returns the progress.
+func waitRecovered(t *testing.T, c *client.Client) *pb.DiskRecovery {
+	t.Helper()
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		st, err := c.Stats(ctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("stats: %v", err)
+		}
+		r := st.GetDiskRecovery()
+		if r == nil {
+			t.Fatal("a daemon with a disk tier reports no recovery")
+		}
+		if r.State != pb.RecoveryState_RECOVERY_STATE_RUNNING {
+			return r
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }

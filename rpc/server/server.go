@@ -451,5 +451,10 @@ func (s *Server) Stats(ctx context.Context, req *pb.StatsRequest) (*pb.StatsResp
 	for _, n := range st.Namespaces {
 		out.Namespaces = append(out.Namespaces, &pb.NamespaceStats{NamespaceId: n.ID, Fingerprint: n.Fingerprint, Registrations: uint32(n.Registrations), Blocks: n.Blocks})
 	}
+	if r := st.DiskRecovery; r != nil {
+		out.DiskRecovery = &pb.DiskRecovery{State: pb.RecoveryState(r.State), SlotsTotal: r.SlotsTotal, SlotsScanned: r.SlotsScanned,
+			BytesTotal: r.BytesTotal, BytesScanned: r.BytesScanned, BlocksRecovered: r.Blocks, BadSlots: r.Bad,
+			ElapsedMs: uint64(r.Elapsed.Milliseconds())}
+	}
 	return out, nil
 }

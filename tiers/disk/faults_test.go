@@ -3,6 +3,7 @@ package disk_test
 import (
 	"errors"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -148,7 +149,7 @@ func workload(t *testing.T, fsys vfs.FS) sweepResult {
 	if err := tier.SaveNamespace(testNS, []byte("meta")); err != nil && !errors.Is(err, errorfs.ErrInjected) {
 		t.Errorf("SaveNamespace: %v", err)
 	}
-	err = tier.Recover(func(r disk.Recovered) (index.Key, bool) {
+	_, err = recoverSync(t, tier, func(r disk.Recovered) (index.Key, bool) {
 		t.Errorf("a new tier recovered %+v", r)
 		return index.Key{}, false
 	})
@@ -208,7 +209,10 @@ func workload(t *testing.T, fsys vfs.FS) sweepResult {
 	defer tier.Close()
 	res.opened = true
 	held, quarantined = map[slots.SlotID]block{}, 0
-	err = tier.Recover(func(r disk.Recovered) (index.Key, bool) {
+	var mu sync.Mutex
+	_, err = recoverSync(t, tier, func(r disk.Recovered) (index.Key, bool) {
+		mu.Lock()
+		defer mu.Unlock()
 		b, ok := everWritten[r.Slot]
 		if !ok || keyOf(r) != b.key || r.PayloadLen != b.meta.PayloadLen {
 			// A discard that failed may bring its block back.

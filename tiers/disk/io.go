@@ -57,7 +57,6 @@ type request struct {
 // slot that fails verification. The caller keeps payload unchanged and s
 // pinned until done.
 func (t *Tier) Write(s slots.SlotID, m Meta, payload []byte, done func(error)) {
-	t.wrote.Store(true)
 	t.submit(t.newRequest(opWrite, s, m, payload, done))
 }
 

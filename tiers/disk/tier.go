@@ -9,7 +9,6 @@ import (
 	"maps"
 	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -95,9 +94,7 @@ type Tier struct {
 		sync.Mutex
 		ns map[[32]byte][]byte
 	}
-	// wrote is set by the first Write; Recover must come before it.
-	wrote     atomic.Bool
-	recovered atomic.Bool
+	rec recovery
 
 	closeMu sync.Mutex
 	closed  bool
@@ -113,6 +110,8 @@ type file struct {
 
 	mapMu  sync.Mutex
 	chunks []chunkEntry // as persisted in the chunk map
+
+	scan *fileScan // its part of recovery
 }
 
 // SlotBytes is the size of the disk slot of a payload: the header block
@@ -121,8 +120,9 @@ func SlotBytes(payload uint64) uint64 { return slot.HeaderSize + layout.AlignUp(
 
 // Open creates or reopens the slot files, preallocating them, and loads
 // the chunk maps and the namespace catalog. It refuses an invalid
-// configuration. Call Recover next (unless cfg.Reset), before the first
-// Alloc.
+// configuration. Every chunk a chunk map names is held until recovery has
+// scanned it: call Recover next (after cfg.Reset too: it then has nothing
+// to scan and ends at once).
 func Open(cfg Config) (*Tier, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
@@ -209,6 +209,9 @@ func Open(cfg Config) (*Tier, error) {
 	}
 	t.Space = sp
 	t.seqs.init(sp.Capacity(), cfg.ChunkBytes)
+	if err := t.holdMapped(); err != nil {
+		return nil, fmt.Errorf("disk tier: %w", err)
+	}
 
 	t.hdrMem, err = vfs.AlignedBuffer(len(t.files) * cfg.QueueDepth * slot.HeaderSize)
 	if err != nil {
@@ -374,9 +377,10 @@ func (t *Tier) Sync() error {
 	return errors.Join(errs...)
 }
 
-// Close waits for every queued request to finish (their done callbacks
-// run), syncs and closes the files and stops the policy. Requests made
-// after Close fail with ErrClosed. A second Close does nothing.
+// Close stops recovery (StopRecovery), waits for every queued request to
+// finish (their done callbacks run), syncs and closes the files and stops
+// the policy. Requests made after Close fail with ErrClosed. A second
+// Close does nothing.
 func (t *Tier) Close() error {
 	t.closeMu.Lock()
 	if t.closed {
@@ -385,6 +389,10 @@ func (t *Tier) Close() error {
 	}
 	t.closed = true
 	t.closeMu.Unlock()
+	// Recovery first: it queues discards and hands blocks to the owner.
+	t.StopRecovery()
+	t.rec.wg.Wait()
+	t.rec.doneOnce.Do(func() { close(t.rec.done) })
 	for _, f := range t.files {
 		f.q.close()
 	}
