@@ -73,8 +73,19 @@ func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dc *d
 	if cfg.diskReset {
 		log.Warn("--disk-reset: the disk tier starts empty; what its files held is discarded")
 	}
+	if testHookDiskFS != nil {
+		fs := dc.FS
+		if fs == nil {
+			fs = vfs.Default
+		}
+		dc.FS = testHookDiskFS(fs)
+	}
 	return dc, start, nil
 }
+
+// testHookDiskFS, set only by this package's tests, wraps the disk tier's
+// filesystem (to hold recovery in the middle and kill the process there).
+var testHookDiskFS func(vfs.FS) vfs.FS
 
 // faultsAfterRecovery calls start once recovered is closed (the disk
 // tier's recovery ran in the background while the daemon served), unless

@@ -5,6 +5,7 @@ import (
 	"io"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,19 +19,26 @@ func daemonArgs(sock, dir string, extra ...string) []string {
 		"--disk-dir", dir, "--disk-bytes", "64MiB", "--disk-chunk-bytes", "4MiB"}, extra...)
 }
 
-// runInProcess runs the daemon until the test ends; it returns a client
-// once the daemon reports SERVING, and run's error channel.
-func runInProcess(t *testing.T, args []string, stderr io.Writer) (*client.Client, chan error) {
+// runInProcess runs the daemon until stop is called or the test ends; it
+// returns a client once the daemon reports SERVING.
+func runInProcess(t *testing.T, args []string, stderr io.Writer) (c *client.Client, stop func() error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- run(ctx, args, io.Discard, stderr) }()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			runErr = <-done
+		})
+		return runErr
+	}
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := stop(); err != nil {
 			t.Errorf("daemon: %v", err)
 		}
-		done <- nil
 	})
 	c, err := client.Dial(args[1])
 	if err != nil {
@@ -42,7 +50,7 @@ func runInProcess(t *testing.T, args []string, stderr io.Writer) (*client.Client
 		ok, _ := c.Healthy(hctx)
 		hcancel()
 		if ok {
-			return c, done
+			return c, stop
 		}
 		select {
 		case err := <-done:
