@@ -27,9 +27,10 @@ import (
 // other slots become free space only once all of it has been looked at.
 
 const (
-	// recoveryWindow is the most recovery reads in one call: large enough
-	// that a device streams at its sequential rate, small enough that
-	// recoveryReaders of them per file cost little memory.
+	// recoveryWindow is what recovery reads in one call, rounded up to
+	// whole slots (and at most a chunk): large enough that a device
+	// streams at its sequential rate, small enough that recoveryReaders
+	// of them per file cost little memory.
 	recoveryWindow = 4 << 20
 	// recoveryReaders is how many windows each file has in flight.
 	recoveryReaders = 4
@@ -199,8 +200,8 @@ func (t *Tier) Recover(r Recoverer) error {
 	t.rec.mu.start = time.Now()
 	t.rec.mu.Unlock()
 
-	// One buffer per reader, outside the Go heap, aligned for O_DIRECT;
-	// a window holds at least one slot of the file's largest size.
+	// One buffer per reader, outside the Go heap, aligned for O_DIRECT,
+	// that holds the largest window of the file.
 	type reader struct {
 		f   *file
 		buf []byte
@@ -210,9 +211,9 @@ func (t *Tier) Recover(r Recoverer) error {
 		if len(f.scan.chunks) == 0 {
 			continue
 		}
-		size := uint64(recoveryWindow)
+		size := uint64(0)
 		for _, e := range f.scan.entries {
-			size = max(size, e.slotBytes)
+			size = max(size, t.windowSlots(e)*e.slotBytes)
 		}
 		f.scan.start = time.Now()
 		for range min(recoveryReaders, len(f.scan.chunks)) {
@@ -345,12 +346,18 @@ type found struct {
 	write uint64 // epoch<<32 | seq
 }
 
+// windowSlots is how many slots of a chunk like e one recovery read
+// takes: whole slots, at least recoveryWindow bytes, at most the chunk.
+func (t *Tier) windowSlots(e chunkEntry) uint64 {
+	return min((recoveryWindow+e.slotBytes-1)/e.slotBytes, t.chunkBytes/e.slotBytes)
+}
+
 // scanChunk reads chunk ci of f (slots of e.slotBytes) window by window
 // into buf and verifies every slot. false: recovery stopped first.
 func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte) ([]found, bool) {
 	sb := e.slotBytes
 	per := t.chunkBytes / sb
-	win := max(1, min(recoveryWindow, uint64(len(buf)))/sb)
+	win := t.windowSlots(e)
 	var out []found
 	for k0 := uint64(0); k0 < per; k0 += win {
 		if t.stopping() {
@@ -479,6 +486,7 @@ func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recove
 	}
 	verdicts := r.File(recs, keys)
 	kept := 0
+	var erasing sync.WaitGroup
 	for i, s := range used {
 		v := Decline
 		if i < len(verdicts) {
@@ -497,10 +505,17 @@ func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recove
 			t.seqs.clearAny(s)
 			t.Pin(s)
 			t.Release(s)
-			t.Discard(s, func() { t.Unpin(s) })
+			erasing.Add(1)
+			t.Discard(s, func() {
+				t.Unpin(s)
+				erasing.Done()
+			})
 			t.rec.erased.Add(1)
 		}
 	}
+	// The chunk is done once its erasures are on disk (they are rare:
+	// keys invalidated while recovery ran).
+	erasing.Wait()
 	t.rec.blocks.Add(uint64(kept))
 	f.scan.blocks.Add(uint64(kept))
 	t.m.recovered.Add(float64(kept))
