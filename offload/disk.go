@@ -104,6 +104,9 @@ func decodeMeta(b []byte) ([]byte, layout.Layout, error) {
 // openDisk opens the disk tier, brings back the namespaces of its catalog,
 // starts the recovery of the blocks of its files and the demoter.
 func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Registerer) error {
+	// With "kvoffloadd serving", this line brackets what the disk tier
+	// adds to the start (kvbench's restart scenario reads both).
+	s.log.Info("opening the disk tier", "dirs", cfg.Dirs)
 	cfg.Logger = s.log
 	cfg.Registerer = reg
 	cfg.Evict = s.onDiskEvict

@@ -712,6 +712,7 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 	goal("lookup_p99_vs_grpc_empty_p99", "<= 2", q.LookupP99VsGRPCEmptyP99, func(v float64) bool { return v <= 2 })
 	if rc := rep.Recovery; rc != nil {
 		goal("restart_start_to_serving_ms", "<= 1000", report.F(rc.StartToServingMs), func(v float64) bool { return v <= 1000 })
+		goal("restart_disk_open_to_serving_ms", "<= 1000", report.F(rc.DiskOpenToServingMs), func(v float64) bool { return v <= 1000 })
 		goal("restart_recovery_vs_raw_seq_read", ">= 0.8", report.F(rc.RecoveryVsRawSeqRead), func(v float64) bool { return v >= 0.8 })
 	}
 	for _, want := range []float64{0.01, 0.05, 0.1} {
