@@ -243,3 +243,103 @@ func TestStopDuringRecovery(t *testing.T) {
 	}
 	loadExact(t, e3, stored[:256])
 }
+
+// TestRecoveryMixedNamespaces: one chunk holds the blocks of every
+// namespace whose blocks have its slot size, whatever their group. Here
+// namespace A's group 0 and namespace B's group 1 are both 16 KiB blocks,
+// stored alternately so they share chunks; after a restart every block of
+// both comes back, loads byte-exact, and each stays under the disk policy
+// of its size.
+func TestRecoveryMixedNamespaces(t *testing.T) {
+	const blocks = 64
+	seg := func(g uint32, n uint64) *pb.Segment { return &pb.Segment{Group: g, Bytes: n} }
+	layouts := map[string]*pb.Layout{
+		"mixed-a": {HashBytes: 32, Segments: []*pb.Segment{seg(0, 16<<10)}},
+		"mixed-b": {HashBytes: 32, Segments: []*pb.Segment{seg(0, 8<<10), seg(1, 16<<10)}},
+	}
+	type ns struct {
+		reg    *pb.RegisterResponse
+		r      *testenv.Region
+		group  uint32
+		off    uint64 // of the group's segment in the region
+		hashes [][]byte
+	}
+	register := func(t *testing.T, d *testenv.Daemon, name string) *ns {
+		l := layouts[name]
+		n := &ns{}
+		var regions []*pb.Region
+		var off uint64
+		for _, sg := range l.Segments {
+			regions = append(regions, &pb.Region{Offset: off, BlockStride: sg.Bytes, NumBlocks: blocks})
+			if sg.Bytes == 16<<10 {
+				n.group, n.off = sg.Group, off
+			}
+			off += sg.Bytes * blocks
+		}
+		n.r = testenv.NewRegion(t, int(off))
+		for _, r := range regions {
+			r.Memory = &pb.Region_ShmPath{ShmPath: n.r.Path}
+		}
+		reg, err := d.Client(t).Register(ctx(t), []byte(name), l, regions, t.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		n.reg = reg
+		return n
+	}
+	block := func(n *ns, b int) []byte { return n.r.Mem[n.off+uint64(b)*16<<10 : n.off+uint64(b+1)*16<<10] }
+	fillBytes := func(dst []byte, h []byte) {
+		for i := range dst {
+			dst[i] = h[i%len(h)] ^ byte(i>>5)
+		}
+	}
+	job := func(id uint64, n *ns, h []byte, b uint32) *pb.Job {
+		return &pb.Job{JobId: id, Keys: &pb.KeyList{Group: n.group, Hashes: h}, BlockIds: []uint32{b}}
+	}
+
+	dir := t.TempDir()
+	d1 := testenv.Start(t, recoveryOpts(dir))
+	c1 := d1.Client(t)
+	a, b := register(t, d1, "mixed-a"), register(t, d1, "mixed-b")
+	for i := range 600 { // three chunks of 204 slots
+		n := []*ns{a, b}[i%2]
+		h := tiny.Hash(uint64(100+i%2), i)
+		fillBytes(block(n, 0), h)
+		if res, err := c1.Store(ctx(t), n.reg.RegistrationId, []*pb.Job{job(uint64(i), n, h, 0)}, true); err != nil || !res[0].Ok {
+			t.Fatalf("store: %v %v", res, err)
+		}
+		n.hashes = append(n.hashes, h)
+	}
+	flush(t, d1)
+	d1.Stop(t)
+
+	d2 := testenv.Start(t, recoveryOpts(dir))
+	c2 := d2.Client(t)
+	a2, b2 := register(t, d2, "mixed-a"), register(t, d2, "mixed-b")
+	a2.hashes, b2.hashes = a.hashes, b.hashes
+	for _, n := range []*ns{a2, b2} {
+		for i, h := range n.hashes {
+			lr, err := c2.Lookup(ctx(t), []uint32{n.reg.NamespaceId}, &pb.KeyList{Group: n.group, Hashes: h}, 0)
+			if err != nil || lr.Ready != 1 {
+				t.Fatalf("%x of group %d not back after the restart: %v %v", h[:4], n.group, lr, err)
+			}
+			if i%10 != 0 {
+				continue
+			}
+			clear(block(n, 1))
+			res, err := c2.Load(ctx(t), n.reg.RegistrationId, []*pb.Job{job(uint64(1000+i), n, h, 1)}, true)
+			if err != nil || !res[0].Ok {
+				t.Fatalf("load: %v %v", res, err)
+			}
+			want := make([]byte, 16<<10)
+			fillBytes(want, h)
+			if string(block(n, 1)) != string(want) {
+				t.Fatalf("block %x of group %d loaded with other bytes", h[:4], n.group)
+			}
+		}
+	}
+	flush(t, d2)
+	if err := d2.Svc.CheckAccounting(); err != nil {
+		t.Fatal(err)
+	}
+}

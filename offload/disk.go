@@ -124,6 +124,8 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	// Serve at once: the blocks of the files come online in the
 	// background (recover.go).
 	if err := s.startRecovery(t); err != nil {
+		t.Close()
+		s.disk = nil
 		return fmt.Errorf("disk tier recovery: %w", err)
 	}
 	s.staging = make(chan stageReq, demotionQueue)

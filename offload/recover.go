@@ -8,7 +8,6 @@ import (
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
-	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
 // The service's side of the disk tier's recovery. The daemon serves as
@@ -133,18 +132,21 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 	// Evict must find them). An entry that went meanwhile (invalidated,
 	// a failed read) was forgotten by whoever dropped it, maybe before
 	// Learn: forget it again so the policy counts no slot that is free.
-	ns := s.nsByID(keys[kept[0]].NS)
-	byClass := map[*slots.Class][]index.Key{}
-	for _, i := range kept {
-		c := ns.diskClasses[keys[i].Group]
-		byClass[c] = append(byClass[c], keys[i])
+	// A chunk serves one slot size, so one class, whatever namespaces its
+	// blocks belong to.
+	c, err := s.disk.Class(disk.SlotBytes(blocks[kept[0]].PayloadLen))
+	if err != nil { // cannot happen: the tier adopted the chunk into it
+		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
+		return verdicts
 	}
-	for c, ks := range byClass {
-		c.Learn(ks)
+	ks := make([]index.Key, len(kept))
+	for j, i := range kept {
+		ks[j] = keys[i]
 	}
+	c.Learn(ks)
 	for _, i := range kept {
 		if e, ok := s.ix.Get(&keys[i]); !ok || e.Disk != blocks[i].Slot {
-			ns.diskClasses[keys[i].Group].Forget(&keys[i])
+			c.Forget(&keys[i])
 		}
 	}
 	return verdicts
