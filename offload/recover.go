@@ -139,6 +139,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
 		return verdicts
 	}
+	defer c.Drop() // the blocks' slots keep the class alive
 	ks := make([]index.Key, len(kept))
 	for j, i := range kept {
 		ks[j] = keys[i]

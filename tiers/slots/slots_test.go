@@ -192,7 +192,6 @@ func TestSecondSlotSizeTakesAChunk(t *testing.T) {
 	}
 }
 
-
 // audit checks the space against the owner's view: every slot the owner
 // holds is named, and the owner holds no pins.
 func (o *owner) audit(t *testing.T, extraPins map[SlotID]uint32) {
