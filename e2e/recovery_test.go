@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
@@ -264,7 +265,9 @@ func TestRecoveryMixedNamespaces(t *testing.T) {
 		off    uint64 // of the group's segment in the region
 		hashes [][]byte
 	}
-	register := func(t *testing.T, d *testenv.Daemon, name string) *ns {
+	// A registration is named only on its own connection: one client per
+	// daemon registers and stores.
+	register := func(t *testing.T, c *client.Client, name string) *ns {
 		l := layouts[name]
 		n := &ns{}
 		var regions []*pb.Region
@@ -280,7 +283,7 @@ func TestRecoveryMixedNamespaces(t *testing.T) {
 		for _, r := range regions {
 			r.Memory = &pb.Region_ShmPath{ShmPath: n.r.Path}
 		}
-		reg, err := d.Client(t).Register(ctx(t), []byte(name), l, regions, t.Name())
+		reg, err := c.Register(ctx(t), []byte(name), l, regions, t.Name())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -300,7 +303,7 @@ func TestRecoveryMixedNamespaces(t *testing.T) {
 	dir := t.TempDir()
 	d1 := testenv.Start(t, recoveryOpts(dir))
 	c1 := d1.Client(t)
-	a, b := register(t, d1, "mixed-a"), register(t, d1, "mixed-b")
+	a, b := register(t, c1, "mixed-a"), register(t, c1, "mixed-b")
 	for i := range 600 { // three chunks of 204 slots
 		n := []*ns{a, b}[i%2]
 		h := tiny.Hash(uint64(100+i%2), i)
@@ -315,7 +318,7 @@ func TestRecoveryMixedNamespaces(t *testing.T) {
 
 	d2 := testenv.Start(t, recoveryOpts(dir))
 	c2 := d2.Client(t)
-	a2, b2 := register(t, d2, "mixed-a"), register(t, d2, "mixed-b")
+	a2, b2 := register(t, c2, "mixed-a"), register(t, c2, "mixed-b")
 	a2.hashes, b2.hashes = a.hashes, b.hashes
 	for _, n := range []*ns{a2, b2} {
 		for i, h := range n.hashes {
