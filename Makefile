@@ -88,16 +88,14 @@ GPU_BUNDLE ?= dist/kvoffloadd-gpu-bundle
 gpu-bundle:
 	./scripts/gpucheck/bundle.sh $(GPU_BUNDLE)
 
-# An OCI image of the static daemon (and its health probe), written without
-# pulling a base image: bin/kvoffloadd-image.tar, an OCI archive that
-# `docker load`, `podman load` and `skopeo copy oci-archive:` take. IMAGE_ARCH
-# cross-builds (amd64, arm64). See docs/operations.md, Deploying.
+# An OCI image of the static daemon and its health probe, written without
+# pulling a base image (deploy/image): bin/kvoffloadd-image.tar, which
+# `docker load`, `podman load` and `skopeo copy oci-archive:` take.
+# IMAGE_ARCH cross-builds (amd64, arm64). See docs/operations.md, Deploying.
 IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 IMAGE_TAG  ?= kvoffloadd:$(VERSION)
 image:
-	CGO_ENABLED=0 GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o bin/image/kvoffloadd ./cmd/kvoffloadd
-	CGO_ENABLED=0 GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -o bin/image/kvoffload-health ./cmd/kvoffload-health
-	$(GO) run ./deploy/image --arch $(IMAGE_ARCH) --tag $(IMAGE_TAG) --daemon bin/image/kvoffloadd --health bin/image/kvoffload-health --out bin/kvoffloadd-image.tar
+	$(GO) run ./deploy/image --arch $(IMAGE_ARCH) --tag $(IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-image.tar
 
 clean:
 	rm -rf bin dist

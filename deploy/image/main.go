@@ -260,6 +260,9 @@ func tarDir(dir, out string) error {
 		err = tw.Close()
 	}
 	if err == nil {
+		err = f.Chmod(0o644)
+	}
+	if err == nil {
 		err = f.Close()
 	}
 	if err != nil {
