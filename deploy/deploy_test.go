@@ -170,8 +170,9 @@ func startDaemon(t *testing.T, args []string) *daemon {
 	return d
 }
 
-// stop sends SIGTERM and waits for a clean exit.
-func (d *daemon) stop(t *testing.T) {
+// stop sends SIGTERM, waits for the daemon to exit and returns its exit
+// error.
+func (d *daemon) stop(t *testing.T) error {
 	t.Helper()
 	if err := d.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
@@ -181,9 +182,7 @@ func (d *daemon) stop(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatal("daemon did not exit within 2 minutes of SIGTERM")
 	}
-	if d.err != nil {
-		t.Fatalf("daemon exit: %v", d.err)
-	}
+	return d.err
 }
 
 // health runs kvoffload-health with args and returns its exit status.

@@ -522,7 +522,9 @@ func TestKubernetesSidecarRuns(t *testing.T) {
 	if !strings.Contains(string(body), `kvoffload_tier_capacity_bytes{tier="disk"} 6.7108864e+07`) {
 		t.Fatalf("metrics lack the disk tier:\n%.2000s", body)
 	}
-	d.stop(t)
+	if err := d.stop(t); err != nil {
+		t.Fatalf("daemon exit: %v", err)
+	}
 	if code, _ := probe(p.daemon.ReadinessProbe); code != 1 {
 		t.Fatalf("readiness probe after the daemon stopped: exit %d, want 1", code)
 	}
