@@ -20,6 +20,8 @@ set -euo pipefail
 PACKAGES=(
   make              # the Makefile
   gcc               # cgo: go test -race and the CUDA compile check
+  libc6-dev         #   the C headers cgo compiles against (gcc only recommends it)
+  ca-certificates   # go fetching modules over HTTPS
   python3           # the Python client and connector tests
   python3-grpcio    #   their gRPC
   python3-protobuf  #   their messages
