@@ -355,7 +355,7 @@ func TestKubernetesManifests(t *testing.T) {
 			t.Errorf("terminationGracePeriodSeconds leaves vLLM less than --shutdown-timeout %s before the sidecar's own", sd)
 		}
 		if m.deployments[0].Spec.Strategy.Type != appsv1.RecreateDeploymentStrategyType {
-			t.Error("a rolling update would run two daemons on the same disk volume; want strategy Recreate")
+			t.Error("in a rolling update the new daemon would find the disk volume locked by the old one; want strategy Recreate")
 		}
 	})
 
