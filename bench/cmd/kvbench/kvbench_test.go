@@ -51,10 +51,14 @@ func TestQuick(t *testing.T) {
 	}
 	if raceDetector {
 		// The same run in blocks an eighth the size (8 segments of 32
-		// KiB) and a 64-block engine: every check is the same, the bytes
-		// kvbench fills, checks and copies under the race detector are
-		// an eighth.
-		args = append(args, "--layers", "4", "--engine-blocks", "64")
+		// KiB), a 64-block engine, half the steps, a quarter of the idle
+		// and empty calls and smaller separate baselines: every check is
+		// the same, the work kvbench does under the race detector (it
+		// fills, checks and copies every byte) a small part of it.
+		args = append(args, "--layers", "4", "--engine-blocks", "64", "--steps", "12")
+		saved := quickSizes
+		defer func() { quickSizes = saved }()
+		quickSizes.idleCalls, quickSizes.memcpyMax, quickSizes.odirectFile = 500, 16<<20, 64<<20
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

@@ -458,7 +458,7 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 	}
 	idle := 10000
 	if o.quick {
-		idle = 2000
+		idle = quickSizes.idleCalls
 	}
 	if !b.grpcTimed {
 		cfg.IdleLookups = idle
@@ -701,6 +701,16 @@ func (b *bench) measure(name string, f func() error) error {
 	return err
 }
 
+// quickSizes are what --quick's idle Lookups, empty calls and separate
+// baselines move. The test under the race detector, where kvbench's own
+// copies and checks run several times slower, makes them smaller
+// (kvbench_test.go): the same code runs, on less.
+var quickSizes = struct {
+	idleCalls   int   // idle Lookups, and as many empty gRPC calls
+	memcpyMax   int64 // the memcpy baseline's largest buffer (it copies 4 times its buffer)
+	odirectFile int64 // the O_DIRECT baseline's file
+}{2000, 256 << 20, 256 << 20}
+
 // baselines measures the limits on the same block size.
 func (b *bench) baselines(ctx context.Context) error {
 	o, bl := b.o, &b.rep.Baselines
@@ -713,7 +723,7 @@ func (b *bench) baselines(ctx context.Context) error {
 	if o.quick {
 		// Larger than the caches, and in proportion to the run: a
 		// quick run of small blocks copies less.
-		buf = min(256<<20, max(32<<20, 4*int64(b.region.Blocks)*int64(B)))
+		buf = min(quickSizes.memcpyMax, max(32<<20, 4*int64(b.region.Blocks)*int64(B)))
 		total = 4 * buf
 	}
 	errs = append(errs, b.measure("baseline: memcpy", func() error {
@@ -737,7 +747,7 @@ func (b *bench) baselines(ctx context.Context) error {
 		b.prog.phase(fmt.Sprintf("baseline: O_DIRECT write and read, %d KiB I/Os, queue depth %d, in %s", slotBytes(B)>>10, o.queueDepth, b.diskDir))
 		file := int64(1 << 30)
 		if o.quick {
-			file = 256 << 20
+			file = quickSizes.odirectFile
 		}
 		errs = append(errs, b.measure("baseline: O_DIRECT", func() error {
 			r, err := baseline.MeasureODirect(b.diskDir, int(slotBytes(B)), o.queueDepth, file, o.seed)
