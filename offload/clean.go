@@ -73,6 +73,9 @@ type classRings struct {
 
 // cleaning is the service's state for clean copies and the cleaner.
 type cleaning struct {
+	// pass is held by a cleaning pass, and by CheckInvariants so that
+	// no cleaner write starts while it walks the index.
+	pass     sync.Mutex
 	wake     chan struct{} // a store completed or a disk write landed
 	inflight atomic.Int64  // cleaning writes queued or in flight
 	stored   atomic.Int64  // blocks stored since the last tick
@@ -345,6 +348,8 @@ func (s *Service) cleaner() {
 
 func (s *Service) cleanPass() {
 	cl := s.cl
+	cl.pass.Lock()
+	defer cl.pass.Unlock()
 	cleanN, dirtyN := s.ix.Copies()
 	need := s.cleanMargin(cleanN, dirtyN) - cleanN - int(cl.inflight.Load())
 	room := s.cleanBacklog - int(s.diskWrites.Load())

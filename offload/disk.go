@@ -171,11 +171,14 @@ func (s *Service) demote(d demotion) bool {
 	s.writing.Lock()
 	s.writing.byKey[d.key] = dp
 	s.writing.Unlock()
+	// Counted before it is queued: its write may land before this
+	// returns, and FlushDisk must never see it missing.
+	s.diskWrites.Add(1)
 	select {
 	case s.demotions <- dp:
-		s.diskWrites.Add(1)
 		return true
 	default:
+		s.diskWrites.Add(-1)
 		s.endDemotion(dp)
 		s.dm.demotions.WithLabelValues("dropped").Inc()
 		return false

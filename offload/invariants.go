@@ -1,8 +1,10 @@
 package offload
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
@@ -17,7 +19,8 @@ var ErrBusy = errors.New("work in flight")
 //
 // Call it when nothing is in flight (no job accepted and unfinished, no
 // disk write or erase queued: wait for the jobs' results and FlushDisk);
-// otherwise it returns an error wrapping ErrBusy. Leases may be held.
+// otherwise it returns an error wrapping ErrBusy. Leases may be held. The
+// cleaner's writes are the service's own: it waits for them (up to 10 s).
 // It checks that
 //   - every index entry is ready and holds a copy, in a namespace the
 //     service keeps, in a slot of that namespace's class for its group,
@@ -34,6 +37,18 @@ var ErrBusy = errors.New("work in flight")
 //
 // It returns nil or an error joining what it found (at most a few dozen).
 func (s *Service) CheckInvariants() error {
+	if s.cl != nil {
+		// The cleaner writes ahead on its own, at any time: hold its
+		// next pass off, and let the writes of its last one (and their
+		// erases) land.
+		s.cl.pass.Lock()
+		defer s.cl.pass.Unlock()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if s.inflight.Load() == 0 {
+			_ = s.FlushDisk(ctx)
+		}
+		cancel()
+	}
 	if n, w := s.inflight.Load(), s.diskWrites.Load(); n != 0 || w != 0 {
 		return fmt.Errorf("%w: %d jobs, %d disk writes", ErrBusy, n, w)
 	}
