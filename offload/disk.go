@@ -116,6 +116,7 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 		return err
 	}
 	s.disk = t
+	t.SetEraser(s.eraseDiskSlot)
 	s.writeThrough = writeThrough
 	s.dm = newDiskMetrics(reg)
 	s.demotions = make(chan *demotion, demotionQueue)
@@ -387,7 +388,7 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 // releaseWritten lets go of a disk slot a demotion wrote but did not
 // attach, and of the writer's pin on it: quarantined if the device returned
 // EIO (a bad spot), erased if the write went through (so the block does not
-// come back at a restart; the pin passes to the erase), free otherwise
+// come back at a restart), free otherwise
 // (ENOSPC, a refused or cancelled write: no header was written).
 func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	switch {
@@ -395,14 +396,11 @@ func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 		s.disk.Quarantine(dslot)
 		s.disk.Unpin(dslot)
 	case err == nil:
-		if !d.released {
-			s.disk.Release(dslot)
-		}
-		s.diskWrites.Add(1)
-		s.disk.Discard(dslot, func() {
-			s.disk.Unpin(dslot)
-			s.diskWrites.Add(-1)
-		})
+		// Released or not (the policy may have released it while it
+		// was written), its header is erased once the writer's pin
+		// drops.
+		s.disk.Void(dslot)
+		s.disk.Unpin(dslot)
 	default:
 		if !d.released {
 			s.disk.Release(dslot)

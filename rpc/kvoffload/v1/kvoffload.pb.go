@@ -990,8 +990,8 @@ type Job struct {
 	BlockIds  []uint32 `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
 	// A lease from a Lookup over this connection: the job loads the blocks
 	// the lease pinned in this registration's namespace (even if evicted
-	// since) and releases the rest of that namespace's pins. A lease of
-	// another connection is not used.
+	// since, not if invalidated since) and releases the rest of that
+	// namespace's pins. A lease of another connection is not used.
 	LeaseId       uint64 `protobuf:"varint,5,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
