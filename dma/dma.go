@@ -10,12 +10,15 @@ import (
 	"fmt"
 )
 
-// Peer is the identity of the connecting client, taken from SO_PEERCRED.
-// A backend uses it to refuse memory the peer could not itself read and write.
+// Peer is the identity of the connecting client, as the kernel recorded it
+// when the client connected: SO_PEERCRED (pid, uid, gid) and SO_PEERGROUPS
+// (supplementary groups). A backend uses it to refuse memory the peer could
+// not itself read and write.
 type Peer struct {
-	PID int32
-	UID uint32
-	GID uint32
+	PID    int32 // 0 when the peer's pid is not visible in the daemon's pid namespace
+	UID    uint32
+	GID    uint32
+	Groups []uint32
 }
 
 // IPCMemory is a CUDA IPC memory handle as PyTorch exports it.
@@ -110,6 +113,10 @@ var ErrNoCUDA = errors.New("CUDA IPC region refused: this kvoffloadd was built w
 
 // ErrBadRegion wraps every reason a region is refused at Open.
 var ErrBadRegion = errors.New("bad region")
+
+// ErrLimit wraps a refusal because the backend maps as much as its bounds
+// allow (host: Config.MaxMappedBytes).
+var ErrLimit = errors.New("mapping limit reached")
 
 // ErrCopy wraps a copy failure (a fault in engine memory, a driver error).
 var ErrCopy = errors.New("copy failed")

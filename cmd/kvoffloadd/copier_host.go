@@ -14,5 +14,5 @@ import (
 // newCopier returns the copy engine this build has: regions are /dev/shm
 // files; a CUDA region is refused with dma.ErrNoCUDA.
 func newCopier(cfg *config, log *slog.Logger, _ prometheus.Registerer) (dma.Engine, error) {
-	return host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, Logger: log}), nil
+	return host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, MaxMappedBytes: cfg.maxMappedBytes, Logger: log}), nil
 }

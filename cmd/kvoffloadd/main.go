@@ -28,8 +28,16 @@ import (
 var version = "dev"
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	// SIGHUP stops the daemon like SIGTERM: it has no configuration to
+	// reload and logs to stderr, with no file to reopen, and a hangup
+	// (its terminal gone, a supervisor's stop) is best met with a drain
+	// and a clean exit. SIGQUIT keeps Go's default: a goroutine dump and
+	// exit 2, no drain (docs/operations.md, Signals).
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer stop()
+	// A write to a broken stderr (journald restarted, the terminal gone)
+	// fails rather than kills the daemon with SIGPIPE.
+	signal.Ignore(syscall.SIGPIPE)
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(0)
@@ -75,6 +83,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Disk:         diskCfg,
 		WriteThrough: cfg.writeThrough,
 		DMA:          copier,
+		Limits:       cfg.limits(),
 		Logger:       log,
 		Registerer:   reg,
 	})
@@ -113,14 +122,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		go func() { metricsErr <- metricsSrv.Serve(ml) }()
 	}
 
-	srv := server.New(svc, log)
+	srv := server.New(svc, log, server.Config{
+		MaxConnections:          cfg.maxConnections,
+		MaxConnectionsPerUID:    cfg.maxConnectionsPerUID,
+		MaxInflightRequestBytes: int64(cfg.maxInflightRequestBytes),
+		Registerer:              reg,
+	})
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- srv.GRPC().Serve(lis) }()
+	go func() { serveErr <- srv.Serve(lis) }()
 	used, _ := svc.CPU().Usage()
 	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
-		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough)
+		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
+		"max_request_bytes", srv.MaxRequestBytes())
 
 	var runErr error
 	select {
@@ -131,20 +146,55 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case err := <-metricsErr:
 		runErr = fmt.Errorf("metrics server: %w", err)
 	}
+	return errors.Join(runErr, shutdown(log, cfg.shutdownTimeout, srv, svc, func() error {
+		if metricsSrv != nil {
+			metricsSrv.Close()
+		}
+		return closeAll()
+	}))
+}
+
+// errAbandoned: the shutdown timeout passed with work still running.
+var errAbandoned = errors.New("shutdown timeout passed: exited with work still running")
+
+// shutdown stops the daemon within timeout, a promise a supervisor can
+// count on (systemd kills at TimeoutStopSec): health goes NOT_SERVING, new
+// work is refused, accepted jobs drain and calls finish until a share of
+// the timeout is left; then every connection is closed and the service
+// torn down in the rest. If work is still running at the end, it returns
+// errAbandoned without waiting: a copy cut short is never reported done,
+// so the engine recomputes its blocks, and a disk write cut short leaves a
+// slot the next start's checksums refuse, exactly as after kill -9. The
+// teardown goroutine is then left to the process's exit.
+func shutdown(log *slog.Logger, timeout time.Duration, srv *server.Server, svc *offload.Service, closeAll func() error) error {
+	start := time.Now()
+	end := start.Add(timeout)
+	// Unmapping regions and the arena and closing the disk tier take
+	// milliseconds once the jobs have drained: keep them a quarter of the
+	// timeout, at most a second.
+	drainBy := end.Add(-min(timeout/4, time.Second))
 	srv.SetNotServing()
 	svc.BeginShutdown()
-	dctx, cancel := context.WithTimeout(context.Background(), cfg.shutdownTimeout)
+	dctx, cancel := context.WithDeadline(context.Background(), drainBy)
 	if err := svc.Drain(dctx); err != nil {
-		log.Warn("shutdown timeout passed with jobs still running; waiting for them anyway (copies cannot be abandoned)", "err", err)
+		log.Warn("shutdown: jobs still running at the drain deadline; closing connections", "err", err)
 	}
 	cancel()
-	srv.Stop(cfg.shutdownTimeout)
-	if metricsSrv != nil {
-		metricsSrv.Close()
+	done := make(chan error, 1)
+	go func() {
+		srv.Stop(drainBy)
+		done <- closeAll()
+	}()
+	t := time.NewTimer(time.Until(end))
+	defer t.Stop()
+	select {
+	case err := <-done:
+		log.Info("stopped", "err", err, "took", time.Since(start).Round(time.Millisecond))
+		return err
+	case <-t.C:
+		log.Error("shutdown timeout passed with work still running: exiting without waiting for it; jobs cut short are never reported done, so the engine recomputes their blocks", "timeout", timeout)
+		return errAbandoned
 	}
-	err = closeAll()
-	log.Info("stopped", "err", err)
-	return errors.Join(runErr, err)
 }
 
 // listenUnix creates the socket with mode in a directory the daemon owns.
