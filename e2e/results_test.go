@@ -136,20 +136,27 @@ func TestWaitResultsWithTheCursor(t *testing.T) {
 
 // TestWaitWithTheCursorLosesNothing: a client that passes ack_seq and
 // gives up its Loads with wait after a random few hundred microseconds
-// (often before the reply, sometimes as it is sent) finds every result the
-// daemon produced in Completions: as many blocks in the results it reads
-// as the daemon counted.
+// (often before the reply, sometimes as it is sent, sometimes with copies
+// still running) finds every result the daemon produced in Completions: as
+// many blocks in the results it reads as the daemon counted.
 func TestWaitWithTheCursorLosesNothing(t *testing.T) {
 	d := testenv.Start(t, testenv.Options{Quiet: true})
 	e := register(t, d, small, "m")
+	const calls, blocks = 300, 2
+	stored := e.hashes(1, blocks)
+	e.store(t, 1_000_000, stored, seq(0, blocks))
 	r := rand.New(rand.NewPCG(1, 2))
 	zero := uint64(0)
-	const calls, blocks = 300, 2
 	replied, gaveUp := 0, 0
 	seen := map[uint64]uint64{} // job -> seq, from replies
 	for i := uint64(1); i <= calls; i++ {
-		c, cancel := context.WithTimeout(context.Background(), time.Duration(r.IntN(400))*time.Microsecond)
+		c, cancel := context.WithTimeout(context.Background(), time.Duration(r.IntN(1500))*time.Microsecond)
+		// Half the loads copy (into blocks of their own), half find
+		// nothing and finish inside the call.
 		job := testenv.Job(i, e.hashes(5000+i, blocks), seq(0, blocks))
+		if i%2 == 0 {
+			job = testenv.Job(i, stored, seq(2+int(i%30)*blocks, blocks))
+		}
 		out, err := e.c.API.Load(c, &pb.TransferRequest{RegistrationId: e.reg.RegistrationId, Wait: true, AckSeq: &zero, Jobs: []*pb.Job{job}})
 		cancel()
 		switch code := codeOf(err); code {
