@@ -267,6 +267,7 @@ func New(cfg Config) (*Service, error) {
 	s.registerGauges(cfg.Registerer)
 	if cfg.Disk != nil {
 		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
+			s.dma.SetArena(nil)
 			t.Close()
 			return nil, fmt.Errorf("disk tier: %w", err)
 		}
@@ -1043,5 +1044,8 @@ func (s *Service) Close() error {
 		// arena and the index), syncs and closes the files.
 		diskErr = s.disk.Close()
 	}
-	return errors.Join(diskErr, s.cpu.Close())
+	// The copy engine lets go of the arena (CUDA: unregisters the pinned
+	// pages) while it is still mapped.
+	arenaErr := s.dma.SetArena(nil)
+	return errors.Join(diskErr, arenaErr, s.cpu.Close())
 }

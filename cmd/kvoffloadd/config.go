@@ -53,6 +53,8 @@ type config struct {
 	maxConnections          int
 	maxConnectionsPerUID    int
 	maxInflightRequestBytes uint64
+
+	cuda cudaConfig // the CUDA build's flags (copier_cuda.go); empty otherwise
 }
 
 func defaultSocket() string {
@@ -183,6 +185,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
+	c.cuda.addFlags(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
@@ -283,6 +286,9 @@ func (c *config) validate() error {
 			bad("--fault-spec: %v", err)
 		}
 		c.faultPlan = p
+	}
+	if err := c.cuda.validate(); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }

@@ -3,6 +3,7 @@
 package main
 
 import (
+	"flag"
 	"log/slog"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -16,3 +17,10 @@ import (
 func newCopier(cfg *config, log *slog.Logger, _ prometheus.Registerer) (dma.Engine, error) {
 	return host.New(host.Config{ShmDir: cfg.shmDir, Workers: cfg.ioWorkers, MaxMappedBytes: cfg.maxMappedBytes, Logger: log}), nil
 }
+
+// cudaConfig holds the CUDA build's flags; this build has none.
+type cudaConfig struct{}
+
+func (*cudaConfig) addFlags(*flag.FlagSet) {}
+
+func (*cudaConfig) validate() error { return nil }

@@ -20,12 +20,22 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
 )
 
 var version = "dev"
+
+// wrapCopier, when set (by tests), wraps the copy engine.
+var wrapCopier func(dma.Engine) dma.Engine
+
+// failedShutdownTimeout bounds the shutdown after the copy engine failed: a
+// sticky CUDA error fails every batch at once, so jobs end quickly; one
+// whose copies cannot be known to have stopped never ends, and shutdown
+// abandons it (the process exit stops the copies).
+const failedShutdownTimeout = 10 * time.Second
 
 func main() {
 	// SIGHUP stops the daemon like SIGTERM: it has no configuration to
@@ -72,6 +82,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	copier, err := newCopier(cfg, log, reg)
 	if err != nil {
 		return fmt.Errorf("copy engine: %w", err)
+	}
+	if wrapCopier != nil {
+		copier = wrapCopier(copier)
+	}
+	// A copy engine that fails as a whole (a CUDA context lost to a sticky
+	// error) cannot serve again: the daemon stops and exits for a
+	// supervisor to restart it.
+	var copierFailed <-chan struct{}
+	failer, _ := copier.(dma.Failer)
+	if failer != nil {
+		copierFailed = failer.Failed()
 	}
 	diskCfg, startFaults, err := diskConfig(cfg, log, reg)
 	if err != nil {
@@ -138,15 +159,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"max_request_bytes", srv.MaxRequestBytes())
 
 	var runErr error
+	timeout := cfg.shutdownTimeout
 	select {
 	case <-ctx.Done():
 		log.Info("shutting down: health NOT_SERVING, refusing new work, draining jobs", "timeout", cfg.shutdownTimeout)
+	case <-copierFailed:
+		runErr = fmt.Errorf("the %s copy engine failed, restart the daemon: %w", copier.Name(), failer.Err())
+		timeout = min(timeout, failedShutdownTimeout)
+		log.Error("the copy engine failed: health NOT_SERVING, refusing new work, failing jobs in flight, then exiting; a supervisor should restart the daemon",
+			"copy_engine", copier.Name(), "err", failer.Err())
 	case err := <-serveErr:
 		runErr = fmt.Errorf("grpc server: %w", err)
 	case err := <-metricsErr:
 		runErr = fmt.Errorf("metrics server: %w", err)
 	}
-	return errors.Join(runErr, shutdown(log, cfg.shutdownTimeout, srv, svc, func() error {
+	return errors.Join(runErr, shutdown(log, timeout, srv, svc, func() error {
 		if metricsSrv != nil {
 			metricsSrv.Close()
 		}

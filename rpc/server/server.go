@@ -284,7 +284,7 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 			}
 			sp.ShmPath = m.ShmPath
 		case *pb.Region_Cuda:
-			sp.CUDA = &dma.IPCMemory{Handle: m.Cuda.GetHandle(), Device: int(m.Cuda.GetDevice()), AllocSize: m.Cuda.GetAllocSize()}
+			sp.CUDA = &dma.IPCMemory{Handle: m.Cuda.GetHandle(), Device: int(m.Cuda.GetDevice()), DeviceUUID: m.Cuda.GetDeviceUuid(), AllocSize: m.Cuda.GetAllocSize()}
 		default:
 			return nil, invalid("regions[" + strconv.Itoa(i) + "] names no memory: set shm_path or cuda")
 		}
