@@ -400,6 +400,7 @@ func TestKill9DuringWrites(t *testing.T) {
 
 	os.Remove(sock) // a stale socket, as a killed daemon leaves
 	_, c2, _ := startDaemon(t, bin, args...)
+	waitRecovered(t, c2) // it serves at once; the disk's blocks come online behind
 	reg2, err := c2.Register(ctx, []byte("kill9"), m.Layout(), m.Regions(r), "test")
 	if err != nil {
 		t.Fatal(err)
