@@ -67,12 +67,14 @@ type namespaceMeta struct {
 	Fingerprint []byte      `json:"fingerprint"`
 	HashBytes   int         `json:"hash_bytes"`
 	Segments    [][2]uint64 `json:"segments"` // (group, bytes)
+	marksMeta               // invalidations recovery must honour (marks.go)
 }
 
 func digestOf(fingerprint []byte) [32]byte { return sha256.Sum256(fingerprint) }
 
+// encodeMeta is the catalog entry of ns; the caller holds Service.marksMu.
 func encodeMeta(ns *Namespace) []byte {
-	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes}
+	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes, marksMeta: ns.marks.meta()}
 	for _, sg := range ns.Layout.Segments {
 		m.Segments = append(m.Segments, [2]uint64{uint64(sg.Group), sg.Bytes})
 	}
@@ -136,12 +138,23 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	return nil
 }
 
-// saveNamespace records a new namespace in the disk tier's catalog.
+// saveNamespace records a new namespace in the disk tier's catalog. A
+// namespace of the same fingerprint may have been there before (it went
+// when it had no registration and no block left): its invalidation marks
+// stay, since copies they cover may still lie on disk.
 func (s *Service) saveNamespace(ns *Namespace) error {
 	if s.disk == nil {
 		return nil
 	}
-	return s.disk.SaveNamespace(digestOf(ns.Fingerprint), encodeMeta(ns))
+	d := digestOf(ns.Fingerprint)
+	s.marksMu.Lock()
+	defer s.marksMu.Unlock()
+	if old, ok := s.disk.Namespaces()[d]; ok {
+		if m, err := decodeMarks(old); err == nil {
+			ns.marks.merge(m)
+		}
+	}
+	return s.disk.SaveNamespace(d, encodeMeta(ns))
 }
 
 func (s *Service) diskMeta(k *index.Key) disk.Meta {
@@ -243,6 +256,11 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		c := classes[i]
 		dslot := index.NoSlot
 		result := "rejected"
+		// From the check that its entry is current to the submission of
+		// its write, an Invalidate waits: it names the disk's writes so
+		// far as invalidated (marks.go), and none of the entry's is left
+		// to come after.
+		s.inval.RLock()
 		s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
 			switch {
 			case !found:
@@ -271,6 +289,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 			return e.Holds()
 		})
 		if dslot == index.NoSlot {
+			s.inval.RUnlock()
 			if result == "no_space" {
 				c.Forget(&d.key)
 			}
@@ -283,6 +302,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		m := s.diskMeta(&d.key)
 		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
 		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
+		s.inval.RUnlock()
 	}
 }
 

@@ -182,6 +182,9 @@ type Service struct {
 	// leases, or after the index has lost the keys, so no lease keeps an
 	// invalidated block.
 	inval sync.RWMutex
+	// marksMu guards the namespaces' invalidation marks and orders their
+	// saves to the catalog (marks.go).
+	marksMu sync.Mutex
 
 	jobs     sync.WaitGroup // accepted jobs not yet finished
 	inflight atomic.Int64   // the same, as a count
@@ -228,6 +231,7 @@ type Namespace struct {
 	// recovering: brought back from the disk tier's catalog, whose
 	// recovery may still file blocks of it (guarded by Service.mu).
 	recovering bool
+	marks      marks // invalidations recovery honours (marks.go); guarded by Service.marksMu
 }
 
 // New builds the service: it maps the CPU arena and hands it to the copy engine.
@@ -815,7 +819,6 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		}
 	}
 	s.inval.Lock()
-	defer s.inval.Unlock()
 	if keys == nil {
 		s.ix.Range(func(k *index.Key, e *index.Entry) bool {
 			if !all[k.NS] {
@@ -837,8 +840,22 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		}
 	}
 	s.voidLeases(all, want)
+	// Every disk write submitted so far is named below the clock, and no
+	// later one is of these keys' old entries (the demoter submits under
+	// inval too): the mark covers every copy they left on disk.
+	var clock uint64
+	if s.disk != nil {
+		clock = s.disk.WriteClock() + 1
+	}
+	s.inval.Unlock()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
+	if keys == nil {
+		want = nil
+	}
+	if err := s.markInvalidated(nss, want, clock); err != nil {
+		return len(dropped), err
+	}
 	return len(dropped), nil
 }
 
