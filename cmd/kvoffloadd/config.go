@@ -29,6 +29,7 @@ type config struct {
 	ioWorkers       int
 	shmDir          string
 	metricsAddr     string
+	metricsExpose   bool
 	logLevel        slog.Level
 	logFormat       string
 	shutdownTimeout time.Duration
@@ -163,6 +164,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena.")
 	fs.StringVar(&c.shmDir, "shm-dir", c.shmDir, "the only directory clients may register region files from.")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", c.metricsAddr, "loopback host:port serving Prometheus metrics on /metrics; empty disables.")
+	fs.BoolVar(&c.metricsExpose, "metrics-expose", false, "let --metrics-addr listen beyond loopback (e.g. :9464 in a Kubernetes pod, for Prometheus to scrape). Metrics hold counts, sizes and latencies, never keys or block bytes.")
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
 	fs.StringVar(&c.logFormat, "log-format", c.logFormat, "log format on stderr: text or json.")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM, SIGINT or SIGHUP, the longest the daemon takes to exit: in-flight jobs and calls may finish until then; past it connections are closed and the daemon exits even with copies still running (their jobs are never reported done, so the engine recomputes those blocks).")
@@ -229,8 +231,10 @@ func (c *config) validate() error {
 	if c.metricsAddr != "" {
 		host, _, err := net.SplitHostPort(c.metricsAddr)
 		ip := net.ParseIP(host)
-		if err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
-			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464 (metrics are not served beyond this host)", c.metricsAddr)
+		if err != nil {
+			bad("--metrics-addr %q: want host:port", c.metricsAddr)
+		} else if !c.metricsExpose && host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464, or add --metrics-expose to serve metrics beyond this host", c.metricsAddr)
 		}
 	}
 	if c.logFormat != "text" && c.logFormat != "json" {
