@@ -67,3 +67,44 @@ func TestStoresTakeCleanCopies(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestInvalidateWhileDemotionsWaitForRoom: the demoter feeds the disk on
+// demand, waiting while a file's queue of writes is full. It used to wait
+// holding the lock that orders its writes with Invalidate, so with the disk
+// slow an Invalidate (and every Lookup taking a lease after it) waited for
+// the disk's backlog to drain: here, forever.
+func TestInvalidateWhileDemotionsWaitForRoom(t *testing.T) {
+	gate := testenv.NewDiskGate()
+	// 16 CPU slots of 256 KiB; one I/O in flight on the one slot file, so
+	// two queued writes fill its queue.
+	d := testenv.Start(t, testenv.Options{CPUBytes: 4 << 20, ChunkBytes: 4 << 20, DiskDirs: []string{t.TempDir()}, DiskFS: gate, DiskQueueDepth: 1, Quiet: true})
+	t.Cleanup(gate.Release) // before the daemon's stop, should the test fail
+	e := register(t, d, small, "m")
+	gate.Hold()
+	for i := range 4 {
+		hs := e.hashes(uint64(10+i), 12)
+		e.lookup(t, hs)
+		e.store(t, uint64(1+i), hs, seq(0, 12))
+	}
+	// The worker holds one write, two wait in the queue: the demoter (or
+	// the cleaner) has more to feed in than there is room for.
+	gate.Waiting(1)
+	waitFor(t, "the write queue to fill", func() bool { return d.Svc.Disk().QueuedWrites() >= 2 })
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(e.hashes(10, 12)...))
+		done <- err
+	}()
+	if err := <-done; err != nil {
+		t.Fatalf("Invalidate with the disk's writes held: %v", err)
+	}
+	if lr := e.lookup(t, e.hashes(10, 12)); lr.Ready != 0 {
+		t.Fatalf("%d invalidated blocks still offered", lr.Ready)
+	}
+	gate.Release()
+	flush(t, d)
+	if err := d.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -263,6 +263,12 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		c := classes[i]
 		dslot := index.NoSlot
 		result := "rejected"
+		// Fed on demand: a burst of demotions waits here, not in the
+		// files' queues, and before the lock below, which Invalidate
+		// (and with it the Lookups that take leases) would wait behind.
+		// (At shutdown the write goes in regardless; the tier's Close
+		// drains or refuses it.)
+		s.disk.WaitWriteRoom(s.writeRoom, s.stop)
 		// From the check that its entry is current to the submission of
 		// its write, an Invalidate waits: it names the disk's writes so
 		// far as invalidated (marks.go), and none of the entry's is left
@@ -309,10 +315,6 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		}
 		m := s.diskMeta(&d.key)
 		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
-		// Fed on demand: a burst of demotions waits here, not in the
-		// file's queue. (At shutdown the write goes in regardless; the
-		// tier's Close drains or refuses it.)
-		s.disk.WaitWriteRoom(dslot, s.writeRoom, s.stop)
 		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
 		s.inval.RUnlock()
 	}

@@ -57,6 +57,7 @@ type Options struct {
 	DiskBytes      uint64 // per dir; default 64MiB
 	DiskChunkBytes uint64 // default 4MiB
 	DiskFS         vfs.FS // e.g. an errorfs or a GateFS; default the OS
+	DiskQueueDepth int    // I/Os in flight per slot file; default the tier's
 	WriteThrough   bool
 	DiskReset      bool
 	// Recovering makes Start return as soon as the daemon serves, while
@@ -108,7 +109,7 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 	reg := prometheus.NewRegistry()
 	var dc *disk.Config
 	if len(o.DiskDirs) > 0 {
-		dc = &disk.Config{Dirs: o.DiskDirs, BytesPerDir: o.DiskBytes, ChunkBytes: o.DiskChunkBytes, FS: o.DiskFS, Direct: true, Reset: o.DiskReset}
+		dc = &disk.Config{Dirs: o.DiskDirs, BytesPerDir: o.DiskBytes, ChunkBytes: o.DiskChunkBytes, FS: o.DiskFS, Direct: true, Reset: o.DiskReset, QueueDepth: o.DiskQueueDepth}
 		if dc.BytesPerDir == 0 {
 			dc.BytesPerDir = 64 << 20
 		}

@@ -96,6 +96,10 @@ func newMetrics(reg prometheus.Registerer, t *Tier) (*metrics, error) {
 			Help: "Time the disk tier's recovery has run, or took once it ended.",
 		}, func() float64 { return t.Recovery().Elapsed.Seconds() }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvoffload_disk_queued_writes",
+			Help: "Disk-tier writes and erases waiting for an I/O worker, all files together; reads go ahead of them, and the daemon feeds demotions in only while each file has fewer than twice its queue depth waiting.",
+		}, func() float64 { return float64(t.QueuedWrites()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvoffload_disk_quarantined_slots",
 			Help: "Disk-tier slots taken out of use after an I/O error.",
 		}, func() float64 { return float64(t.Quarantined()) }),

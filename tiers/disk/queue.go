@@ -1,10 +1,6 @@
 package disk
 
-import (
-	"sync"
-
-	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
-)
+import "sync"
 
 // queue is a file's requests waiting for an I/O worker: reads first, then
 // writes and discards, each in arrival order. A load's reads are what an
@@ -106,21 +102,31 @@ func (q *queue) close() {
 }
 
 // WaitWriteRoom waits until fewer than limit writes and discards wait for
-// an I/O worker on the file of slot s, or stop is closed (false). A writer
-// that feeds the tier through it keeps the queue a read may find ahead of
-// it no longer than limit, whatever its own backlog.
-func (t *Tier) WaitWriteRoom(s slots.SlotID, limit int, stop <-chan struct{}) bool {
-	fi := slots.Offset(s) / t.fileBytes
-	if fi >= uint64(len(t.files)) {
-		return true // submit reports the bad slot
-	}
-	q := &t.files[fi].q
-	for q.queuedWrites() >= limit {
-		select {
-		case <-q.popped:
-		case <-stop:
-			return false
+// an I/O worker on each file, or stop is closed (false). A writer that
+// feeds the tier through it, one write after each wait, keeps the queue a
+// read may find ahead of it about limit long, whatever its own backlog. It
+// takes no slot: the caller waits before it allocates one, and so before
+// any lock it holds while it allocates and submits.
+func (t *Tier) WaitWriteRoom(limit int, stop <-chan struct{}) bool {
+	for i := range t.files {
+		q := &t.files[i].q
+		for q.queuedWrites() >= limit {
+			select {
+			case <-q.popped:
+			case <-stop:
+				return false
+			}
 		}
 	}
 	return true
+}
+
+// QueuedWrites is the writes and discards waiting for an I/O worker, all
+// files together.
+func (t *Tier) QueuedWrites() int {
+	n := 0
+	for i := range t.files {
+		n += t.files[i].q.queuedWrites()
+	}
+	return n
 }

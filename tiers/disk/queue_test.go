@@ -94,12 +94,12 @@ func TestReadsBeforeWrites(t *testing.T) {
 	}
 	// Four writes wait: a writer allowing four waits, one allowing five
 	// does not.
-	if !tier.WaitWriteRoom(ss[0], 5, nil) {
+	if !tier.WaitWriteRoom(5, nil) {
 		t.Fatal("WaitWriteRoom(5) with 4 writes queued refused")
 	}
 	stop := make(chan struct{})
 	waited := make(chan bool)
-	go func() { waited <- tier.WaitWriteRoom(ss[0], 4, stop) }()
+	go func() { waited <- tier.WaitWriteRoom(4, stop) }()
 	dst := arena(t, layout.AlignUp(payload))
 	tier.Read(s0, blocks[0].meta, dst, func(err error) { done("read")(err); wg.Done() })
 	close(h.release)
