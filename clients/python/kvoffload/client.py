@@ -290,9 +290,9 @@ class Client:
         r = self._call("Register", req)
         return Registration(r.registration_id, r.namespace_id, r.joined_existing)
 
-    def resolve(self, fingerprints: Sequence[bytes]) -> list[int]:
+    def resolve(self, fingerprints: Sequence[bytes], *, timeout: float | None = None) -> list[int]:
         """The namespace id of each fingerprint, 0 where none is registered."""
-        r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]))
+        r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]), timeout=timeout)
         return list(r.namespace_ids)
 
     def unregister(self, registration_id: int) -> None:
@@ -308,6 +308,7 @@ class Client:
         group: int = 0,
         lease_ms: int = 0,
         peek: bool = False,
+        timeout: float | None = None,
     ) -> LookupResult:
         """How many leading ``hashes`` (of ``group``) are ready in every
         namespace. With ``lease_ms`` the ready prefix is pinned that long;
@@ -318,9 +319,37 @@ class Client:
             pb.LookupRequest(
                 namespace_ids=list(namespace_ids), keys=_key_list(group, hashes), lease_ms=lease_ms, peek=peek
             ),
+            timeout=timeout,
         )
         tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
         return LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id)
+
+    def lookup_many(
+        self, lookups: Sequence[tuple[Sequence[int], Sequence[bytes] | bytes, int, int, bool]], *,
+        timeout: float | None = None,
+    ) -> list[LookupResult | KVOffloadError]:
+        """Several Lookups in one round trip: each ``(namespace_ids, hashes,
+        group, lease_ms, peek)`` goes out at once on the connection and the
+        answers (or the error of each) come back in order."""
+        fn = self._stub.Lookup
+        deadline = self._deadline() if timeout is None else timeout
+        futs = [
+            fn.future(
+                pb.LookupRequest(namespace_ids=list(ns), keys=_key_list(g, h), lease_ms=lease_ms, peek=peek),
+                timeout=deadline,
+            )
+            for ns, h, g, lease_ms, peek in lookups
+        ]
+        out: list[LookupResult | KVOffloadError] = []
+        for f in futs:
+            try:
+                r = f.result()
+            except grpc.RpcError as e:
+                out.append(from_rpc_error(e, "Lookup"))
+                continue
+            tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
+            out.append(LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id))
+        return out
 
     def _transfer(
         self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes, timeout: float | None
@@ -346,10 +375,18 @@ class Client:
         return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
 
     def load(
-        self, registration_id: int, jobs: Sequence[Job], *, wait: bool = False, timeout: float | None = None
+        self,
+        registration_id: int,
+        jobs: Sequence[Job],
+        *,
+        wait: bool = False,
+        ready_event: bytes = b"",
+        timeout: float | None = None,
     ) -> list[JobResult] | None:
-        """Copies cached blocks into engine blocks; see :meth:`store`."""
-        return self._transfer("Load", registration_id, jobs, wait, b"", timeout)
+        """Copies cached blocks into engine blocks; see :meth:`store`. In the
+        CUDA build, ``ready_event`` (an IPC event the engine recorded on its
+        compute stream) orders the copies after the engine's work before it."""
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
