@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-PKG_ROOT = HERE.parent  # clients/python
-REPO_ROOT = PKG_ROOT.parent.parent
+REPO_ROOT = HERE.parent.parent.parent
+# The package under test: clients/python, or $KVOFFLOAD_PKG (a directory
+# holding another version's kvoffload/, to run these tests against it).
+PKG_ROOT = Path(os.environ.get("KVOFFLOAD_PKG") or HERE.parent)
 
 if str(PKG_ROOT) not in sys.path:
     sys.path.insert(0, str(PKG_ROOT))
@@ -53,23 +55,55 @@ def daemon_help() -> str:
 
 
 class Daemon:
-    """A running kvoffloadd."""
+    """A running kvoffloadd. ``restart`` starts a new process on the same
+    socket and flags (and disk directory, when the flags name one);
+    ``pause``/``resume`` stop and continue it (SIGSTOP/SIGCONT): a daemon
+    that hangs without dying."""
 
-    def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB"):
+    def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB", log_level: str = "debug"):
         self.dir = tempfile.mkdtemp(prefix="kvo-")
         self.socket = os.path.join(self.dir, "run", "kv.sock")
         self.log_path = os.path.join(self.dir, "daemon.log")
         self._log = open(self.log_path, "wb")
-        cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
-               "--log-level", "debug", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
+                     "--log-level", log_level, *[a.replace("{dir}", self.dir) for a in args]]
+        for flag, val in zip(self._cmd, self._cmd[1:]):
+            if flag == "--disk-dir":
+                os.makedirs(val, exist_ok=True)
         self._clients: list[kvoffload.Client] = []
-        probe = self.client()
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        probe = kvoffload.Client(self.socket)
         try:
             probe.wait_ready(timeout=15)
         except kvoffload.KVOffloadError as e:
             self.proc.kill()
             raise RuntimeError(f"kvoffloadd did not come up: {e}\n{self.log()}") from None
+        finally:
+            probe.close()
+
+    def restart(self, timeout: float = 15.0) -> int:
+        """SIGTERM (the daemon drains), wait, start again; returns the old exit code."""
+        self.resume()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.restarts += 1
+        self._start()
+        return rc
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def client(self, **kw) -> kvoffload.Client:
         c = kvoffload.Client(self.socket, **kw)
@@ -85,6 +119,7 @@ class Daemon:
     def stop(self, timeout: float = 15.0) -> int:
         for c in self._clients:
             c.close()
+        self.resume()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -119,8 +154,8 @@ def fresh_daemon():
     """A daemon of the test's own; call it with extra flags or not at all."""
     started: list[Daemon] = []
 
-    def start(*args: str, cpu_bytes: str = "64MiB") -> Daemon:
-        d = Daemon(list(args), cpu_bytes=cpu_bytes)
+    def start(*args: str, cpu_bytes: str = "64MiB", log_level: str = "debug") -> Daemon:
+        d = Daemon(list(args), cpu_bytes=cpu_bytes, log_level=log_level)
         started.append(d)
         return d
 

@@ -1,17 +1,23 @@
-"""A broken connection does not fail jobs the daemon may still be copying.
+"""Jobs the daemon may still run are never handed back to vLLM early.
 
-The daemon keeps answering Completions for a registration whose connection
-closed until its jobs have drained; WorkerSide must keep polling through
-UNAVAILABLE and fail the rest only on NOT_FOUND (drained) or once the daemon
-has been unreachable for the grace period (it died)."""
+A registration's jobs settle only when the daemon reports them, says the
+registration is gone after draining it (NOT_FOUND from the same process), or
+that process has exited. An unreachable or hung daemon, or another daemon
+answering on the socket, settles nothing: the old one may still copy."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
+import pytest
 
 import kvoffload as kv
-from kvoffload.connector import GroupJob, WorkerSide
+from kvoffload.daemon_process import DaemonProcess
+from kvoffload.plan import GroupJob
 from kvoffload.types import Completions, JobResult, Op
+from kvoffload.worker_side import WorkerSide, _Reg
 
 
 class StubClient:
@@ -38,46 +44,100 @@ class Clock:
         return self.t
 
 
-def worker(script, clock):
-    w = WorkerSide("/nonexistent.sock", b"fp", 1, client=StubClient(script), clock=clock, unavailable_grace_s=5.0)
+@pytest.fixture
+def live_process():
+    """A process standing in for the daemon: alive until killed."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def worker(script, clock, pid, answering_pid=None):
+    probe = answering_pid if answering_pid is not None else pid
+    w = WorkerSide("/nonexistent.sock", b"fp", 1, client=StubClient(script), clock=clock,
+                   unknown_daemon_grace_s=5.0, pid_probe=lambda path: probe)
+    reg = _Reg(7, 1, DaemonProcess(pid))
+    w._regs[7] = reg
     w.registration_id = 7
-    jid = w._new_job("req", Op.LOAD, GroupJob(0, [b"\x01" * 32, b"\x02" * 32], [10, 11])).job_id
-    return w, jid
+    with w._cv:
+        jid = w._new_job("req", Op.LOAD, GroupJob(0, [b"\x01" * 32, b"\x02" * 32], [10, 11]))
+        w._jobs[jid].reg = 7
+        reg.jobs.add(jid)
+    return w, reg, jid
 
 
 def unavailable():
     return kv.Unavailable(grpc.StatusCode.UNAVAILABLE, "connection reset")
 
 
-def test_results_after_a_reconnect_settle_the_job():
+def test_results_after_a_reconnect_settle_the_job(live_process):
     clock = Clock()
-    w, jid = worker([unavailable(), unavailable()], clock)
-    w._poll()
-    clock.t = 1.0
-    w._poll()
+    w, reg, jid = worker([unavailable(), unavailable()], clock, live_process.pid)
+    w._poll_one(reg, 0)
+    clock.t = 100.0
+    w._poll_one(reg, 0)
     assert jid in w._jobs, "a job was failed while the daemon may still copy into its blocks"
     ok = JobResult(job_id=jid, request_id="req", op=Op.LOAD, ok=True, failures=(), blocks=2, bytes=0)
     w._client.script = [[ok]]
-    w._poll()
-    assert jid not in w._jobs and not w._failed_blocks
+    w._poll_one(reg, 0)
+    assert jid not in w._jobs and not w._failed_blocks and w._recv_done == {"req"}
 
 
-def test_not_found_means_drained_and_fails_the_rest():
+def test_a_hung_daemon_settles_nothing(live_process):
+    # SIGSTOP: calls time out for as long as it is stopped; it may resume
+    # and copy. No grace period gives its jobs back.
     clock = Clock()
-    w, jid = worker([unavailable(), kv.NotFound(grpc.StatusCode.NOT_FOUND, "unregistered")], clock)
-    w._poll()
+    hung = [kv.DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")] * 50
+    w, reg, jid = worker(hung, clock, live_process.pid)
+    for i in range(50):
+        clock.t = i * 10.0
+        w._poll_one(reg, 0)
+    assert jid in w._jobs and w.suspect()
+
+
+def test_not_found_from_the_same_daemon_means_drained(live_process):
+    clock = Clock()
+    w, reg, jid = worker([unavailable(), kv.NotFound(grpc.StatusCode.NOT_FOUND, "unregistered")], clock,
+                         live_process.pid)
+    w._poll_one(reg, 0)
     assert jid in w._jobs
-    w._poll()
+    w._poll_one(reg, 0)
+    assert jid not in w._jobs and w._failed_blocks == {10, 11}
+    assert w.registration_id is None
+
+
+def test_not_found_from_another_daemon_waits_for_the_old_one_to_exit(live_process):
+    clock = Clock()
+    nf = kv.NotFound(grpc.StatusCode.NOT_FOUND, "unknown registration")
+    w, reg, jid = worker([nf, nf], clock, live_process.pid, answering_pid=live_process.pid + 100000)
+    w._poll_one(reg, 0)
+    assert jid in w._jobs, "another daemon's NOT_FOUND says nothing of the old one's copies"
+    live_process.kill()
+    live_process.wait()
+    w._poll_one(reg, 0)
     assert jid not in w._jobs and w._failed_blocks == {10, 11}
 
 
-def test_a_daemon_gone_past_the_grace_period_fails_the_jobs():
+def test_a_daemon_that_exited_settles_its_jobs(live_process):
     clock = Clock()
-    w, jid = worker([], clock)
-    w._poll()
+    w, reg, jid = worker([unavailable()] * 3, clock, live_process.pid)
+    w._poll_one(reg, 0)
+    assert jid in w._jobs
+    live_process.kill()
+    live_process.wait()
+    w._poll_one(reg, 0)
+    assert jid not in w._jobs and w._failed_blocks == {10, 11}
+
+
+def test_a_daemon_whose_pid_is_unknown_gets_a_grace_period():
+    clock = Clock()
+    w, reg, jid = worker([unavailable()] * 3, clock, None)
+    assert not reg.daemon.known
+    w._poll_one(reg, 0)
     clock.t = 4.9
-    w._poll()
+    w._poll_one(reg, 0)
     assert jid in w._jobs
     clock.t = 5.0
-    w._poll()
+    w._poll_one(reg, 0)
     assert jid not in w._jobs and w._failed_blocks == {10, 11}
