@@ -353,8 +353,8 @@ class WorkerSide:
 
     def _send(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]], use_leases: bool) -> None:
         def wire(leases: bool) -> list[Job]:
-            return [Job(job_id=jid, hashes=j.hashes, block_ids=j.block_ids, group=j.group, request_id=j.rid,
-                        lease_id=j.lease_id if leases else 0) for jid, j in jobs]
+            return [Job(job_id=jid, hashes=j.hashes, block_ids=j.block_ids, group=j.group,
+                        request_id=_wire_request_id(j.rid), lease_id=j.lease_id if leases else 0) for jid, j in jobs]
 
         call = self._client.load if batch.op == Op.LOAD else self._client.store
         kw: dict[str, Any] = {"timeout": self._rpc_timeout}
@@ -671,6 +671,17 @@ class WorkerSide:
             for r in list(self._regs.values()):
                 r.daemon.close()
             self._regs.clear()
+
+
+# The daemon bounds request_id (it only echoes it; jobs are matched by id).
+MAX_REQUEST_ID_BYTES = 512
+
+
+def _wire_request_id(rid: str) -> str:
+    raw = rid.encode()
+    if len(raw) <= MAX_REQUEST_ID_BYTES:
+        return rid
+    return raw[:MAX_REQUEST_ID_BYTES].decode(errors="ignore")
 
 
 def _failure_counts(result: JobResult | None, nfail: int, dropped: bool) -> dict[str, int]:

@@ -409,3 +409,18 @@ def test_iter_scheduled_reads_old_and_new_field_names():
     old = ns(scheduled_new_reqs=[], scheduled_cached_reqs=ns(req_ids=["b"], new_block_ids=[([3],)],
                                                             resumed_from_preemption=[True]))
     assert list(iter_scheduled(old)) == [("b", ([3],), True)]
+
+
+def test_long_request_ids_are_cut_for_the_wire(harness):
+    # vLLM request ids are the client's; the daemon bounds the echo it keeps.
+    h = harness()
+    rid = "x" * 3000
+    toks = list(range(1200, 1213))
+    prefill(h, Request(rid, toks), [1, 2, 3, 4])
+    assert h.run_until(h.idle)
+    r = Request(rid + "b", toks)
+    assert h.ask(r, 0) == (12, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([5, 6, 7, 8]), 12)
+    h.step()
+    assert h.run_until(lambda: r.request_id in h.recv[0])
+    assert h.failed[0] == set()
