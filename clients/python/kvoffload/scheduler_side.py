@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .background import _DOWN_CODES, Background
 from .client import Client
@@ -157,6 +157,7 @@ class SchedulerSide:
         self._delay_free: set[str] = set()
         self._settled: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained
         self._seq = 0
+        self._asked_blind = 0
         self._warned: set[str] = set()
 
     # -- helpers ----------------------------------------------------------
@@ -199,6 +200,11 @@ class SchedulerSide:
         """Every rank's namespace id, resolved on the background thread and
         refreshed every ``namespace_refresh_s``; None until all resolve."""
         if self._fingerprints is None:
+            self._asked_blind += 1
+            if self._asked_blind == 1000:
+                self._warn_once("handshake", "kvoffload: no worker has reported its registration through vLLM's "
+                                "handshake metadata after 1000 lookups (this vLLM may not deliver it): no external "
+                                "hits are offered, blocks are still stored")
             return None
         now = self._clock()
         t = self._ns_task

@@ -205,21 +205,59 @@ def _worker_rank(num_ranks: int, pcp: int, dcp: int) -> dict:
     return {"tp": tp, "pp": pp, "pcp": pcp_rank, "dcp": dcp_rank}
 
 
-def _ipc_event() -> tuple[bytes, Any]:
-    """An IPC event recorded on the current CUDA stream (the engine's compute
-    stream inside vLLM's step), and the event to keep alive; or nothing."""
-    try:
-        import torch
+class _ReadyEvents:
+    """IPC events recorded on the engine's current CUDA stream for the
+    daemon's copies to wait on (a Store: after the forward pass wrote the
+    blocks; a Load: after the work still reading its destination blocks).
+    Each is held until every job sent with it is done. Uses
+    kvoffload.cuda_ipc's pool where the package has it; torch only on a CUDA
+    worker, imported here."""
 
-        ev = torch.cuda.Event(interprocess=True)
-        ev.record()
-        return bytes(ev.ipc_handle()), ev
-    except Exception as e:  # pragma: no cover - needs a GPU
-        log.debug("kvoffload: no IPC event (%s); synchronizing the stream instead", e)
-        import torch
+    def __init__(self):
+        self._pool: Any = None
+        self._held: list[tuple[list[int], Any]] = []
 
-        torch.cuda.current_stream().synchronize()
-        return b"", None
+    def record(self) -> tuple[bytes, Any]:
+        try:
+            if self._pool is None:
+                try:
+                    from .cuda_ipc import IpcEventPool  # type: ignore[import-not-found]
+
+                    self._pool = IpcEventPool()
+                except ImportError:
+                    self._pool = False
+            if self._pool:
+                handle, token = self._pool.record()
+                return bytes(handle), token
+            import torch
+
+            ev = torch.cuda.Event(interprocess=True)
+            ev.record()
+            return bytes(ev.ipc_handle()), ev
+        except Exception as e:  # pragma: no cover - needs a GPU
+            log.debug("kvoffload: no IPC event (%s); synchronizing the stream instead", e)
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            return b"", None
+
+    def hold(self, job_ids: list[int], held: Any, done) -> None:
+        if held is not None:
+            if job_ids:
+                self._held.append((job_ids, held))
+            else:
+                self._release(held)
+        keep = []
+        for ids, h in self._held:
+            if done(ids):
+                self._release(h)
+            else:
+                keep.append((ids, h))
+        self._held = keep
+
+    def _release(self, held: Any) -> None:
+        if self._pool and not hasattr(held, "record"):
+            self._pool.release(held)
 
 
 _BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHMA is not None else ())
@@ -256,7 +294,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         self._worker_off: str | None = s.unsupported
         self._rank: dict | None = None
         self._fingerprint: bytes | None = None
-        self._events: list[tuple[list[int], Any]] = []
+        self._events = _ReadyEvents()
         self._cuda = False
         self._stats = _stats.StatsRecorder()
         if role == KVConnectorRole.SCHEDULER:
@@ -337,6 +375,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             client_name=f"vllm worker tp{r['tp']} pp{r['pp']} pcp{r['pcp']}",
             request_level_failures=self._request_level, sync_stores=s.sync_stores, stats=self._stats,
         )
+        self._worker.track_drains = KVConnectorWorkerMetadata is not None
         self._worker.register(kv)
         if self._worker.refused is not None:
             self._worker_off = f"the daemon refused the KV caches: {self._worker.refused}"
@@ -367,18 +406,12 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             ids = set(getattr(preempted, "preempted_req_ids", None) or ())
         self._worker.handle_preemptions(ids)
 
-    def _keep_event(self, ids: list[int], ev: Any) -> None:
-        if ev is not None and ids:
-            # The daemon opens the event; keep it alive until its copies drained.
-            self._events.append((ids, ev))
-        self._events = [(i, e) for i, e in self._events if not self._worker.jobs_done(i)]
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is None or self._worker is None:
             return
-        handle, ev = _ipc_event() if (self._cuda and plan.loads) else (b"", None)
-        self._keep_event(self._worker.start_load_kv(plan, ready_event=handle), ev)
+        handle, held = self._events.record() if (self._cuda and plan.loads) else (b"", None)
+        self._events.hold(self._worker.start_load_kv(plan, ready_event=handle), held, self._worker.jobs_done)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous (load_async=True): vLLM schedules a request
@@ -393,9 +426,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         plan = self._plan()
         if plan is None or self._worker is None or not plan.stores:
             return
-        handle, ev = _ipc_event() if self._cuda else (b"", None)
-        ids = self._worker.wait_for_save(plan, ready_event=handle)
-        self._keep_event(ids, ev)
+        handle, held = self._events.record() if self._cuda else (b"", None)
+        self._events.hold(self._worker.wait_for_save(plan, ready_event=handle), held, self._worker.jobs_done)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:

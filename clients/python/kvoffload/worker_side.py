@@ -124,7 +124,7 @@ class WorkerSide:
         client: Client | None = None,
         rpc_timeout_s: float = 30.0,
         poll_wait_ms: int = 50,
-        suspect_after_s: float = 0.5,
+        suspect_after_s: float = 1.0,
         sync_queue_wait_s: float = 0.05,
         reregister_after_s: float = 1.0,
         unknown_daemon_grace_s: float = 30.0,
@@ -178,6 +178,9 @@ class WorkerSide:
         self._calls = 0
         self._stop = False
         self._threads: list[threading.Thread] = []
+        # Store acknowledgements are kept only for a vLLM that carries them
+        # (worker metadata); the shell turns this off otherwise.
+        self.track_drains = True
 
     # -- registration -----------------------------------------------------
 
@@ -281,7 +284,8 @@ class WorkerSide:
                     del out[j.seq]
                 if not out:
                     del self._store_out[j.rid]
-            self._drain_dirty.add(j.rid)
+            if self.track_drains:
+                self._drain_dirty.add(j.rid)
         self._cv.notify_all()
 
     def _lose_registration(self, reg: _Reg, why: str) -> None:

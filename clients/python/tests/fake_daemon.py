@@ -26,6 +26,7 @@ class FakeDaemon(pb_grpc.KVOffloadServicer):
         self.socket = os.path.join(self.dir, "kv.sock")
         self._cv = threading.Condition()
         self.accepted: dict[int, pb.Job] = {}
+        self.calls: list[tuple[str, pb.TransferRequest]] = []
         self.done: list[pb.JobResult] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_KVOffloadServicer_to_server(self, self.server)
@@ -71,9 +72,11 @@ class FakeDaemon(pb_grpc.KVOffloadServicer):
         return pb.TransferResponse()
 
     def Store(self, request, context):
+        self.calls.append(("Store", request))
         return self._accept(request)
 
     def Load(self, request, context):
+        self.calls.append(("Load", request))
         return self._accept(request)
 
     def Completions(self, request, context):

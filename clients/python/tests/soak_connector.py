@@ -44,13 +44,15 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=400, help="steps of one run before it drains")
+    ap.add_argument("--hang-s", type=float, default=1.0, help="how long each run's daemon is stopped")
+    ap.add_argument("--configs", help="comma-separated names from test_vllm_connector.CONFIGS (default: all)")
     ap.add_argument("--json", help="write the summary here too")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     daemons = {}
     for r in RATES:
         spec = f"read-eio={r},bitflip={r / 2},seed={args.seed}"
-        daemons[r] = conftest.Daemon(["--disk-dir", "{dir}/disk", "--write-through", "--fault-spec", spec],
+        daemons[r] = conftest.Daemon(["--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through", "--fault-spec", spec],
                                      log_level="warn")
     shms: list[ShmRegion] = []
 
@@ -68,7 +70,7 @@ def main() -> int:
     failed = None
     try:
         while time.monotonic() < end and failed is None:
-            for name, cfg0, sw in T.CONFIGS:
+            for name, cfg0, sw in [c for c in T.CONFIGS if not args.configs or c[0] in args.configs.split(",")]:
                 if time.monotonic() >= end:
                     break
                 rate = RATES[seed % len(RATES)]
@@ -78,7 +80,7 @@ def main() -> int:
                 try:
                     rep = run(cfg, d, shm, seed=seed, steps=args.steps, switches=sw,
                               events={args.steps * 2 // 5: lambda eng, d=d: d.restart()},
-                              hang=(args.steps * 3 // 4, 1.0))
+                              hang=(args.steps * 3 // 4, args.hang_s))
                 except Exception as e:
                     kind = "wrong_kv" if type(e).__name__ == "WrongKV" else "exceptions"
                     totals[kind] += 1

@@ -573,6 +573,7 @@ class Engine:
         self.processed_seq = 0
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self.worker_tables: list[dict[str, list[list[int]]]] = [{} for _ in range(cfg.tp * cfg.pcp)]
+        self.worker_seqs: dict[str, Sequence] = {}
         self.timing = timing
         self.step_conn_s: list[float] = []
         self._sched_t = 0.0
@@ -910,17 +911,20 @@ class Engine:
                         tables[rid][g].extend(grp)
             starts = {nr.req_id: nr.num_computed_tokens for nr in out.scheduled_new_reqs}
             starts.update(zip(c.req_ids, c.num_computed_tokens))
+            for nr in out.scheduled_new_reqs:
+                # The worker's own copy of the request (vLLM's persistent
+                # batch): it runs the step even if the scheduler has since
+                # aborted the request.
+                self.worker_seqs.setdefault(nr.req_id, Sequence(nr.prompt_token_ids, self.seed))
             for rid, n in out.num_scheduled_tokens.items():
-                req = self.requests.get(rid)
-                if req is None:
-                    continue
+                seq = self.worker_seqs[rid]
                 c0 = starts[rid]
                 for p in range(c0, c0 + n):
                     for g, s in enumerate(self.group_sizes):
-                        mem.write(req.seq, p, g, tables[rid][g][p // s])
+                        mem.write(seq, p, g, tables[rid][g][p // s])
                 done[rid] = c0 + n
                 if rid in out.samples:
-                    sampled[rid] = req.seq.token(c0 + n)
+                    sampled[rid] = seq.token(c0 + n)
             t0 = time.perf_counter()
             for layer in mem.kv_caches:
                 w.wait_for_layer_load(layer)
@@ -945,12 +949,15 @@ class Engine:
                 if rid in out.finished_req_ids:
                     tables.pop(rid, None)
             outs.append(ko)
+        for rid in out.finished_req_ids:
+            self.worker_seqs.pop(rid, None)
         kv = self._aggregate(outs)
         if self.cfg.gpu_s:
             time.sleep(self.cfg.gpu_s)
         return {"kv": kv, "sampled": sampled, "done": done, "worker_s": worst}
 
     def _aggregate(self, outs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        assert len(outs) == len(self.workers), (len(outs), len(self.workers))
         agg = KVConnectorOutput(set(), set())
         if not hasattr(self, "_send_count"):
             self._send_count: dict[str, int] = {}
@@ -1016,7 +1023,15 @@ class Engine:
                 f"finished_recving {sorted(self.finished_recving)[:6]}; worker jobs "
                 f"{[w.pending() if w is not None else None for w in workers]}; scheduler lookups pending "
                 f"{sc.pending_lookups() if sc is not None else None}, disabled {getattr(sc, 'disabled', None)}, "
-                f"healthy {sc.healthy() if sc is not None else None}, namespaces {getattr(sc, '_ns_ids', None)}")
+                f"healthy {sc.healthy() if sc is not None else None}, namespaces {getattr(sc, '_ns_ids', None)}, "
+                f"lookups {[(rid, r.key[:2], r.done, round(time.monotonic() - r.submitted, 3) if r.submitted else 0, r.answered_at) for rid, r in list(getattr(sc, '_lookups', {}).items())[:4]]}, "
+                f"io queue {len(sc._io._queue) if sc is not None else None}, io down {sc._io._down if sc is not None else None}; "
+                f"held {[(r.request_id, r.status) for r in self.requests.values() if r.status in (FINISHED, REMOTE)][:8]}; "
+                f"worker await_send {[sorted(w._await_send)[:6] for w in workers if w is not None]}, "
+                f"finished_seen {[sorted(w._finished_seen)[:6] for w in workers if w is not None]}, "
+                f"pending stores {[dict(w._pending_stores) for w in workers if w is not None]}, "
+                f"pending loads {[dict(w._pending_loads) for w in workers if w is not None]}, "
+                f"recv_done {[sorted(w._recv_done)[:6] for w in workers if w is not None]}")
 
     def idle(self) -> bool:
         """No request holds anything (a step still in flight only holds

@@ -174,6 +174,35 @@ class KVConnectorBase_V1(ABC):
         return None
 
 
+class NullConnector(KVConnectorBase_V1):
+    """A connector that does nothing: runs the stand-in engine on its own,
+    to check the engine's own bookkeeping against its KV check."""
+
+    def start_load_kv(self, forward_context, **kwargs):
+        return
+
+    def wait_for_layer_load(self, layer_name):
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return
+
+    def wait_for_save(self):
+        return
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        return
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished_all_groups(self, request, block_ids):
+        return False, None
+
+
 # -- metrics.py -------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ CONFIGS = [
     ("async-tp2", Config(tp=2, async_scheduling=True, num_blocks=48), {}),
     ("hybrid-swa", Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=80), {}),
     ("hybrid-async-chunked", Config(groups=[Group("full", 4, 1), Group("full", 8, 1)], async_scheduling=True,
-                                    long_prefill=12, num_blocks=80), {}),
+                                    long_prefill=12, num_blocks=160), {}),
     ("dcp2-tp2", Config(tp=2, dcp=2, num_blocks=40), {}),
     ("kernel-split-nhd", Config(groups=[Group("full", 8, 2)], kernel_block_size=2, layout="NHD"), {}),
     ("mla", Config(groups=[Group("mla", 4, 2)], kernel_block_size=2), {}),
@@ -47,10 +47,37 @@ def test_random_workload(daemon, shm, name, cfg, switches):
     assert s["positions_checked"] > 0
 
 
+@pytest.mark.parametrize("name,cfg,switches", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]])
+def test_the_standin_alone_holds_the_right_kv(daemon, shm, name, cfg, switches):
+    """The stand-in engine with a connector that does nothing: its own block
+    pool, prefix cache, preemption, async scheduling and aborts pass its KV
+    check, so a failure with the real connector is the connector's."""
+    import copy
+
+    from standin_engine import Engine, Workload
+
+    cfg = copy.deepcopy(cfg)
+    with connector_module():
+        mod = sv.ns(KVOffloadConnector=sv.NullConnector)
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        wl = Workload(zlib.crc32(name.encode()) % 1000 + 1, eng.block_size)
+        try:
+            for _ in range(100):
+                wl.tick(eng)
+                eng.step()
+            while not eng.idle():
+                wl.tick(eng, stop_arrivals=True)
+                eng.step()
+            eng.drain()
+        finally:
+            eng.close()
+    assert eng.counters["positions_checked"] > 1000 and eng.counters["finished"] > 20, eng.counters
+
+
 def test_faults_restart_and_a_hang(fresh_daemon, shm):
     """Disk read faults, a daemon restart (after it, blocks come back from
     disk) and a hung daemon, in one seeded run."""
-    d = fresh_daemon("--disk-dir", "{dir}/disk", "--write-through",
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through",
                      "--fault-spec", "read-eio=0.1,short-read=0.05,bitflip=0.05,seed=3", log_level="warn")
     cfg = Config(groups=[Group("full", 4, 2)], tp=2, async_scheduling=True, num_blocks=48, model="faults")
     rep = run(cfg, d, shm, seed=7, steps=260, events={120: lambda eng: d.restart()}, hang=(180, 0.5))
@@ -244,3 +271,68 @@ def test_settings_warnings_and_refusals(daemon, caplog):
             c = mod.KVOffloadConnector(v, sv.KVConnectorRole.SCHEDULER, mamba)
         c.shutdown()
         assert any("state-space" in m for m in caplog.messages)
+
+
+def test_loads_and_stores_carry_the_engines_ready_event(shm):
+    """On CUDA a Load carries an IPC event recorded on the compute stream
+    (the copies wait for the engine's work before them), as a Store does;
+    each event is held until the jobs sent with it are done. Without a GPU:
+    a stand-in torch and a daemon that records what it is sent."""
+    import sys
+    import types
+
+    from fake_daemon import FakeDaemon
+    from helpers import wait_for
+    from standin_engine import RankMemory
+
+    from kvoffload.plan import GroupJob, StepPlan
+    from kvoffload.worker_side import WorkerSide
+
+    recorded = []
+
+    class Event:
+        def __init__(self, interprocess=False):
+            assert interprocess
+            self.n = len(recorded)
+
+        def record(self, stream=None):
+            recorded.append(self)
+
+        def ipc_handle(self):
+            return bytes([self.n]) * 64
+
+    fake_torch = types.ModuleType("torch")
+    fake_torch.cuda = types.SimpleNamespace(Event=Event)
+    fake = FakeDaemon()
+    saved = sys.modules.get("torch")
+    sys.modules["torch"] = fake_torch
+    try:
+        with connector_module() as mod:
+            cfg = Config(model="events")
+            w = WorkerSide(fake.socket, b"fp", 1)
+            mem = RankMemory(shm, cfg, 0)
+            from kvoffload.regions import regions_from_kv_caches
+
+            w.register(regions_from_kv_caches(mem.kv_caches, [["g0.l0", "g0.l1"]], cfg.num_blocks, 32))
+            events = mod._ReadyEvents()
+            plan = StepPlan(seq=1, loads={"a": [GroupJob(0, [b"\1" * 32], [3], 0)]},
+                            stores={"b": [GroupJob(0, [b"\2" * 32], [4], 0)]})
+            handle, held = events.record()
+            events.hold(w.start_load_kv(plan, ready_event=handle), held, w.jobs_done)
+            handle2, held2 = events.record()
+            events.hold(w.wait_for_save(plan, ready_event=handle2), held2, w.jobs_done)
+            assert wait_for(lambda: len(fake.calls) == 2)
+            assert [(c, r.ready_event) for c, r in fake.calls] == [("Load", bytes([0]) * 64), ("Store", bytes([1]) * 64)]
+            assert len(events._held) == 2  # alive while the daemon has not finished the jobs
+            fake.finish()
+            assert wait_for(lambda: w.pending() == 0)
+            events.hold([], None, w.jobs_done)
+            assert events._held == []
+            w.shutdown()
+    finally:
+        fake.stop()
+        if saved is None:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = saved
+

@@ -15,7 +15,7 @@ import threading
 import pytest
 import standin_vllm as sv
 from fake_daemon import FakeDaemon
-from helpers import FakeTensor
+from helpers import FakeTensor, wait_for
 from standin_engine import (
     Config,
     Engine,
@@ -250,7 +250,7 @@ def test_hybrid_model_on_vllm_without_request_level_failures_offers_no_hits(engi
 
 def test_hybrid_model_failures_are_per_request_where_vllm_has_them(engine, fresh_daemon):
     # Every disk read fails once the daemon restarted: blocks are then only on disk.
-    d = fresh_daemon("--disk-dir", "{dir}/disk", "--write-through", "--fault-spec", "read-eio=1,seed=1")
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through", "--fault-spec", "read-eio=1,seed=1")
     cfg = Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=96, model="m5b")
     eng = engine(cfg, socket=d.socket)
     a = toks(40, 950)
@@ -290,7 +290,7 @@ def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
         worker.wait_for_save()  # the daemon accepts the store and keeps reading
         worker.get_finished(set())
         worker.clear_connector_metadata()
-        assert fake.pending() or _wait(lambda: fake.pending())
+        assert wait_for(lambda: fake.pending())
         req.num_computed_tokens = 17
         meta = sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
         t = threading.Thread(target=worker.handle_preemptions, args=(meta,))
@@ -305,12 +305,3 @@ def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
     fake.stop()
     assert not returned_early, "handle_preemptions returned while the daemon could still read the blocks"
 
-
-def _wait(pred, n=2000):
-    import time
-
-    for _ in range(n):
-        if pred():
-            return True
-        time.sleep(0.001)
-    return pred()
