@@ -238,10 +238,12 @@ class Client:
     def _deadline(self, extra_s: float = 0.0) -> float | None:
         return None if self.timeout is None else self.timeout + extra_s
 
-    def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None):
+    def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None,
+              wait_for_ready: bool | None = None):
         fn = getattr(self._stub, method)
         try:
-            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout)
+            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout,
+                      wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise from_rpc_error(e, method) from None
 
@@ -283,7 +285,8 @@ class Client:
     # -- the API ----------------------------------------------------------
 
     def register(
-        self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = ""
+        self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = "", *,
+        timeout: float | None = None,
     ) -> Registration:
         """Maps ``regions`` (one per layout segment, same order) and joins or
         creates the namespace named by ``fingerprint`` (1 to 256 bytes)."""
@@ -296,7 +299,7 @@ class Client:
             regions=[_region_pb(r) for r in regions],
             client_name=client_name,
         )
-        r = self._call("Register", req)
+        r = self._call("Register", req, timeout=timeout)
         return Registration(r.registration_id, r.namespace_id, r.joined_existing)
 
     def resolve(self, fingerprints: Sequence[bytes], *, timeout: float | None = None) -> list[int]:
@@ -304,10 +307,10 @@ class Client:
         r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]), timeout=timeout)
         return list(r.namespace_ids)
 
-    def unregister(self, registration_id: int) -> None:
+    def unregister(self, registration_id: int, *, timeout: float | None = None) -> None:
         """Waits for the registration's jobs to drain, unmaps its regions and
         drops its unread completions. Cached blocks stay."""
-        self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
+        self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id), timeout=timeout)
         with self._acked_lock:
             self._acked.pop(registration_id, None)
 
@@ -363,12 +366,13 @@ class Client:
         return out
 
     def _transfer(
-        self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes, timeout: float | None
+        self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes,
+        timeout: float | None, wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         req = pb.TransferRequest(
             registration_id=registration_id, jobs=[_job_pb(j) for j in jobs], wait=wait, ready_event=ready_event
         )
-        r = self._call(method, req, timeout=timeout)
+        r = self._call(method, req, timeout=timeout, wait_for_ready=wait_for_ready)
         return [_result(x) for x in r.results] if wait else None
 
     def store(
@@ -379,11 +383,14 @@ class Client:
         wait: bool = False,
         ready_event: bytes = b"",
         timeout: float | None = None,
+        wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         """Copies engine blocks into the cache. The daemon accepts every job
         or none. Without ``wait`` the results come through :meth:`completions`;
-        with it they are returned here, one per job, in order."""
-        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
+        with it they are returned here, one per job, in order. With
+        ``wait_for_ready`` a call made while the connection is down waits for
+        it (up to the deadline) instead of failing unsent."""
+        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
 
     def load(
         self,
@@ -393,11 +400,12 @@ class Client:
         wait: bool = False,
         ready_event: bytes = b"",
         timeout: float | None = None,
+        wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         """Copies cached blocks into engine blocks; see :meth:`store`. On CUDA,
         ``ready_event`` (an IPC event handle recorded on the compute stream)
         makes the copies wait for the kernels still reading those blocks."""
-        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout)
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
@@ -419,7 +427,7 @@ class Client:
         if r.results:
             with self._acked_lock:
                 self._acked[registration_id] = max(self._acked.get(registration_id, 0), r.results[-1].seq)
-        return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending)
+        return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending, more=r.more)
 
     def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:
         """Reads completions until every job in ``job_ids`` has finished and

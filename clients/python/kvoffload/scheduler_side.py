@@ -99,7 +99,10 @@ class SchedulerSide:
         lookup_wait_s: how long the scheduling loop may wait for a lookup
             (0: never; the request is deferred a step instead).
         lookup_deadline_s: after this long unanswered, a lookup is a miss.
-        lease_ms: how long a Lookup's lease holds the blocks it offered.
+        lease_ms: how long a Lookup's lease holds the blocks it offered
+            (0: no lease). Off by default: the daemon honours a lease only
+            over the connection that took it, and vLLM's workers load over
+            their own (docs/vllm.md, Limits).
     """
 
     def __init__(
@@ -116,7 +119,7 @@ class SchedulerSide:
         rpc_timeout_s: float = 1.0,
         lookup_wait_s: float = 0.0,
         lookup_deadline_s: float = 0.2,
-        lease_ms: int = 10_000,
+        lease_ms: int = 0,
         miss_ttl_s: float = 0.5,
         namespace_refresh_s: float = 30.0,
         namespace_retry_s: float = 1.0,
@@ -353,7 +356,9 @@ class SchedulerSide:
 
     def _fresh(self, rec: _Lookup, now: float) -> bool:
         if rec.hit_units > 0:
-            return now < rec.answered_at + self._lease_ms / 2000.0
+            # A hit holds while its lease does (half of it), else a while.
+            ttl = self._lease_ms / 2000.0 if self._lease_ms else 2 * self._miss_ttl
+            return now < rec.answered_at + ttl
         return now < rec.answered_at + self._miss_ttl
 
     # -- vLLM's scheduler-side calls ---------------------------------------

@@ -127,7 +127,7 @@ class ConnectorSettings:
     timeout_s: float = 1.0
     lookup_wait_s: float = 0.0
     lookup_deadline_s: float = 0.2
-    lease_ms: int = 10_000
+    lease_ms: int = 0
     request_level_failures: bool | None = None  # None: decided by the vLLM API in use
     failure_policy: str = "fail"
     kv_layout: str | None = None
@@ -269,7 +269,7 @@ def settings_from_vllm(
         timeout_s=float(extra.get("timeout_s", 1.0)),
         lookup_wait_s=float(extra.get("lookup_wait_ms", 0)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
-        lease_ms=int(extra.get("lease_ms", 10_000)),
+        lease_ms=int(extra.get("lease_ms", 0)),
         request_level_failures=None if rlf is None else bool(rlf),
         failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")),
         kv_layout=kv_layout,

@@ -72,6 +72,7 @@ class _Job:
     seq: int = 0  # plan step of a store
     reg: int = 0  # the registration it was sent on (0: not sent)
     queued_at: float = 0.0
+    sent_at: float = 0.0  # when the call that carried it returned (answered or not)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Reg:
     daemon: DaemonProcess
     unreachable_since: float | None = None
     jobs: set[int] = field(default_factory=set)
+    quiet: int = 0  # Completions answers in a row with nothing pending and nothing more
 
 
 class WorkerSide:
@@ -105,7 +107,10 @@ class WorkerSide:
         sync_stores: ``wait_for_save`` waits until the step's stores are
             drained or dropped (vLLM may free a running request's blocks, as
             it does for sliding-window groups).
-        rpc_timeout_s: deadline of a Load or Store call on the sender thread.
+        rpc_timeout_s: deadline of a Load or Store call on the sender thread
+            (None: none; the call ends when the daemon answers or the
+            connection breaks, so its outcome is never in doubt while the
+            daemon runs).
         unknown_daemon_grace_s: when the daemon's pid is not visible (another
             pid namespace), how long it must be unreachable before its jobs
             are taken as dead.
@@ -122,7 +127,8 @@ class WorkerSide:
         request_level_failures: bool = False,
         sync_stores: bool = False,
         client: Client | None = None,
-        rpc_timeout_s: float = 30.0,
+        rpc_timeout_s: float | None = None,
+        register_timeout_s: float = 10.0,
         poll_wait_ms: int = 50,
         suspect_after_s: float = 1.0,
         sync_queue_wait_s: float = 0.05,
@@ -139,8 +145,9 @@ class WorkerSide:
         self.request_level_failures = request_level_failures
         self.sync_stores = sync_stores
         self._socket = socket
-        self._client = client or Client(socket, timeout=rpc_timeout_s)
+        self._client = client or Client(socket, timeout=None)
         self._rpc_timeout = rpc_timeout_s
+        self._register_timeout = register_timeout_s
         self._poll_wait_ms = poll_wait_ms
         self._suspect_after = suspect_after_s
         self._sync_queue_wait = sync_queue_wait_s
@@ -204,7 +211,8 @@ class WorkerSide:
         for _ in range(3):
             pid = self._pid_probe(self._socket)
             try:
-                reg = self._client.register(self.fingerprint, kv.layout, kv.regions, self.client_name)
+                reg = self._client.register(self.fingerprint, kv.layout, kv.regions, self.client_name,
+                                            timeout=self._register_timeout)
             except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
                 self.refused = str(e)
                 log.error("kvoffload: the daemon refused this worker's KV caches (%s); offloading is off for this "
@@ -361,7 +369,9 @@ class WorkerSide:
                         request_id=_wire_request_id(j.rid), lease_id=j.lease_id if leases else 0) for jid, j in jobs]
 
         call = self._client.load if batch.op == Op.LOAD else self._client.store
-        kw: dict[str, Any] = {"timeout": self._rpc_timeout}
+        # No deadline, and wait for the connection rather than fail unsent:
+        # the call ends when the daemon answered or the connection broke.
+        kw: dict[str, Any] = {"timeout": self._rpc_timeout, "wait_for_ready": True}
         if batch.ready_event:
             kw["ready_event"] = batch.ready_event
         try:
@@ -398,6 +408,12 @@ class WorkerSide:
                 if self._down_since is None:
                     self._down_since = self._clock()
                 self._drop_unsent_locked()
+        finally:
+            with self._cv:
+                now = self._clock()
+                for jid, j in jobs:
+                    j.sent_at = now
+                reg.quiet = 0
 
     def _drop_unsent_locked(self) -> None:
         """The daemon stopped answering: what is queued is dropped (stores)
@@ -492,6 +508,28 @@ class WorkerSide:
             reg.unreachable_since = None
             for r in c.results:
                 self._settle(r.job_id, r)
+            self._settle_orphans(reg, c)
+
+    def _settle_orphans(self, reg: _Reg, c: Any) -> None:
+        """The registration's daemon, running and answering, has nothing
+        pending and no result left for it: every job whose call returned (a
+        while ago, and the daemon answered twice since) and that it never
+        reported ran already or never arrived (a call that failed unsent, a
+        result an older daemon lost). Nothing copies into or out of its
+        blocks: it is reported failed."""
+        if c.pending or getattr(c, "more", False):
+            reg.quiet = 0
+            return
+        reg.quiet += 1
+        if reg.quiet < 2:
+            return
+        now = self._clock()
+        stale = [jid for jid in reg.jobs if jid in self._jobs and 0 < self._jobs[jid].sent_at <= now - 1.0]
+        if stale:
+            log.warning("kvoffload: registration %d: the daemon holds nothing for %d jobs it never reported; "
+                        "reported failed", reg.id, len(stale))
+        for jid in stale:
+            self._settle(jid, failed_all=True)
 
     # -- vLLM's worker-side calls -------------------------------------------
 
@@ -661,7 +699,7 @@ class WorkerSide:
             reg = self.registration_id
         if reg is not None:
             try:
-                self._client.unregister(reg)
+                self._client.unregister(reg, timeout=timeout_s)
             except KVOffloadError as e:
                 log.info("kvoffload: Unregister: %s", e)
         with self._cv:

@@ -27,6 +27,8 @@ class FakeDaemon(pb_grpc.KVOffloadServicer):
         self._cv = threading.Condition()
         self.accepted: dict[int, pb.Job] = {}
         self.calls: list[tuple[str, pb.TransferRequest]] = []
+        self.hit = False
+        self.leases = 0
         self.done: list[pb.JobResult] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_KVOffloadServicer_to_server(self, self.server)
@@ -63,7 +65,12 @@ class FakeDaemon(pb_grpc.KVOffloadServicer):
         return pb.ResolveResponse(namespace_ids=[1] * len(request.fingerprints))
 
     def Lookup(self, request, context):
-        return pb.LookupResponse(ready=0)
+        """Everything is cached (``hit=True``), with a lease when one is asked."""
+        if not self.hit:
+            return pb.LookupResponse(ready=0)
+        n = len(request.keys.hashes) // 32
+        self.leases += 1 if request.lease_ms else 0
+        return pb.LookupResponse(ready=n, lease_id=1000 + self.leases if request.lease_ms else 0)
 
     def _accept(self, request):
         with self._cv:

@@ -288,12 +288,13 @@ def test_loads_and_stores_carry_the_engines_ready_event(shm):
     from kvoffload.plan import GroupJob, StepPlan
     from kvoffload.worker_side import WorkerSide
 
-    recorded = []
+    recorded, made = [], []
 
     class Event:
-        def __init__(self, interprocess=False):
+        def __init__(self, interprocess=False, **kw):
             assert interprocess
-            self.n = len(recorded)
+            self.n = len(made)
+            made.append(self)
 
         def record(self, stream=None):
             recorded.append(self)
