@@ -141,3 +141,37 @@ def test_a_daemon_whose_pid_is_unknown_gets_a_grace_period():
     clock.t = 5.0
     w._poll_one(reg, 0)
     assert jid not in w._jobs and w._failed_blocks == {10, 11}
+
+
+def test_jobs_a_running_daemon_holds_nothing_for_are_failed(live_process):
+    """A call that failed without reaching the daemon (its connection was
+    still coming back after a restart) leaves jobs the daemon never saw.
+    Once the registration's daemon, running and answering, reports twice
+    that nothing is pending and no result is left, they are reported failed;
+    while anything is pending they are not."""
+
+    class Idle(StubClient):
+        def __init__(self):
+            super().__init__([])
+            self.pending = 0
+
+        def completions(self, registration_id, wait_ms=0, max_jobs=0):
+            return Completions(results=(), pending=self.pending)
+
+    clock = Clock()
+    w, reg, jid = worker([], clock, live_process.pid)
+    w._client = Idle()
+    w._jobs[jid].sent_at = 1.0  # the call that carried it returned at t=1
+    clock.t = 1.5
+    w._client.pending = 3  # the daemon still runs jobs: they may be these
+    for _ in range(3):
+        w._poll_one(reg, 0)
+    assert jid in w._jobs
+    w._client.pending = 0
+    w._poll_one(reg, 0)
+    assert jid in w._jobs  # once is not enough
+    w._poll_one(reg, 0)
+    assert jid in w._jobs  # and not within a second of the call
+    clock.t = 2.5
+    w._poll_one(reg, 0)
+    assert jid not in w._jobs and w._failed_blocks == {10, 11}
