@@ -387,10 +387,11 @@ class WorkerSide:
                     self._use_leases = False
                 call(reg.id, wire(False), **kw)
         except NotFound as e:
+            same = self._same_daemon(reg)  # a socket probe: not under the lock
             with self._cv:
                 for jid, _ in jobs:
                     self._settle(jid, failed_all=True)
-                if reg.id in self._regs and self._same_daemon(reg):
+                if reg.id in self._regs and same:
                     self._lose_registration(reg, str(e))
         except _REFUSED as e:
             log.error("kvoffload: %s of %d jobs refused (%s); their blocks are reported failed",
@@ -473,11 +474,12 @@ class WorkerSide:
         try:
             c = self._client.completions(reg.id, wait_ms=wait_ms)
         except NotFound as e:
+            same = self._same_daemon(reg)  # a socket probe: not under the lock
             with self._cv:
                 self._poll_started = None
                 if reg.id not in self._regs:
                     return
-                if reg.daemon.exited() or self._same_daemon(reg):
+                if reg.daemon.exited() or same:
                     self._lose_registration(reg, f"{e.message}; drained")
                 else:
                     # Another daemon answers: the registration's may still be
