@@ -4,7 +4,9 @@ The daemon binary is $KVOFFLOADD_BIN, else bin/kvoffloadd at the repository
 root, built with `go build -o bin/kvoffloadd ./cmd/kvoffloadd` when missing.
 Each daemon runs with --metrics-addr "" on a socket in a fresh directory,
 is waited for through the gRPC health service, and is stopped with SIGTERM;
-the fixture fails the test if it does not exit 0.
+the fixture fails the test if it does not exit 0. Its directory (socket,
+log, disk tier) is removed on every path, the daemon killed first if it
+still runs (tmpdirs.py); a disk tier gets 64 MiB unless the test says.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +31,12 @@ if str(PKG_ROOT) not in sys.path:
     sys.path.insert(0, str(PKG_ROOT))
 
 import kvoffload  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import tmpdirs  # noqa: E402
+
+# Directories of earlier sessions that were killed before they could clean up.
+tmpdirs.sweep()
 
 
 def daemon_binary() -> Path:
@@ -61,26 +68,35 @@ class Daemon:
     that hangs without dying."""
 
     def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB", log_level: str = "debug"):
-        self.dir = tempfile.mkdtemp(prefix="kvo-")
-        self.socket = os.path.join(self.dir, "run", "kv.sock")
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        self._log = open(self.log_path, "wb")
-        self._cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
-                     "--log-level", log_level, *[a.replace("{dir}", self.dir) for a in args]]
-        for flag, val in zip(self._cmd, self._cmd[1:]):
-            if flag == "--disk-dir":
-                os.makedirs(val, exist_ok=True)
-        self._clients: list[kvoffload.Client] = []
-        self.restarts = 0
-        self._start()
+        self.dir = tmpdirs.make()
+        try:
+            self.socket = os.path.join(self.dir, "run", "kv.sock")
+            self.log_path = os.path.join(self.dir, "daemon.log")
+            self._log = open(self.log_path, "wb")
+            args = [a.replace("{dir}", self.dir) for a in args]
+            if "--disk-dir" in args and "--disk-bytes" not in args:
+                args += ["--disk-bytes", "64MiB"]  # not the daemon's default: tests run side by side
+            self._cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
+                         "--log-level", log_level, *args]
+            for flag, val in zip(self._cmd, self._cmd[1:]):
+                if flag == "--disk-dir":
+                    os.makedirs(val, exist_ok=True)
+            self._clients: list[kvoffload.Client] = []
+            self.restarts = 0
+            self._start()
+        except BaseException:
+            self.cleanup()
+            raise
 
     def _start(self) -> None:
         self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        tmpdirs.adopt(self.dir, self.proc)
         probe = kvoffload.Client(self.socket)
         try:
             probe.wait_ready(timeout=15)
         except kvoffload.KVOffloadError as e:
             self.proc.kill()
+            self.proc.wait()
             raise RuntimeError(f"kvoffloadd did not come up: {e}\n{self.log()}") from None
         finally:
             probe.close()
@@ -118,7 +134,10 @@ class Daemon:
 
     def stop(self, timeout: float = 15.0) -> int:
         for c in self._clients:
-            c.close()
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - the daemon is stopped whatever a client does
+                pass
         self.resume()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -131,13 +150,19 @@ class Daemon:
         return rc
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Kills the daemon if it still runs and removes its directory."""
+        log = getattr(self, "_log", None)
+        if log is not None and not log.closed:
+            log.close()
+        tmpdirs.remove(self.dir)
 
 
 def _stop_checked(d: Daemon) -> None:
-    rc = d.stop()
-    log = d.log()
-    d.cleanup()
+    try:
+        rc = d.stop()
+        log = d.log()
+    finally:
+        d.cleanup()
     assert rc == 0, f"kvoffloadd exited {rc} on SIGTERM\n{log}"
 
 
@@ -145,8 +170,10 @@ def _stop_checked(d: Daemon) -> None:
 def daemon():
     """One daemon shared by the tests that use distinct fingerprints."""
     d = Daemon()
-    yield d
-    _stop_checked(d)
+    try:
+        yield d
+    finally:
+        _stop_checked(d)
 
 
 @pytest.fixture
@@ -159,9 +186,28 @@ def fresh_daemon():
         started.append(d)
         return d
 
-    yield start
-    for d in started:
-        _stop_checked(d)
+    try:
+        yield start
+    finally:
+        errors = []
+        for d in started:
+            try:
+                _stop_checked(d)
+            except AssertionError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def scratch_dir():
+    """A directory removed after the test on every path (tmpdirs.py), for
+    what outlives one daemon: a disk tier two daemons share in turn."""
+    path = tmpdirs.make("scratch-")
+    try:
+        yield path
+    finally:
+        tmpdirs.remove(path)
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ it. Everything else answers as an empty daemon would.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from concurrent import futures
 
 import grpc
+import tmpdirs
 
 from kvoffload._proto.kvoffload.v1 import kvoffload_pb2 as pb
 from kvoffload._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
@@ -22,7 +22,7 @@ from kvoffload._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
 
 class FakeDaemon(pb_grpc.KVOffloadServicer):
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="kvo-fake-")
+        self.dir = tmpdirs.make("fake-")
         self.socket = os.path.join(self.dir, "kv.sock")
         self._cv = threading.Condition()
         self.accepted: dict[int, pb.Job] = {}
@@ -51,7 +51,10 @@ class FakeDaemon(pb_grpc.KVOffloadServicer):
             return sorted(self.accepted)
 
     def stop(self) -> None:
-        self.server.stop(0).wait()
+        try:
+            self.server.stop(0).wait()
+        finally:
+            tmpdirs.remove(self.dir)
 
     # -- the API ----------------------------------------------------------
 

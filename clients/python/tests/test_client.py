@@ -200,11 +200,11 @@ def test_unregister_and_unavailable(fresh_daemon, shm, fingerprint):
     gone.close()
 
 
-def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint, tmp_path):
+def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint, scratch_dir):
     """A block on disk whose read fails (an injected EIO) comes back as a
     failed load of exactly its engine block id, IO_ERROR, and is never
     offered again."""
-    disk_dir = str(tmp_path)
+    disk_dir = scratch_dir
     flags = ["--disk-dir", disk_dir, "--disk-bytes", "16MiB", "--write-through"]
     r, layout, regions = kv_region(shm)
     hs = keys(4, fingerprint)

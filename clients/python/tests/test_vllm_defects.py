@@ -270,38 +270,40 @@ def test_hybrid_model_failures_are_per_request_where_vllm_has_them(engine, fresh
 
 def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
     fake = FakeDaemon()
-    cfg = Config(model="m6", extra={"drain_timeout_s": 0.3})
-    with connector_module() as mod:
-        vcfg, kcc = vllm_config(cfg, fake.socket), kv_cache_config(cfg)
-        sched = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
-        worker = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
-        mem = RankMemory(shm, cfg, 0)
-        worker.register_kv_caches(mem.kv_caches)
-        hs = worker.get_handshake_metadata()
-        if hs is not None:
-            sched.set_xfer_handshake_metadata({0: hs})
-        req = Request("a", toks(17, 1), 4, Hasher(4, 32, "0"), b"s" * 8)
-        sched.update_state_after_alloc(req, sv.ns(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
-        out = SchedulerOutput(seq=1, scheduled_new_reqs=[NewRequestData("a", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
-                              num_scheduled_tokens={"a": 17})
-        meta = sched.build_connector_meta(out)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        worker.wait_for_save()  # the daemon accepts the store and keeps reading
-        worker.get_finished(set())
-        worker.clear_connector_metadata()
-        assert wait_for(lambda: fake.pending())
-        req.num_computed_tokens = 17
-        meta = sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
-        t = threading.Thread(target=worker.handle_preemptions, args=(meta,))
-        t.start()
-        t.join(1.0)
-        returned_early = not t.is_alive()
-        fake.finish()
-        t.join(10)
-        assert not t.is_alive()
-        worker.shutdown()
-        sched.shutdown()
-    fake.stop()
+    try:
+        cfg = Config(model="m6", extra={"drain_timeout_s": 0.3})
+        with connector_module() as mod:
+            vcfg, kcc = vllm_config(cfg, fake.socket), kv_cache_config(cfg)
+            sched = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
+            worker = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
+            mem = RankMemory(shm, cfg, 0)
+            worker.register_kv_caches(mem.kv_caches)
+            hs = worker.get_handshake_metadata()
+            if hs is not None:
+                sched.set_xfer_handshake_metadata({0: hs})
+            req = Request("a", toks(17, 1), 4, Hasher(4, 32, "0"), b"s" * 8)
+            sched.update_state_after_alloc(req, sv.ns(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
+            out = SchedulerOutput(seq=1, scheduled_new_reqs=[NewRequestData("a", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
+                                  num_scheduled_tokens={"a": 17})
+            meta = sched.build_connector_meta(out)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()  # the daemon accepts the store and keeps reading
+            worker.get_finished(set())
+            worker.clear_connector_metadata()
+            assert wait_for(lambda: fake.pending())
+            req.num_computed_tokens = 17
+            meta = sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
+            t = threading.Thread(target=worker.handle_preemptions, args=(meta,))
+            t.start()
+            t.join(1.0)
+            returned_early = not t.is_alive()
+            fake.finish()
+            t.join(10)
+            assert not t.is_alive()
+            worker.shutdown()
+            sched.shutdown()
+    finally:
+        fake.stop()
     assert not returned_early, "handle_preemptions returned while the daemon could still read the blocks"
 
