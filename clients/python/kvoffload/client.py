@@ -300,6 +300,11 @@ class Client:
             client_name=client_name,
         )
         r = self._call("Register", req, timeout=timeout)
+        # A new registration's cursor starts at 0. Its id may be one an
+        # earlier daemon process gave out (ids start again at every start):
+        # acknowledging that one's seq would drop this one's first results.
+        with self._acked_lock:
+            self._acked.pop(r.registration_id, None)
         return Registration(r.registration_id, r.namespace_id, r.joined_existing)
 
     def resolve(self, fingerprints: Sequence[bytes], *, timeout: float | None = None) -> list[int]:
