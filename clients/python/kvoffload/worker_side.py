@@ -391,7 +391,9 @@ class WorkerSide:
             with self._cv:
                 for jid, _ in jobs:
                     self._settle(jid, failed_all=True)
-                if reg.id in self._regs and same:
+                # The same process drained it, or its process is gone (a
+                # restart while nothing was in flight: no poll saw it).
+                if reg.id in self._regs and (same or reg.daemon.exited()):
                     self._lose_registration(reg, str(e))
         except _REFUSED as e:
             log.error("kvoffload: %s of %d jobs refused (%s); their blocks are reported failed",

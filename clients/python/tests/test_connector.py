@@ -444,3 +444,30 @@ def test_long_request_ids_are_cut_for_the_wire(harness):
     h.step()
     assert h.run_until(lambda: r.request_id in h.recv[0])
     assert h.failed[0] == set()
+
+
+def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_daemon, shm, fingerprint):
+    """The daemon restarts while the worker has nothing in flight: the first
+    call after it is NOT_FOUND from another process. The worker registers
+    with the new daemon (once the old process is gone) and offloads again."""
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        toks = list(range(300, 321))
+        prefill(h, Request("x0", toks), [1, 2, 3, 4, 5, 6])
+        assert h.run_until(h.idle)
+        old = h.workers[0].registration_id
+        d.restart()
+        # The worker's connection is up again, to the new process: the first
+        # stores after the restart meet NOT_FOUND, not a broken connection.
+        assert wait_for(lambda: h.workers[0]._client.healthy(timeout=1.0), timeout=10)
+        for i in range(3):
+            prefill(h, Request(f"y{i}", list(range(400 + 30 * i, 421 + 30 * i))), [7, 8, 9, 10, 11, 12])
+        assert h.run_until(lambda: h.workers[0].registered() and h.workers[0].registration_id is not None
+                           and h.workers[0]._regs[h.workers[0].registration_id].daemon.pid == d.proc.pid)
+        assert old is not None
+        prefill(h, Request("z", list(range(700, 721))), [13, 14, 15, 16, 17, 18])
+        assert h.run_until(h.idle)
+        assert h.ask(Request("z2", list(range(700, 721))), 0) == (20, True)
+    finally:
+        h.close()

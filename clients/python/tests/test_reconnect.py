@@ -175,3 +175,28 @@ def test_jobs_a_running_daemon_holds_nothing_for_are_failed(live_process):
     clock.t = 2.5
     w._poll_one(reg, 0)
     assert jid not in w._jobs and w._failed_blocks == {10, 11}
+
+
+def test_not_found_on_a_call_after_the_old_daemon_exited_registers_again(live_process):
+    """The daemon restarted while nothing was in flight, so no poll notices:
+    the next Store meets NOT_FOUND from the new process. The old process is
+    gone, so is the registration: the worker registers again instead of
+    sending every later step into NOT_FOUND."""
+    from kvoffload.worker_side import _Batch
+
+    class Refusing(StubClient):
+        def store(self, registration_id, jobs, **kw):
+            raise kv.NotFound(grpc.StatusCode.NOT_FOUND, "unknown registration")
+
+    clock = Clock()
+    w, reg, jid = worker([], clock, live_process.pid, answering_pid=live_process.pid + 100000)
+    w._client = Refusing([])
+    live_process.kill()
+    live_process.wait()
+    with w._cv:
+        sid = w._new_job("req", Op.STORE, GroupJob(0, [b"\x03" * 32], [12]))
+        w._jobs[sid].reg = 7
+        reg.jobs.add(sid)
+    w._send(_Batch(Op.STORE, [sid]), reg, [(sid, w._jobs[sid])], False)
+    assert sid not in w._jobs
+    assert w.registration_id is None, "the worker keeps a registration its daemon took with it"
