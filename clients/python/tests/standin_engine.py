@@ -578,7 +578,7 @@ class Engine:
         self.step_conn_s: list[float] = []
         self._sched_t = 0.0
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
-                         "deferred_lookups": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
+                         "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
     # -- helpers --------------------------------------------------------------
 
@@ -728,6 +728,13 @@ class Engine:
                 reserved = self._reserved_blocks() if load_async else 0
                 blocks = self.kvm.allocate_slots(req, n, local_blocks, local, ext, delay_cache=load_async,
                                                  reserved=reserved)
+                if blocks is None and load_async and self.skipped and queue is self.skipped:
+                    # The reservation keeps this load out; the loads it
+                    # reserves for may be finished behind it in the queue:
+                    # let them go first, or nothing is ever scheduled.
+                    self.counters["deferred_loads"] += 1
+                    step_skipped.append(queue.popleft())
+                    continue
                 if blocks is None:
                     break
                 self._timed(self.sched_conn.update_state_after_alloc, req, self.kvm.get_blocks(rid), ext)
