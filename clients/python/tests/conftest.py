@@ -122,8 +122,11 @@ class Daemon:
             self.proc.send_signal(signal.SIGCONT)
 
     def client(self, **kw) -> kvoffload.Client:
+        """A client whose connection is up: on a loaded machine a first call
+        can otherwise fail UNAVAILABLE while the connection is still made."""
         c = kvoffload.Client(self.socket, **kw)
         self._clients.append(c)
+        c.wait_ready(timeout=30)
         return c
 
     def log(self) -> str:
