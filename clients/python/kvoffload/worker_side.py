@@ -28,6 +28,7 @@ not sent when the daemon stops answering is dropped (stores) or failed
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -724,10 +725,14 @@ MAX_REQUEST_ID_BYTES = 512
 
 
 def _wire_request_id(rid: str) -> str:
+    """``rid``, or for a longer one its head and a hash of the whole: within
+    the bound, and two long ids that share a head still read apart in the
+    daemon's logs and results."""
     raw = rid.encode()
     if len(raw) <= MAX_REQUEST_ID_BYTES:
         return rid
-    return raw[:MAX_REQUEST_ID_BYTES].decode(errors="ignore")
+    tag = "#" + hashlib.sha256(raw).hexdigest()[:16]
+    return raw[:MAX_REQUEST_ID_BYTES - len(tag)].decode(errors="ignore") + tag
 
 
 def _failure_counts(result: JobResult | None, nfail: int, dropped: bool) -> dict[str, int]:

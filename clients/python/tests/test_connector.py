@@ -446,6 +446,18 @@ def test_long_request_ids_are_cut_for_the_wire(harness):
     assert h.failed[0] == set()
 
 
+def test_wire_request_ids_are_bounded_distinct_and_utf8():
+    from kvoffload.worker_side import MAX_REQUEST_ID_BYTES, _wire_request_id
+
+    assert _wire_request_id("short") == "short"
+    a, b = "é" * 400 + "a", "é" * 400 + "b"  # 801 bytes each, a shared head, a 2-byte character at the cut
+    wa, wb = _wire_request_id(a), _wire_request_id(b)
+    assert wa != wb
+    for w in (wa, wb):
+        assert len(w.encode()) <= MAX_REQUEST_ID_BYTES
+        assert w.encode().decode() == w
+
+
 def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_daemon, shm, fingerprint):
     """The daemon restarts while the worker has nothing in flight: the first
     call after it is NOT_FOUND from another process. The worker registers
