@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/events"
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
@@ -142,8 +143,10 @@ type Config struct {
 	// cached block is kept before it goes (its id with it); 0 means
 	// DefaultNamespaceLinger, negative means at the next sweep.
 	NamespaceLinger time.Duration
-	Logger          *slog.Logger
-	Registerer      prometheus.Registerer
+	// Events sizes the stream of what the tiers hold (events.Hub).
+	Events     events.Config
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
 }
 
 // DefaultNamespaceLinger keeps an empty namespace through an engine
@@ -158,6 +161,7 @@ type Service struct {
 	log *slog.Logger
 	lim Limits
 	ix  *index.Index
+	ev  *events.Hub // every change of a block's tiers, for subscribers
 	cpu *cpu.Tier
 	dma dma.Engine
 	m   *metrics
@@ -235,6 +239,9 @@ func New(cfg Config) (*Service, error) {
 		cfg.NamespaceLinger = DefaultNamespaceLinger
 	}
 	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{}), linger: cfg.NamespaceLinger}
+	// Before anything can change the index (the disk tier's recovery
+	// files blocks from openDisk on).
+	s.ev = events.New(s.ix, cfg.Events)
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
 	s.mu.byID = map[uint32]*Namespace{}
@@ -302,6 +309,9 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 			func() float64 { return float64(s.ix.Len()) }),
 	)
 }
+
+// Events is the stream of what the tiers hold (docs/events.md).
+func (s *Service) Events() *events.Hub { return s.ev }
 
 // CPU exposes the CPU tier (for stats and tests).
 func (s *Service) CPU() *cpu.Tier { return s.cpu }
@@ -467,6 +477,7 @@ func (s *Service) newNamespaceLocked(fingerprint []byte, l layout.Layout) (*Name
 	ns.idleSince = time.Now()
 	s.mu.byID[ns.ID] = ns
 	s.mu.byPrint[string(fingerprint)] = ns
+	s.ev.SetHashLen(ns.ID, l.HashBytes)
 	s.m.namespaces.Inc()
 	return ns, nil
 }
@@ -495,6 +506,7 @@ func (ns *Namespace) dropClasses() {
 func (s *Service) dropNamespaceLocked(ns *Namespace) {
 	delete(s.mu.byID, ns.ID)
 	delete(s.mu.byPrint, string(ns.Fingerprint))
+	s.ev.SetHashLen(ns.ID, 0)
 	ns.dropClasses()
 	s.m.namespaces.Dec()
 }
@@ -784,9 +796,14 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	var dropped []index.Key
 	if keys == nil {
 		want := map[uint32]bool{}
+		ids := make([]uint32, 0, len(nss))
 		for _, ns := range nss {
 			want[ns.ID] = true
+			ids = append(ids, ns.ID)
 		}
+		// Subscribers learn one reset of each namespace, not a removal
+		// per block.
+		s.ev.BeginReset(ids)
 		s.ix.Range(func(k *index.Key, e *index.Entry) bool {
 			if !want[k.NS] {
 				return true
@@ -795,6 +812,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			dropped = append(dropped, *k)
 			return false
 		})
+		s.ev.EndReset(ids)
 	} else {
 		for _, ns := range nss {
 			for i := 0; i < n; i++ {
