@@ -381,6 +381,12 @@ func TestSlowEventSubscriberIsTold(t *testing.T) {
 	if w.lost == 0 || w.cleared < 2 {
 		t.Fatalf("a subscriber far behind: told of %d losses, %d resets; want a loss and a reset", w.lost, w.cleared)
 	}
+	if n := metric(t, d, "kvoffload_events_lost_total"); n < float64(w.lost) {
+		t.Fatalf("kvoffload_events_lost_total %v, the subscriber was told of %d losses", n, w.lost)
+	}
+	if n := metric(t, d, "kvoffload_event_subscribers"); n != 2 {
+		t.Fatalf("kvoffload_event_subscribers %v with two streams open", n)
+	}
 	w.check(e, last)
 	if len(w.held) != len(last) {
 		t.Fatalf("the view holds %d blocks, want %d", len(w.held), len(last))

@@ -94,6 +94,8 @@ type Hub struct {
 	// come and go rarely; every change reads it).
 	hashLen atomic.Pointer[map[uint32]uint8]
 	hlMu    sync.Mutex
+	// lost counts the times a subscriber fell behind the ring.
+	lost atomic.Uint64
 
 	// mu is a leaf: taken under an index shard's lock, never the other
 	// way round.
@@ -263,6 +265,10 @@ func (h *Hub) Subscribe(nss []uint32, snapshot bool) (*Sub, error) {
 // Subscribers is the number of subscriptions open.
 func (h *Hub) Subscribers() int { return int(h.active.Load()) }
 
+// Lost is how many times a subscriber fell behind the ring and was told
+// Lost.
+func (h *Hub) Lost() uint64 { return h.lost.Load() }
+
 // Sub is one subscription. Its Next is for one goroutine at a time.
 type Sub struct {
 	h     *Hub
@@ -431,6 +437,7 @@ func (s *Sub) read(out []Event, room int, upTo uint64) (_ []Event, behind, ok bo
 	ring := uint64(len(h.mu.ring))
 	if h.mu.seq > ring && s.next < h.mu.seq-ring {
 		s.lost = true
+		h.lost.Add(1)
 		return out, false, false
 	}
 	limit := min(upTo, h.mu.seq)

@@ -316,6 +316,10 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 			func() float64 { return float64(s.dma.QueueDepth()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_index_entries", Help: "Entries in the block index."},
 			func() float64 { return float64(s.ix.Len()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_event_subscribers", Help: "Event streams open (WatchEvents and the --events-zmq publisher)."},
+			func() float64 { return float64(s.ev.Subscribers()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_events_lost_total", Help: "Times an event subscriber fell behind the buffer and started over from a snapshot."},
+			func() float64 { return float64(s.ev.Lost()) }),
 	)
 }
 
