@@ -11,8 +11,10 @@
 package events
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -481,5 +483,10 @@ func (s *Sub) scan() {
 	for i := range s.snap {
 		s.snap[i].Seq = s.snapAt - 1
 	}
+	// One moment of the shard, in any order: grouped by namespace, group
+	// and tier, a vLLM event carries many hashes (VLLM.AppendBatch).
+	slices.SortStableFunc(s.snap, func(a, b Event) int {
+		return cmp.Or(cmp.Compare(a.Key.NS, b.Key.NS), cmp.Compare(a.Key.Group, b.Key.Group), cmp.Compare(a.Tier, b.Tier))
+	})
 	s.loaded = true
 }

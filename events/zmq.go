@@ -25,12 +25,13 @@ type ZMQConfig struct {
 	Logger *slog.Logger
 }
 
-// DefaultZMQHWM: at most this many batches (of up to zmqBatch events)
-// wait for the subscribers.
-const DefaultZMQHWM = 1024
+// DefaultZMQHWM: at most this many batches (of up to zmqBatch events,
+// about 40 KiB with int hashes, 140 KiB with 32-byte hashes) wait for the
+// subscribers: a snapshot of a million blocks fits.
+const DefaultZMQHWM = 256
 
 // zmqBatch bounds the events of one message.
-const zmqBatch = 512
+const zmqBatch = 4096
 
 // Publisher publishes every change the hub sees, over ZeroMQ, in vLLM's
 // format: frames [topic, seq (8 bytes, big-endian), msgpack KVEventBatch],
