@@ -73,7 +73,7 @@ type Config struct {
 	MaxSubscribers int
 }
 
-// Defaults: the ring is 1<<16 changes of 64 bytes (4 MiB), allocated with
+// Defaults: the ring is 1<<16 changes of 56 bytes (3.5 MiB), allocated with
 // the first subscription.
 const (
 	DefaultBuffer         = 1 << 16
