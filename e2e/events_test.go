@@ -148,6 +148,9 @@ func TestEventsFollowTheTiers(t *testing.T) {
 	o := diskOpts(t.TempDir())
 	o.DiskBytes = 16 << 20 // about 60 slots behind 32 CPU slots
 	d := testenv.Start(t, o)
+	// The tiers change only through this test's calls and the policies'
+	// evictions: no clean copies written ahead between a sync and a check.
+	defer d.Svc.PauseCleaner()()
 	e := register(t, d, small, "events")
 	ns := e.reg.NamespaceId
 	w := watch(t, d, d.Client(t), ns)

@@ -76,6 +76,7 @@ type cleaning struct {
 	// pass is held by a cleaning pass, and by CheckInvariants so that
 	// no cleaner write starts while it walks the index.
 	pass     sync.Mutex
+	paused   atomic.Bool   // PauseCleaner
 	wake     chan struct{} // a store completed or a disk write landed
 	inflight atomic.Int64  // cleaning writes queued or in flight
 	stored   atomic.Int64  // blocks stored since the last tick
@@ -350,6 +351,9 @@ func (s *Service) cleanPass() {
 	cl := s.cl
 	cl.pass.Lock()
 	defer cl.pass.Unlock()
+	if cl.paused.Load() {
+		return
+	}
 	cleanN, dirtyN := s.ix.Copies()
 	need := s.cleanMargin(cleanN, dirtyN) - cleanN - int(cl.inflight.Load())
 	room := s.cleanBacklog - int(s.diskWrites.Load())
@@ -406,3 +410,20 @@ func (s *Service) writeAhead(k index.Key) bool {
 // CPUCopies counts the blocks ready in the CPU tier that are clean (also
 // on disk) and dirty (only there, no disk write in flight).
 func (s *Service) CPUCopies() (clean, dirty int) { return s.ix.Copies() }
+
+// PauseCleaner stops the cleaner's passes until resume is called, once the
+// pass in progress (if any) has queued its writes: for tests that need the
+// tiers to change only through their own calls and the policies'
+// evictions. FlushDisk still waits for the writes queued before.
+func (s *Service) PauseCleaner() (resume func()) {
+	if s.cl == nil {
+		return func() {}
+	}
+	s.cl.paused.Store(true)
+	s.cl.pass.Lock()
+	s.cl.pass.Unlock()
+	return func() {
+		s.cl.paused.Store(false)
+		s.cl.signal()
+	}
+}
