@@ -40,6 +40,8 @@ type config struct {
 	writeThrough   bool
 	faultSpec      string
 	faultPlan      errorfs.Plan
+
+	debugChecks bool
 }
 
 func defaultSocket() string {
@@ -153,6 +155,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
+	fs.BoolVar(&c.debugChecks, "debug-checks", false, "for tests only: also serve /debug/check (slot, pin and index accounting of a quiet daemon) and /debug/goroutines on --metrics-addr (see docs/model-test.md).")
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
@@ -199,6 +202,9 @@ func (c *config) validate() error {
 		if err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
 			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464 (metrics are not served beyond this host)", c.metricsAddr)
 		}
+	}
+	if c.debugChecks && c.metricsAddr == "" {
+		bad("--debug-checks needs --metrics-addr: the checks are served beside the metrics")
 	}
 	if c.logFormat != "text" && c.logFormat != "json" {
 		bad("--log-format %q: want text or json", c.logFormat)

@@ -32,7 +32,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 		t.Fatalf("--help: %v", err)
 	}
 	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version",
-		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec"} {
+		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec", "-debug-checks"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -67,6 +67,7 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--disk-dir", "/tmp", "--fault-spec", "gremlins=0.1"}, "gremlins"},
 		{[]string{"--write-through"}, "need a disk tier"},
 		{[]string{"--fault-spec", "read-eio=0.1"}, "need a disk tier"},
+		{[]string{"--debug-checks"}, "--debug-checks needs --metrics-addr"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

@@ -1,0 +1,647 @@
+package model
+
+import (
+	"bytes"
+	"fmt"
+	"slices"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+// The data path: lookups, stores, loads and their results, each checked
+// against the model.
+
+// keyRange returns the keys of job j of a store or load op.
+func (r *runner) keyRange(op Op, ns, j int) []KeyRef {
+	chain := (op.Chain + j) % r.sh.Chains
+	end := min(op.From+op.N, r.sh.ChainLen)
+	var ks []KeyRef
+	for p := op.From; p < end; p++ {
+		ks = append(ks, KeyRef{NS: ns, Group: op.Group, Chain: chain, Pos: p})
+	}
+	return ks
+}
+
+func packKeys(spec NSSpec, group int, ks []KeyRef) *pb.KeyList {
+	h := make([]byte, 0, len(ks)*spec.HashBytes)
+	for _, k := range ks {
+		h = append(h, Hash(k.Chain, k.Pos, spec.HashBytes)...)
+	}
+	return &pb.KeyList{Group: uint32(group), Hashes: h}
+}
+
+// freeBlocks picks n engine blocks of group g not used by a job in flight,
+// reading completions to free some when too few are.
+func (r *runner) freeBlocks(g *reg, group, n int) ([]uint32, error) {
+	for try := 0; ; try++ {
+		var free []uint32
+		for b := 0; b < g.blocks; b++ {
+			if _, busy := g.busy[[2]int{group, b}]; !busy {
+				free = append(free, uint32(b))
+			}
+		}
+		if len(free) >= n {
+			r.rng.Shuffle(len(free), func(i, j int) { free[i], free[j] = free[j], free[i] })
+			return free[:n], nil
+		}
+		if try == 3 || len(g.jobs) == 0 {
+			return nil, nil
+		}
+		if err := r.readCompletions(g, 50, 0); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// sentJob is a job as built for a request, before the daemon accepted it.
+type sentJob struct {
+	rec  *jobRec
+	wire *pb.Job
+}
+
+func (r *runner) store(op Op) error {
+	g := r.conns[op.Client].regs[op.Slot]
+	if g == nil {
+		return r.skip()
+	}
+	spec := r.sh.NS[g.ns]
+	if op.Group >= spec.Groups() {
+		return r.skip()
+	}
+	var jobs []sentJob
+	var all []uint32
+	for j := 0; j < op.Jobs; j++ {
+		ks := r.keyRange(op, g.ns, j)
+		blocks, err := r.freeBlocks(g, op.Group, len(ks))
+		if err != nil {
+			return err
+		}
+		if blocks == nil || overlaps(all, blocks) {
+			break
+		}
+		all = append(all, blocks...)
+		for b := range blocks {
+			// Reserve now so the next job of the request picks others.
+			g.busy[[2]int{op.Group, int(blocks[b])}] = 0
+		}
+		rec := &jobRec{id: g.nextJob, op: Store, group: op.Group, step: r.step, incarnation: r.p.Incarnation}
+		g.nextJob++
+		for i, k := range ks {
+			gen := r.m.key(k).gen
+			for s, sg := range spec.Segments {
+				if sg.Group == op.Group {
+					FillSegment(g.segment(spec, s, int(blocks[i])), k, gen, s)
+				}
+			}
+			rec.blocks = append(rec.blocks, blockRec{key: k, block: blocks[i]})
+		}
+		jobs = append(jobs, sentJob{rec: rec, wire: &pb.Job{JobId: rec.id, RequestId: fmt.Sprintf("s%d", r.step), Keys: packKeys(spec, op.Group, ks), BlockIds: blocks}})
+	}
+	if len(jobs) == 0 {
+		return r.skip()
+	}
+	return r.transfer(op, g, jobs, Store, nil)
+}
+
+func overlaps(a, b []uint32) bool {
+	for _, x := range b {
+		if slices.Contains(a, x) {
+			return true
+		}
+	}
+	return false
+}
+
+func (r *runner) load(op Op) error {
+	g := r.conns[op.Client].regs[op.Slot]
+	if g == nil {
+		return r.skip()
+	}
+	spec := r.sh.NS[g.ns]
+	if op.Group >= spec.Groups() {
+		return r.skip()
+	}
+	var ls *lease
+	var leased []KeyRef
+	if op.UseLease {
+		// The newest lease over this namespace and group: the scheduler
+		// leased a request's prefix, the worker loads it.
+		for i := len(r.leases) - 1; i >= 0 && ls == nil; i-- {
+			l := r.leases[i]
+			if l.group != op.Group || !slices.Contains(l.set, g.ns) {
+				continue
+			}
+			for k := range l.keys {
+				if k.NS == g.ns {
+					leased = append(leased, k)
+				}
+			}
+			if len(leased) > 0 {
+				ls = l
+			}
+		}
+		slices.SortFunc(leased, func(a, b KeyRef) int { return a.Pos - b.Pos })
+	}
+	var jobs []sentJob
+	var all []uint32
+	for j := 0; j < op.Jobs; j++ {
+		ks := r.keyRange(op, g.ns, j)
+		if ls != nil {
+			if j > 0 {
+				break // one request's prefix, one job
+			}
+			ks = leased
+		}
+		blocks, err := r.freeBlocks(g, op.Group, len(ks))
+		if err != nil {
+			return err
+		}
+		if blocks == nil || overlaps(all, blocks) {
+			break
+		}
+		all = append(all, blocks...)
+		rec := &jobRec{id: g.nextJob, op: Load, group: op.Group, step: r.step, incarnation: r.p.Incarnation}
+		g.nextJob++
+		for b := range blocks {
+			g.busy[[2]int{op.Group, int(blocks[b])}] = 0
+		}
+		for i, k := range ks {
+			for s, sg := range spec.Segments {
+				if sg.Group == op.Group {
+					Poison(g.segment(spec, s, int(blocks[i])), rec.id)
+				}
+			}
+			s := r.m.key(k)
+			b := blockRec{key: k, block: blocks[i], allowed: slices.Clone(s.present), must: s.must, mustBase: s.mustBase}
+			if ls != nil {
+				for _, gen := range ls.keys[k] {
+					if gen == s.gen || r.o.Tol["lease-after-invalidate"] {
+						b.allowed = addGen(b.allowed, gen)
+					}
+				}
+			}
+			rec.blocks = append(rec.blocks, b)
+		}
+		w := &pb.Job{JobId: rec.id, RequestId: fmt.Sprintf("l%d", r.step), Keys: packKeys(spec, op.Group, ks), BlockIds: blocks}
+		if ls != nil {
+			w.LeaseId = ls.id
+		}
+		jobs = append(jobs, sentJob{rec: rec, wire: w})
+	}
+	if len(jobs) == 0 {
+		return r.skip()
+	}
+	var accepted func()
+	if ls != nil {
+		// Whether the lease holds the blocks is known once the call
+		// returns: the daemon took the lease inside it.
+		accepted = func() {
+			j := jobs[0].rec
+			live := ls.live(time.Now()) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
+			for i := range j.blocks {
+				if _, ok := ls.keys[j.blocks[i].key]; ok {
+					j.blocks[i].leased = live
+				}
+			}
+			ls.consumed[g.ns] = true
+			ls.anyUsed = true
+		}
+	}
+	return r.transfer(op, g, jobs, Load, accepted)
+}
+
+// transfer sends a Store or Load and files its jobs; accepted, if set,
+// runs once the daemon has taken them, before any result is checked.
+func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted func()) error {
+	cl, err := r.client(g.client)
+	if err != nil {
+		return err
+	}
+	req := &pb.TransferRequest{RegistrationId: g.id, Wait: op.Wait}
+	for _, j := range jobs {
+		req.Jobs = append(req.Jobs, j.wire)
+	}
+	timeout := callTimeout
+	if op.Abandon {
+		timeout = time.Duration(1+r.rng.IntN(3)) * time.Millisecond
+	}
+	ctx, cancel := ctxFor(timeout)
+	defer cancel()
+	var resp *pb.TransferResponse
+	if kind == Store {
+		resp, err = cl.API.Store(ctx, req)
+	} else {
+		resp, err = cl.API.Load(ctx, req)
+	}
+	maybe := false
+	switch codeOf(err) {
+	case codes.OK:
+	case codes.DeadlineExceeded, codes.Canceled:
+		if !op.Abandon {
+			return r.rpcErr(kind.String(), err)
+		}
+		// The daemon may or may not have accepted the jobs; if it did,
+		// their results come through Completions.
+		maybe = true
+	default:
+		for _, j := range jobs {
+			for _, b := range j.rec.blocks {
+				delete(g.busy, [2]int{j.rec.group, int(b.block)})
+			}
+		}
+		return r.rpcErr(kind.String(), err)
+	}
+	t := r.m.next()
+	for _, j := range jobs {
+		rec := j.rec
+		rec.issued, rec.maybe = t, maybe
+		rec.dma = rec.dma || r.cut == g
+		for i := range rec.blocks {
+			b := &rec.blocks[i]
+			b.issued = t
+			g.busy[[2]int{rec.group, int(b.block)}] = rec.id
+			if kind == Store {
+				b.alone, b.mustBase, b.must = r.m.storeAccepted(b.key, t)
+				b.base = r.lastLoss
+			}
+		}
+		g.jobs[rec.id] = rec
+		if kind == Store {
+			r.c.StoreJobs++
+		} else {
+			r.c.LoadJobs++
+		}
+	}
+	if accepted != nil {
+		accepted()
+	}
+	if resp != nil && op.Wait {
+		if len(resp.GetResults()) != len(jobs) {
+			return r.fail("lost-result", "%s with wait returned %d results for %d jobs", kind, len(resp.GetResults()), len(jobs))
+		}
+		for i, res := range resp.GetResults() {
+			if res.GetJobId() != jobs[i].rec.id {
+				return r.fail("wrong-result", "%s with wait: result %d is job %d, want job %d (request order)", kind, i, res.GetJobId(), jobs[i].rec.id)
+			}
+			if err := r.result(g, res); err != nil {
+				return err
+			}
+		}
+	} else if resp != nil && len(resp.GetResults()) > 0 {
+		return r.fail("wrong-result", "%s without wait returned %d results", kind, len(resp.GetResults()))
+	}
+	return nil
+}
+
+func (r *runner) completions(op Op) error {
+	g := r.conns[op.Client].regs[op.Slot]
+	if g == nil {
+		return r.skip()
+	}
+	if op.Seed%7 == 0 {
+		// A reply cut off by the caller's deadline must not take results
+		// with it (issue 9 item 2, DESIGN §3.8).
+		return r.cutCompletions(g)
+	}
+	return r.readCompletions(g, op.WaitMs, op.MaxJobs)
+}
+
+// readCompletions reads one Completions reply of g and checks each result.
+func (r *runner) readCompletions(g *reg, waitMs, maxJobs uint32) error {
+	cl, err := r.client(g.client)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := ctxFor(callTimeout)
+	defer cancel()
+	resp, err := cl.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: waitMs, MaxJobs: maxJobs})
+	if err != nil {
+		return r.rpcErr("Completions", err)
+	}
+	if maxJobs > 0 && len(resp.GetResults()) > int(maxJobs) {
+		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", maxJobs, len(resp.GetResults()))
+	}
+	for _, res := range resp.GetResults() {
+		if err := r.result(g, res); err != nil {
+			return err
+		}
+	}
+	if p := int(resp.GetPending()); p > len(g.jobs) {
+		return r.fail("accounting", "Completions says %d jobs pending, the registration has %d unfinished", p, len(g.jobs))
+	}
+	return nil
+}
+
+func (r *runner) cutCompletions(g *reg) error {
+	cl, err := r.client(g.client)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := ctxFor(time.Duration(1+r.rng.IntN(2)) * time.Millisecond)
+	defer cancel()
+	resp, err := cl.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: 20})
+	switch codeOf(err) {
+	case codes.OK:
+		for _, res := range resp.GetResults() {
+			if err := r.result(g, res); err != nil {
+				return err
+			}
+		}
+	case codes.DeadlineExceeded, codes.Canceled:
+		g.cutoff = r.m.next()
+	default:
+		return r.rpcErr("Completions", err)
+	}
+	return nil
+}
+
+var statusOK = pb.BlockStatus_BLOCK_STATUS_OK
+
+// result checks one job result against the job as sent and the model.
+func (r *runner) result(g *reg, res *pb.JobResult) error {
+	j := g.jobs[res.GetJobId()]
+	if j == nil {
+		if res.GetJobId() < g.nextJob {
+			return r.fail("wrong-result", "job %d of registration %d reported again (or a job the daemon refused reported)", res.GetJobId(), g.id)
+		}
+		return r.fail("wrong-result", "a result for job %d, never sent on registration %d", res.GetJobId(), g.id)
+	}
+	delete(g.jobs, j.id)
+	for _, b := range j.blocks {
+		delete(g.busy, [2]int{j.group, int(b.block)})
+	}
+	wantOp := pb.Op_OP_STORE
+	if j.op == Load {
+		wantOp = pb.Op_OP_LOAD
+	}
+	if res.GetOp() != wantOp || int(res.GetBlocks()) != len(j.blocks) {
+		return r.fail("wrong-result", "job %d: op %v with %d blocks, sent %v with %d", j.id, res.GetOp(), res.GetBlocks(), wantOp, len(j.blocks))
+	}
+	spec := r.sh.NS[g.ns]
+	st := make([]pb.BlockStatus, len(j.blocks))
+	for _, f := range res.GetFailures() {
+		i := int(f.GetIndex())
+		if i >= len(j.blocks) || f.GetStatus() == statusOK {
+			return r.fail("wrong-result", "job %d: failure %v is out of range or OK", j.id, f)
+		}
+		b := j.blocks[i]
+		if f.GetBlockId() != b.block || !bytes.Equal(f.GetHash(), Hash(b.key.Chain, b.key.Pos, spec.HashBytes)) {
+			return r.fail("wrong-result", "job %d: failure at index %d names block %d hash %x, the job has block %d key %s", j.id, i, f.GetBlockId(), f.GetHash(), b.block, b.key)
+		}
+		if st[i] != statusOK {
+			return r.fail("wrong-result", "job %d: block %d fails twice", j.id, i)
+		}
+		st[i] = f.GetStatus()
+	}
+	if res.GetOk() != (len(res.GetFailures()) == 0) {
+		return r.fail("wrong-result", "job %d: ok=%v with %d failures", j.id, res.GetOk(), len(res.GetFailures()))
+	}
+	for i := range j.blocks {
+		r.tally[tallyKey(j.op, st[i])]++
+		var err error
+		if j.op == Store {
+			err = r.storeBlock(j, &j.blocks[i], st[i])
+		} else {
+			err = r.loadBlock(g, j, &j.blocks[i], st[i])
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func tallyKey(op Kind, st pb.BlockStatus) string {
+	return op.String() + "/" + statusName(st)
+}
+
+func statusName(st pb.BlockStatus) string {
+	n := pb.BlockStatus_name[int32(st)]
+	if len(n) > len("BLOCK_STATUS_") {
+		n = n[len("BLOCK_STATUS_"):]
+	}
+	return lower(n)
+}
+
+func lower(s string) string {
+	b := []byte(s)
+	for i, c := range b {
+		if c >= 'A' && c <= 'Z' {
+			b[i] = c + 'a' - 'A'
+		}
+	}
+	return string(b)
+}
+
+func (r *runner) storeBlock(j *jobRec, b *blockRec, st pb.BlockStatus) error {
+	switch st {
+	case statusOK:
+		r.m.storeSettled(b.key, b, true, false, j.incarnation, r.p.Incarnation)
+		return nil
+	case pb.BlockStatus_BLOCK_STATUS_NO_SPACE, pb.BlockStatus_BLOCK_STATUS_REJECTED:
+	case pb.BlockStatus_BLOCK_STATUS_DMA_ERROR:
+		if !j.dma {
+			return r.fail("unexpected-status", "store job %d (step %d): %s DMA_ERROR with its region intact", j.id, j.step, b.key)
+		}
+	default:
+		return r.fail("unexpected-status", "store job %d (step %d): %s %v", j.id, j.step, b.key, st)
+	}
+	// Only a claim can fail: the key was absent when the store came.
+	if b.must && j.incarnation == r.p.Incarnation {
+		if err := r.mustHold(b.key, b.mustBase, fmt.Sprintf("store job %d (step %d) claimed %s (it failed %v), so the key was absent", j.id, j.step, b.key, st)); err != nil {
+			return err
+		}
+	}
+	r.m.storeSettled(b.key, b, false, false, j.incarnation, r.p.Incarnation)
+	return nil
+}
+
+func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) error {
+	spec := r.sh.NS[g.ns]
+	ks := r.m.key(b.key)
+	switch st {
+	case statusOK:
+		if r.cut == g {
+			return r.fail("wrong-result", "load job %d reported %s OK into block %d while its region file was cut to nothing", j.id, b.key, b.block)
+		}
+		if len(b.allowed) == 0 {
+			return r.fail("loaded-absent", "load job %d (step %d) loaded %s into block %d, which was not there (invalidated, failed or never stored; generation %d)%s",
+				j.id, j.step, b.key, b.block, ks.gen, r.describeBlock(g, spec, j.group, b.block))
+		}
+		for s, sg := range spec.Segments {
+			if sg.Group != j.group {
+				continue
+			}
+			got := g.segment(spec, s, int(b.block))
+			ok := false
+			for _, gen := range b.allowed {
+				if m, _ := SegmentMatches(got, b.key, gen, s); m {
+					ok = true
+					break
+				}
+			}
+			if !ok {
+				r.c.WrongBytes++
+				_, at := SegmentMatches(got, b.key, b.allowed[0], s)
+				return r.fail("wrong-bytes", "load job %d (step %d) reported %s OK into block %d, but segment %d holds %s (want generation %v; first wrong byte %d)",
+					j.id, j.step, b.key, b.block, s, Describe(got), b.allowed, at)
+			}
+		}
+		r.c.BlocksVerified++
+	case pb.BlockStatus_BLOCK_STATUS_MISSING:
+		if b.leased {
+			return r.fail("missing-leased", "load job %d (step %d): %s MISSING though a live lease held it", j.id, j.step, b.key)
+		}
+		if b.must && j.incarnation == r.p.Incarnation {
+			return r.mustHold(b.key, b.mustBase, fmt.Sprintf("load job %d (step %d) found %s MISSING", j.id, j.step, b.key))
+		}
+	case pb.BlockStatus_BLOCK_STATUS_NO_SPACE:
+		if !r.sh.Disk() {
+			return r.fail("unexpected-status", "load job %d (step %d): %s NO_SPACE without a disk tier to stage from", j.id, j.step, b.key)
+		}
+	case pb.BlockStatus_BLOCK_STATUS_IO_ERROR, pb.BlockStatus_BLOCK_STATUS_CORRUPT:
+		if !r.m.readFaults && !ks.corrupt {
+			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
+		}
+		r.m.loadFailed(b.key, b.issued)
+	case pb.BlockStatus_BLOCK_STATUS_DMA_ERROR:
+		if !j.dma {
+			return r.fail("unexpected-status", "load job %d (step %d): %s DMA_ERROR with its region intact", j.id, j.step, b.key)
+		}
+		r.m.loadFailed(b.key, b.issued)
+	default:
+		return r.fail("unexpected-status", "load job %d (step %d): %s %v", j.id, j.step, b.key, st)
+	}
+	return nil
+}
+
+func (r *runner) describeBlock(g *reg, spec NSSpec, group int, block uint32) string {
+	for s, sg := range spec.Segments {
+		if sg.Group == group {
+			return "; it holds " + Describe(g.segment(spec, s, int(block)))
+		}
+	}
+	return ""
+}
+
+// mustHold checks a key that was stored while the loss counter stood at
+// base and is now found absent: some loss must have been counted since.
+// Counters move just after the index does, so it looks again for a while
+// before it calls the loss uncounted.
+func (r *runner) mustHold(k KeyRef, base float64, what string) error {
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		m, err := r.p.Metrics()
+		if err != nil {
+			return err
+		}
+		if l := m.Losses(); l > base {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return r.fail("not-offered", "%s: it was stored OK and not invalidated since, and no eviction, failed demotion or failed load was counted since (loss counter %.0f)", what, base)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (r *runner) lookup(op Op) error {
+	set := r.sh.Sets[op.NS]
+	spec := r.sh.NS[set[0]]
+	if op.Group >= spec.Groups() {
+		return r.skip()
+	}
+	ids, ok, err := r.ids(set, op.Client)
+	if err != nil || !ok {
+		if err == nil {
+			return r.skip()
+		}
+		return err
+	}
+	cl, err := r.client(op.Client)
+	if err != nil {
+		return err
+	}
+	ks := make([][]KeyRef, len(set))
+	for i, ns := range set {
+		for p := 0; p < op.N; p++ {
+			ks[i] = append(ks[i], KeyRef{NS: ns, Group: op.Group, Chain: op.Chain, Pos: p})
+		}
+	}
+	sent := time.Now()
+	ctx, cancel := ctxFor(callTimeout)
+	defer cancel()
+	resp, err := cl.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: ids, Keys: packKeys(spec, op.Group, ks[0]), LeaseMs: op.LeaseMs, Peek: op.Peek})
+	if err != nil {
+		return r.rpcErr("Lookup", err)
+	}
+	t := r.m.next()
+	_ = t
+	r.c.Lookups++
+	n := int(resp.GetReady())
+	r.c.Offered += n
+	if n > op.N || len(resp.GetTiers()) != n {
+		return r.fail("wrong-result", "Lookup of %d keys: ready %d with %d tiers", op.N, n, len(resp.GetTiers()))
+	}
+	for i, tier := range resp.GetTiers() {
+		if tier == pb.Tier_TIER_NONE || tier > pb.Tier_TIER_CPU_AND_DISK || (!r.sh.Disk() && tier != pb.Tier_TIER_CPU) {
+			return r.fail("wrong-result", "Lookup: key %d offered in tier %v", i, tier)
+		}
+	}
+	for i := 0; i < n; i++ {
+		for s := range set {
+			k := ks[s][i]
+			if !r.m.maybePresent(k) {
+				st := r.m.key(k)
+				return r.fail("offered-absent", "Lookup over %v offered %s (position %d of %d ready), which is not there: generation %d, last cleared at tick %d, last stored at tick %d",
+					set, k, i, n, st.gen, st.lastClear, st.lastStore)
+			}
+		}
+	}
+	if n < op.N {
+		// The first key not offered: if every namespace must hold it,
+		// a loss must have been counted since the earliest was stored.
+		base, allMust := 0.0, true
+		for s := range set {
+			st := r.m.key(ks[s][n])
+			if !st.must {
+				allMust = false
+				break
+			}
+			if s == 0 || st.mustBase < base {
+				base = st.mustBase
+			}
+		}
+		if allMust {
+			if err := r.mustHold(ks[0][n], base, fmt.Sprintf("Lookup over %v offered %d keys, not %s", set, n, ks[0][n])); err != nil {
+				return err
+			}
+		}
+	}
+	if op.LeaseMs > 0 {
+		switch {
+		case n > 0 && resp.GetLeaseId() == 0:
+			return r.fail("wrong-result", "Lookup with a lease offered %d keys and no lease", n)
+		case n == 0 && resp.GetLeaseId() != 0:
+			return r.fail("wrong-result", "Lookup with a lease offered nothing and lease %d", resp.GetLeaseId())
+		case n > 0:
+			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, step: r.step}
+			for s := range set {
+				for i := 0; i < n; i++ {
+					l.keys[ks[s][i]] = slices.Clone(r.m.key(ks[s][i]).present)
+				}
+			}
+			r.leases = append(r.leases, l)
+			r.leaseEnds = append(r.leaseEnds, time.Now().Add(time.Duration(op.LeaseMs)*time.Millisecond+time.Second))
+			if len(r.leases) > 64 {
+				r.leases = r.leases[1:]
+			}
+		}
+	} else if resp.GetLeaseId() != 0 {
+		return r.fail("wrong-result", "Lookup without a lease returned lease %d", resp.GetLeaseId())
+	}
+	return nil
+}

@@ -1,0 +1,269 @@
+package model
+
+import (
+	"fmt"
+	"slices"
+	"time"
+)
+
+// The model: per key, which generations of its bytes the daemon may hold
+// right now. It is an over-approximation built only from what the runner did
+// and saw, so a check against it never fails a correct daemon:
+//
+//   - A store the daemon accepted may have made its key present (the claim
+//     happens inside the Store call).
+//   - An invalidation makes a key absent: nothing of it may be offered until
+//     a later store.
+//   - A failed block of a load or store (IO_ERROR, CORRUPT, DMA_ERROR, and
+//     for a store any failure, which means it claimed the key) makes the key
+//     absent, except for stores issued after that job.
+//   - Eviction may drop any key at any time; what it may not do is go
+//     uncounted: a key stored while the daemon's loss counter stood at n
+//     (Metrics.Losses) must be offered while it still stands at n.
+//   - A restart keeps what may be on disk (or nothing, without a disk tier or
+//     with --disk-reset); after SIGKILL, blocks invalidated since the last
+//     clean stop may come back (a discard in flight is lost).
+
+type keyState struct {
+	gen       uint32   // the generation the next store writes
+	present   []uint32 // generations that may be in the daemon
+	lastStore int      // tick of the last accepted store since the last clear
+	lastClear int      // tick of the last definite clear (invalidate, failure)
+	inflight  int      // stores of this key accepted and not settled
+	// must: a store's OK was seen and nothing cleared the key since; it
+	// must be offered while the loss counter stays at mustBase.
+	must     bool
+	mustBase float64
+	corrupt  bool     // external corruption may have hit its disk copy
+	ghosts   []uint32 // invalidated generations whose disk copies may come back after SIGKILL
+}
+
+func addGen(s []uint32, g uint32) []uint32 {
+	if slices.Contains(s, g) {
+		return s
+	}
+	return append(s, g)
+}
+
+// Model is the runner's picture of what the daemon may hold.
+type Model struct {
+	sh   Shape
+	keys map[KeyRef]*keyState
+	tick int
+	// readFaults: the current incarnation's fault plan can fail disk I/O
+	// (any disk fault may end in a failed read or a dropped disk copy).
+	readFaults bool
+	tol        Tolerances
+}
+
+// Tolerances turn off checks for defects already filed (see
+// /work/notes/model-findings.md and docs/model-test.md), so a run can go on
+// finding new ones. Each names what it lets pass.
+type Tolerances map[string]bool
+
+// Known tolerances.
+var KnownTolerances = map[string]string{
+	"lease-after-invalidate": "a load naming a lease taken before an Invalidate may return the invalidated bytes",
+	"ghost-after-restart":    "a block invalidated before a clean restart may come back (an older, freed disk copy of it)",
+	"failed-keeps-cpu":       "a block whose disk read failed may still be offered from a CPU copy another load made",
+	"lease-one-rank":         "the first rank's Load of a lease taken over several namespaces uses the whole lease (issue 9 item 1)",
+	"two-jobs-one-block":     "two jobs of one Load may target one engine block (issue 9 item 3)",
+	"foreign-registration":   "any connection may use another's registration id (issue 9 item 4)",
+	"class-goroutines":       "the goroutines of a block-size class stay after its last user (issue 9 item 8)",
+	"lost-completions":       "a Completions reply cut off by its deadline loses its results (issue 9 item 2)",
+}
+
+func newModel(sh Shape, tol Tolerances) *Model {
+	return &Model{sh: sh, keys: map[KeyRef]*keyState{}, tol: tol}
+}
+
+func (m *Model) key(k KeyRef) *keyState {
+	s := m.keys[k]
+	if s == nil {
+		s = &keyState{lastStore: -1}
+		m.keys[k] = s
+	}
+	return s
+}
+
+// next advances the clock; every request the runner sends gets a tick.
+func (m *Model) next() int {
+	m.tick++
+	return m.tick
+}
+
+// maybePresent reports whether the daemon may hold k.
+func (m *Model) maybePresent(k KeyRef) bool { return len(m.key(k).present) > 0 }
+
+// clearAfter makes k absent as of a failure of a job issued at tick t:
+// only stores issued after t (and after the last clear) may have made it
+// present again.
+func (s *keyState) clearAfter(t int) {
+	keep := s.lastStore > t && s.lastStore > s.lastClear
+	s.present = s.present[:0]
+	if keep {
+		s.present = append(s.present, s.gen)
+	} else {
+		s.corrupt = false
+	}
+	s.must = false
+}
+
+// storeAccepted records a store of k accepted at tick t; it reports whether
+// no other store of k was in flight (so its OK means k is ready) and, if k
+// was a must, the base its claim failure would contradict.
+func (m *Model) storeAccepted(k KeyRef, t int) (alone bool, mustBase float64, must bool) {
+	s := m.key(k)
+	alone = s.inflight == 0
+	must, mustBase = s.must, s.mustBase
+	s.inflight++
+	s.lastStore = t
+	s.present = addGen(s.present, s.gen)
+	return alone, mustBase, must
+}
+
+// storeSettled records a store block's outcome once its result is seen
+// (ok) or known lost (lost: the result will never come).
+func (m *Model) storeSettled(k KeyRef, b *blockRec, ok, lost bool, incarnation int, curIncarnation int) {
+	s := m.key(k)
+	if s.inflight > 0 {
+		s.inflight--
+	}
+	switch {
+	case lost:
+	case ok:
+		if b.alone && b.issued > s.lastClear && incarnation == curIncarnation {
+			if !s.must || b.base > s.mustBase {
+				s.mustBase = b.base
+			}
+			s.must = true
+		}
+	default:
+		// The job claimed k (only a claim can fail), so k was absent
+		// when it was accepted, and its claim is gone now.
+		s.clearAfter(b.issued)
+	}
+}
+
+// invalidated records an Invalidate of k at tick t.
+func (m *Model) invalidated(k KeyRef, t int) {
+	s := m.key(k)
+	for _, g := range s.present {
+		s.ghosts = addGen(s.ghosts, g)
+	}
+	s.present = s.present[:0]
+	s.gen++
+	s.lastClear = t
+	s.must = false
+	s.corrupt = false
+}
+
+// loadFailed records a load block that failed in a way that drops it.
+func (m *Model) loadFailed(k KeyRef, issued int) {
+	m.key(k).clearAfter(issued)
+}
+
+// restarted records a new daemon incarnation.
+func (m *Model) restarted(killed, empty bool, readFaults bool) {
+	m.readFaults = readFaults
+	for _, s := range m.keys {
+		s.must = false
+		s.inflight = 0
+		if empty {
+			s.present, s.ghosts = s.present[:0], nil
+			s.corrupt = false
+			continue
+		}
+		if killed || m.tol["ghost-after-restart"] {
+			for _, g := range s.ghosts {
+				s.present = addGen(s.present, g)
+			}
+		}
+		if !killed {
+			// A clean stop finishes every discard.
+			s.ghosts = nil
+		}
+	}
+}
+
+// corrupted records external damage to disk slots of keys of (ns, group).
+func (m *Model) corrupted(ns, group int) {
+	for k, s := range m.keys {
+		if k.NS == ns && k.Group == group && len(s.present) > 0 {
+			s.corrupt = true
+		}
+	}
+}
+
+// blockRec is one block of an accepted job.
+type blockRec struct {
+	key    KeyRef
+	block  uint32 // engine block
+	issued int
+	// Store: alone (no other store of the key in flight) and the loss
+	// count before it was accepted.
+	alone bool
+	base  float64
+	// Load: the generations it may read, and whether a live lease holds
+	// it (then MISSING is wrong).
+	allowed []uint32
+	leased  bool
+	// Both: the key was a must when the job was accepted, with this base.
+	must     bool
+	mustBase float64
+}
+
+// jobRec is an accepted (or maybe accepted) job of a registration.
+type jobRec struct {
+	id          uint64
+	op          Kind // Store or Load
+	group       int
+	blocks      []blockRec
+	issued      int
+	step        int
+	incarnation int
+	// maybe: the call that carried it failed in a way that leaves open
+	// whether the daemon accepted it.
+	maybe bool
+	// dma: a region fault may hit it (DMA_ERROR allowed).
+	dma bool
+	// leaseStale: its lease was taken before an Invalidate of a key it
+	// holds (see the lease-after-invalidate tolerance).
+	seen bool
+}
+
+// lease is a Lookup's lease as the runner saw it.
+type lease struct {
+	id       uint64
+	set      []int // namespace specs
+	group    int
+	keys     map[KeyRef][]uint32 // generations each leased key may hold
+	sent     time.Time           // before the Lookup was sent: the deadline is at least sent+ms
+	ms       uint32
+	consumed map[int]bool // namespace spec -> a load of it named the lease
+	anyUsed  bool
+	step     int
+}
+
+// live reports whether the lease was surely still alive at a moment no
+// later than at.
+func (l *lease) live(at time.Time) bool {
+	return at.Before(l.sent.Add(time.Duration(l.ms) * time.Millisecond))
+}
+
+// Finding is a check that failed.
+type Finding struct {
+	Step     int
+	Op       Op
+	Category string
+	Detail   string
+}
+
+func (f Finding) String() string {
+	return fmt.Sprintf("step %d (%s): %s: %s", f.Step, f.Op, f.Category, f.Detail)
+}
+
+// ErrFinding wraps the first finding of a run.
+type ErrFinding struct{ Finding }
+
+func (e *ErrFinding) Error() string { return e.Finding.String() }
