@@ -124,6 +124,11 @@ func (r *runner) drainResults() error {
 		if err != nil {
 			return err
 		}
+		if young := r.youngestMaybe(); m.Sum("kvoffload_pending_jobs") == 0 && young > 0 {
+			// A job its caller gave up on may still turn up.
+			time.Sleep(young)
+			continue
+		}
 		if m.Sum("kvoffload_pending_jobs") == 0 {
 			// Nothing runs: one more read takes every result there is.
 			for _, cn := range r.conns {
@@ -143,6 +148,30 @@ func (r *runner) drainResults() error {
 	}
 }
 
+// youngestMaybe is how long until every maybe-job is maybeGrace old.
+func (r *runner) youngestMaybe() time.Duration {
+	var d time.Duration
+	for _, cn := range r.conns {
+		for _, g := range cn.regs {
+			if g == nil {
+				continue
+			}
+			for _, j := range g.jobs {
+				if j.maybe {
+					d = max(d, maybeGrace-time.Since(j.returned))
+				}
+			}
+		}
+	}
+	return d
+}
+
+// maybeGrace is how long after its call gave up a job that the daemon may
+// have taken can still turn up: the handler of a request whose caller left
+// still runs it (the daemon accepts before it looks at the deadline), a
+// few scheduling delays later.
+const maybeGrace = time.Second
+
 // lostJobs settles the jobs with no result once nothing is pending: a job
 // the daemon may never have accepted (its call gave up) was not; any other
 // is a lost result.
@@ -157,57 +186,58 @@ func (r *runner) lostJobs() error {
 				if !j.maybe && !(r.o.Tol["lost-completions"] && g.cutoff > j.issued) {
 					return r.fail("lost-result", "%s job %d of registration %d (step %d) was accepted and never reported; nothing is pending", j.op, j.id, g.id, j.step)
 				}
-				delete(g.jobs, id)
-				for _, b := range j.blocks {
-					delete(g.busy, [2]int{j.group, int(b.block)})
-				}
-				if !j.maybe {
-					r.settleLost(j)
-				} else if j.op == Store {
-					for i := range j.blocks {
-						r.m.storeSettled(j.blocks[i].key, &j.blocks[i], false, true, j.incarnation, r.p.Incarnation)
-					}
-				}
+				r.settleJob(g, j)
 			}
 		}
 	}
 	return nil
 }
 
+// settleJob gives up on a job with no result: a maybe-job was not taken,
+// any other job's result was lost.
+func (r *runner) settleJob(g *reg, j *jobRec) {
+	delete(g.jobs, j.id)
+	for _, b := range j.blocks {
+		delete(g.busy, [2]int{j.group, int(b.block)})
+	}
+	if !j.maybe {
+		r.settleLost(j)
+		return
+	}
+	g.notTaken[j.id] = true
+	r.maybesSettled++
+	if j.op == Store {
+		for i := range j.blocks {
+			r.m.storeSettled(j.blocks[i].key, &j.blocks[i], false, true, j.incarnation, r.p.Incarnation)
+		}
+	}
+}
+
 // settleMaybes decides the jobs whose call gave up before it could say
 // whether the daemon took them. Called when nothing is pending: a job the
-// daemon took has finished, so its result is queued; one with no result
-// after a read was never taken.
+// daemon took (maybeGrace after its call) has finished, so its result is
+// queued; one with no result after a read was never taken.
 func (r *runner) settleMaybes() error {
 	for _, cn := range r.conns {
 		for _, g := range cn.regs {
 			if g == nil {
 				continue
 			}
-			maybes := 0
+			old := 0
 			for _, j := range g.jobs {
-				if j.maybe {
-					maybes++
+				if j.maybe && time.Since(j.returned) > maybeGrace {
+					old++
 				}
 			}
-			if maybes == 0 {
+			if old == 0 {
 				continue
 			}
 			if err := r.readCompletions(g, 0, 0); err != nil {
 				return err
 			}
-			for id, j := range g.jobs {
-				if !j.maybe {
-					continue
-				}
-				delete(g.jobs, id)
-				for _, b := range j.blocks {
-					delete(g.busy, [2]int{j.group, int(b.block)})
-				}
-				if j.op == Store {
-					for i := range j.blocks {
-						r.m.storeSettled(j.blocks[i].key, &j.blocks[i], false, true, j.incarnation, r.p.Incarnation)
-					}
+			for _, j := range g.jobs {
+				if j.maybe && time.Since(j.returned) > maybeGrace {
+					r.settleJob(g, j)
 				}
 			}
 		}
@@ -288,12 +318,13 @@ func (r *runner) compareCounters(m Metrics) error {
 		op, st, _ := strings.Cut(k, "/")
 		got := m.Sum("kvoffload_blocks_total", `op="`+op+`"`, `status="`+st+`"`)
 		want := r.tally[k]
-		if got < want || (r.unobserved == 0 && got != want) {
+		exact := r.unobserved == 0 && (r.maybesSettled == 0 || !r.o.Tol["lost-wait-results"])
+		if got < want || (exact && got != want) {
 			bad = append(bad, fmt.Sprintf("%s: daemon counted %.0f, results said %.0f", k, got, want))
 		}
 	}
 	if len(bad) > 0 {
-		return fmt.Errorf("kvoffload_blocks_total disagrees with the results read (%d jobs' results were never read this incarnation): %s", r.unobserved, strings.Join(bad, "; "))
+		return fmt.Errorf("kvoffload_blocks_total disagrees with the results read (%d jobs' results were never read this incarnation, %d jobs whose call gave up were taken as never accepted): %s", r.unobserved, r.maybesSettled, strings.Join(bad, "; "))
 	}
 	cl, err := r.client(0)
 	if err != nil {

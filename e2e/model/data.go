@@ -178,6 +178,7 @@ func (r *runner) load(op Op) error {
 			b := blockRec{key: k, block: blocks[i], allowed: slices.Clone(s.present), must: s.must, mustBase: s.mustBase}
 			if ls != nil {
 				for _, gen := range ls.keys[k] {
+					b.staleLease = b.staleLease || gen != s.gen
 					if gen == s.gen || r.o.Tol["lease-after-invalidate"] {
 						b.allowed = addGen(b.allowed, gen)
 					}
@@ -257,7 +258,7 @@ func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted fun
 	t := r.m.next()
 	for _, j := range jobs {
 		rec := j.rec
-		rec.issued, rec.maybe = t, maybe
+		rec.issued, rec.maybe, rec.returned = t, maybe, time.Now()
 		rec.dma = rec.dma || r.cut == g
 		for i := range rec.blocks {
 			b := &rec.blocks[i]
@@ -363,6 +364,9 @@ var statusOK = pb.BlockStatus_BLOCK_STATUS_OK
 // result checks one job result against the job as sent and the model.
 func (r *runner) result(g *reg, res *pb.JobResult) error {
 	j := g.jobs[res.GetJobId()]
+	if j == nil && g.notTaken[res.GetJobId()] {
+		return r.fail("wrong-result", "a result for job %d of registration %d, whose call gave up more than %s before and which the daemon did not report when nothing was pending", res.GetJobId(), g.id, maybeGrace)
+	}
 	if j == nil {
 		if res.GetJobId() < g.nextJob {
 			return r.fail("wrong-result", "job %d of registration %d reported again (or a job the daemon refused reported)", res.GetJobId(), g.id)
@@ -503,7 +507,7 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 			return r.fail("unexpected-status", "load job %d (step %d): %s NO_SPACE without a disk tier to stage from", j.id, j.step, b.key)
 		}
 	case pb.BlockStatus_BLOCK_STATUS_IO_ERROR, pb.BlockStatus_BLOCK_STATUS_CORRUPT:
-		if !r.m.readFaults && !ks.corrupt {
+		if !r.m.readFaults && !ks.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
 		r.m.loadFailed(b.key, b.issued)
@@ -625,9 +629,9 @@ func (r *runner) lookup(op Op) error {
 		switch {
 		case n > 0 && resp.GetLeaseId() == 0:
 			return r.fail("wrong-result", "Lookup with a lease offered %d keys and no lease", n)
-		case n == 0 && resp.GetLeaseId() != 0:
+		case n == 0 && resp.GetLeaseId() != 0 && !r.o.Tol["lease-beyond-prefix"]:
 			return r.fail("wrong-result", "Lookup with a lease offered nothing and lease %d", resp.GetLeaseId())
-		case n > 0:
+		case resp.GetLeaseId() != 0:
 			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, step: r.step}
 			for s := range set {
 				for i := 0; i < n; i++ {

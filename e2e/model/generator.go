@@ -65,13 +65,19 @@ func NewGenerator(seed uint64, sh Shape, off map[Kind]bool) *Generator {
 }
 
 // Next returns the next operation. The stream opens with a registration
-// per client, so the first steps do work.
+// per client, and a client that lost its registrations (a disconnect, a
+// restart) registers again soon, so most steps do work.
 func (g *Generator) Next() Op {
 	if g.n < g.sh.Clients && g.allowed(Register) {
 		g.n++
 		return g.register(g.n-1, 0)
 	}
 	g.n = g.sh.Clients
+	if len(g.again) > 0 && g.rng.IntN(3) == 0 && g.allowed(Register) {
+		c := g.again[0]
+		g.again = g.again[1:]
+		return g.register(c, 0)
+	}
 	x := g.rng.IntN(g.total)
 	k := Kind(0)
 	for ; k < numKinds-1; k++ {
@@ -87,8 +93,9 @@ func (g *Generator) Next() Op {
 }
 
 type gen struct {
-	n      int // registrations opened so far
-	total  int // sum of the allowed kinds' weights
+	n      int   // registrations opened so far
+	again  []int // clients to register again
+	total  int   // sum of the allowed kinds' weights
 	sh     Shape
 	rng    *rand.Rand
 	off    map[Kind]bool
@@ -228,11 +235,16 @@ func (g *gen) op(k Kind) Op {
 		for s := range g.regs[o.Client] {
 			g.regs[o.Client][s] = -1
 		}
+		g.again = append(g.again, o.Client)
 	case Restart, Kill:
 		for c := range g.regs {
 			for s := range g.regs[c] {
 				g.regs[c][s] = -1
 			}
+		}
+		g.again = g.again[:0]
+		for c := range g.regs {
+			g.again = append(g.again, c)
 		}
 		if k == Restart && g.sh.Faults && rng.IntN(2) == 0 {
 			o.Faults = g.faultPlan()

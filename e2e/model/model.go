@@ -2,6 +2,7 @@ package model
 
 import (
 	"fmt"
+	"os"
 	"slices"
 	"time"
 )
@@ -34,8 +35,15 @@ type keyState struct {
 	// must be offered while the loss counter stays at mustBase.
 	must     bool
 	mustBase float64
-	corrupt  bool     // external corruption may have hit its disk copy
-	ghosts   []uint32 // invalidated generations whose disk copies may come back after SIGKILL
+	corrupt  bool // external corruption may have hit its disk copy
+	// freed: generations dropped from the index without an Invalidate (a
+	// failed load or store): a disk copy freed but not erased may come
+	// back at a restart, verified (docs/disk-format.md, "Freeing a slot
+	// does not erase it").
+	freed []uint32
+	// ghosts: invalidated generations; their disk copies are erased, so
+	// only SIGKILL (a discard still in flight) may bring them back.
+	ghosts []uint32
 }
 
 func addGen(s []uint32, g uint32) []uint32 {
@@ -54,6 +62,16 @@ type Model struct {
 	// (any disk fault may end in a failed read or a dropped disk copy).
 	readFaults bool
 	tol        Tolerances
+	// watch, when set, logs every event of one key (KVMODEL_WATCH=ns1/g0/c1.0).
+	watch string
+	logf  func(string, ...any)
+}
+
+func (m *Model) trace(k KeyRef, what string, a ...any) {
+	if m.watch != "" && k.String() == m.watch {
+		s := m.keys[k]
+		m.logf("watch %s tick %d: %s -> present %v gen %d lastStore %d lastClear %d must %v inflight %d", k, m.tick, fmt.Sprintf(what, a...), s.present, s.gen, s.lastStore, s.lastClear, s.must, s.inflight)
+	}
 }
 
 // Tolerances turn off checks for defects already filed (see
@@ -63,18 +81,20 @@ type Tolerances map[string]bool
 
 // Known tolerances.
 var KnownTolerances = map[string]string{
-	"lease-after-invalidate": "a load naming a lease taken before an Invalidate may return the invalidated bytes",
-	"ghost-after-restart":    "a block invalidated before a clean restart may come back (an older, freed disk copy of it)",
+	"lease-after-invalidate": "a load naming a lease taken before an Invalidate may return the invalidated bytes (or CORRUPT, the discarded disk copy)",
+	"ghost-after-restart":    "a block invalidated before a clean restart may come back: Invalidate erases only the disk copy the index names, not older freed copies (after a failed load, an eviction)",
 	"failed-keeps-cpu":       "a block whose disk read failed may still be offered from a CPU copy another load made",
 	"lease-one-rank":         "the first rank's Load of a lease taken over several namespaces uses the whole lease (issue 9 item 1)",
 	"two-jobs-one-block":     "two jobs of one Load may target one engine block (issue 9 item 3)",
 	"foreign-registration":   "any connection may use another's registration id (issue 9 item 4)",
 	"class-goroutines":       "the goroutines of a block-size class stay after its last user (issue 9 item 8)",
 	"lost-completions":       "a Completions reply cut off by its deadline loses its results (issue 9 item 2)",
+	"lost-wait-results":      "results of a Store or Load with wait, returned in a reply its caller gave up on, are lost",
+	"lease-beyond-prefix":    "a Lookup with a lease over several namespaces returns a lease (pinning blocks) when nothing is ready in all of them",
 }
 
-func newModel(sh Shape, tol Tolerances) *Model {
-	return &Model{sh: sh, keys: map[KeyRef]*keyState{}, tol: tol}
+func newModel(sh Shape, tol Tolerances, logf func(string, ...any)) *Model {
+	return &Model{sh: sh, keys: map[KeyRef]*keyState{}, tol: tol, watch: os.Getenv("KVMODEL_WATCH"), logf: logf}
 }
 
 func (m *Model) key(k KeyRef) *keyState {
@@ -100,6 +120,9 @@ func (m *Model) maybePresent(k KeyRef) bool { return len(m.key(k).present) > 0 }
 // present again.
 func (s *keyState) clearAfter(t int) {
 	keep := s.lastStore > t && s.lastStore > s.lastClear
+	for _, g := range s.present {
+		s.freed = addGen(s.freed, g)
+	}
 	s.present = s.present[:0]
 	if keep {
 		s.present = append(s.present, s.gen)
@@ -119,6 +142,7 @@ func (m *Model) storeAccepted(k KeyRef, t int) (alone bool, mustBase float64, mu
 	s.inflight++
 	s.lastStore = t
 	s.present = addGen(s.present, s.gen)
+	m.trace(k, "store accepted (alone %v)", alone)
 	return alone, mustBase, must
 }
 
@@ -143,43 +167,54 @@ func (m *Model) storeSettled(k KeyRef, b *blockRec, ok, lost bool, incarnation i
 		// when it was accepted, and its claim is gone now.
 		s.clearAfter(b.issued)
 	}
+	m.trace(k, "store of tick %d settled ok=%v lost=%v", b.issued, ok, lost)
 }
 
 // invalidated records an Invalidate of k at tick t.
 func (m *Model) invalidated(k KeyRef, t int) {
 	s := m.key(k)
-	for _, g := range s.present {
+	for _, g := range append(s.present, s.freed...) {
 		s.ghosts = addGen(s.ghosts, g)
 	}
-	s.present = s.present[:0]
+	s.present, s.freed = s.present[:0], nil
 	s.gen++
 	s.lastClear = t
 	s.must = false
 	s.corrupt = false
+	m.trace(k, "invalidated")
 }
 
 // loadFailed records a load block that failed in a way that drops it.
 func (m *Model) loadFailed(k KeyRef, issued int) {
 	m.key(k).clearAfter(issued)
+	m.trace(k, "load of tick %d failed", issued)
 }
 
 // restarted records a new daemon incarnation.
 func (m *Model) restarted(killed, empty bool, readFaults bool) {
 	m.readFaults = readFaults
+	defer func() {
+		for k := range m.keys {
+			m.trace(k, "restarted (killed %v, empty %v)", killed, empty)
+		}
+	}()
 	for _, s := range m.keys {
 		s.must = false
 		s.inflight = 0
 		if empty {
-			s.present, s.ghosts = s.present[:0], nil
+			s.present, s.freed, s.ghosts = s.present[:0], nil, nil
 			s.corrupt = false
 			continue
+		}
+		for _, g := range s.freed {
+			s.present = addGen(s.present, g)
 		}
 		if killed || m.tol["ghost-after-restart"] {
 			for _, g := range s.ghosts {
 				s.present = addGen(s.present, g)
 			}
 		}
-		if !killed {
+		if !killed && !m.tol["ghost-after-restart"] {
 			// A clean stop finishes every discard.
 			s.ghosts = nil
 		}
@@ -208,6 +243,8 @@ type blockRec struct {
 	// it (then MISSING is wrong).
 	allowed []uint32
 	leased  bool
+	// staleLease: its lease holds a generation invalidated since.
+	staleLease bool
 	// Both: the key was a must when the job was accepted, with this base.
 	must     bool
 	mustBase float64
@@ -223,13 +260,11 @@ type jobRec struct {
 	step        int
 	incarnation int
 	// maybe: the call that carried it failed in a way that leaves open
-	// whether the daemon accepted it.
-	maybe bool
+	// whether the daemon accepted it; returned is when it did.
+	maybe    bool
+	returned time.Time
 	// dma: a region fault may hit it (DMA_ERROR allowed).
 	dma bool
-	// leaseStale: its lease was taken before an Invalidate of a key it
-	// holds (see the lease-after-invalidate tolerance).
-	seen bool
 }
 
 // lease is a Lookup's lease as the runner saw it.

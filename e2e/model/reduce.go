@@ -41,6 +41,8 @@ func Reduce(o Options, f Finding, budget time.Duration, tries int, logf func(str
 			}
 			ro := o
 			ro.Keep, ro.Dir, ro.Trace, ro.Duration = cand, "", false, 0
+			// A finding before the end needs no end checks to show.
+			ro.SkipFinal = f.Step < o.Steps
 			ro.Logf = func(string, ...any) {}
 			_, err := Run(ro)
 			runs++
@@ -70,6 +72,24 @@ func Reduce(o Options, f Finding, budget time.Duration, tries int, logf func(str
 		}
 		if o.Keep != nil {
 			keep = append(keep[:0], o.Keep...)
+		}
+	}
+	// Whole kinds first: most operations of a long run do not matter to
+	// one finding, and dropping every lookup (say) at once is one try.
+	ops := Generate(o.Seed, o.Shape, o.Steps, o.Off)
+	for k := Kind(0); k < numKinds && time.Now().Before(deadline); k++ {
+		var cand []int
+		for _, i := range keep {
+			if i >= len(ops) || ops[i].Kind != k || i == best.Step {
+				cand = append(cand, i)
+			}
+		}
+		if len(cand) == len(keep) || len(cand) == 0 {
+			continue
+		}
+		if ok, g := fails(cand); ok {
+			keep, best = cut(cand, g), g
+			logf("reduce: without %s operations, %d still fail (%s)", k, len(keep), g.Category)
 		}
 	}
 	for n := 2; len(keep) > 1 && time.Now().Before(deadline); {

@@ -127,7 +127,7 @@ func NamedShape(name string) Shape {
 	s.Sets = namespaceSets
 	s.Clients = 4
 	s.Slots = 2
-	s.EngineBlocks = 32
+	s.EngineBlocks = 48
 	s.Chains = 16
 	s.ChainLen = 12
 	return s
