@@ -386,9 +386,9 @@ func (r *runner) settleLost(j *jobRec) {
 			r.m.storeSettled(j.blocks[i].key, &j.blocks[i], false, true, j.incarnation, r.p.Incarnation)
 		}
 	}
-	if !j.maybe {
-		r.unobserved++
-	}
+	// Counted even for a job the daemon may not have taken: if it did, its
+	// blocks are in the daemon's counters and its result is gone.
+	r.unobserved++
 }
 
 // dropReg forgets a registration: its jobs are orphans while the daemon may
