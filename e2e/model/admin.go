@@ -235,10 +235,18 @@ func (r *runner) regionFault(op Op) error {
 		return err
 	}
 	r.cut = g
-	errS := r.transfer(storeOp, g, store, Store, nil)
-	var errL error
+	var errS, errL error
+	if c, err := r.newTransfer(storeOp, g, store, Store, nil); err != nil {
+		errS = err
+	} else {
+		errS = r.runCalls([]call{c})
+	}
 	if errS == nil {
-		errL = r.transfer(loadOp, g, load, Load, nil)
+		if c, err := r.newTransfer(loadOp, g, load, Load, nil); err != nil {
+			errL = err
+		} else {
+			errL = r.runCalls([]call{c})
+		}
 	}
 	r.cut = nil
 	if err := os.Truncate(g.path, size); err != nil {

@@ -3,11 +3,14 @@ package model
 import (
 	"bytes"
 	"fmt"
+	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
@@ -63,13 +66,23 @@ type sentJob struct {
 }
 
 func (r *runner) store(op Op) error {
+	c, err := r.prepareStore(op)
+	if c == nil || err != nil {
+		return err
+	}
+	return r.runCalls([]call{c})
+}
+
+// prepareStore picks engine blocks, fills them with the keys' bytes and
+// builds the request; nil when the operation does not apply.
+func (r *runner) prepareStore(op Op) (*transferCall, error) {
 	g := r.conns[op.Client].regs[op.Slot]
 	if g == nil {
-		return r.skip()
+		return nil, r.skip()
 	}
 	spec := r.sh.NS[g.ns]
 	if op.Group >= spec.Groups() {
-		return r.skip()
+		return nil, r.skip()
 	}
 	var jobs []sentJob
 	var all []uint32
@@ -77,7 +90,7 @@ func (r *runner) store(op Op) error {
 		ks := r.keyRange(op, g.ns, j)
 		blocks, err := r.freeBlocks(g, op.Group, len(ks))
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if blocks == nil || overlaps(all, blocks) {
 			break
@@ -101,9 +114,9 @@ func (r *runner) store(op Op) error {
 		jobs = append(jobs, sentJob{rec: rec, wire: &pb.Job{JobId: rec.id, RequestId: fmt.Sprintf("s%d", r.step), Keys: packKeys(spec, op.Group, ks), BlockIds: blocks}})
 	}
 	if len(jobs) == 0 {
-		return r.skip()
+		return nil, r.skip()
 	}
-	return r.transfer(op, g, jobs, Store, nil)
+	return r.newTransfer(op, g, jobs, Store, nil)
 }
 
 func overlaps(a, b []uint32) bool {
@@ -116,13 +129,23 @@ func overlaps(a, b []uint32) bool {
 }
 
 func (r *runner) load(op Op) error {
+	c, err := r.prepareLoad(op)
+	if c == nil || err != nil {
+		return err
+	}
+	return r.runCalls([]call{c})
+}
+
+// prepareLoad picks engine blocks, poisons them, notes what each block may
+// receive, and builds the request; nil when the operation does not apply.
+func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 	g := r.conns[op.Client].regs[op.Slot]
 	if g == nil {
-		return r.skip()
+		return nil, r.skip()
 	}
 	spec := r.sh.NS[g.ns]
 	if op.Group >= spec.Groups() {
-		return r.skip()
+		return nil, r.skip()
 	}
 	var ls *lease
 	var leased []KeyRef
@@ -157,7 +180,7 @@ func (r *runner) load(op Op) error {
 		}
 		blocks, err := r.freeBlocks(g, op.Group, len(ks))
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if blocks == nil || overlaps(all, blocks) {
 			break
@@ -193,15 +216,15 @@ func (r *runner) load(op Op) error {
 		jobs = append(jobs, sentJob{rec: rec, wire: w})
 	}
 	if len(jobs) == 0 {
-		return r.skip()
+		return nil, r.skip()
 	}
-	var accepted func()
+	var accepted func(time.Time)
 	if ls != nil {
 		// Whether the lease holds the blocks is known once the call
 		// returns: the daemon took the lease inside it.
-		accepted = func() {
+		accepted = func(returned time.Time) {
 			j := jobs[0].rec
-			live := ls.live(time.Now()) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
+			live := ls.live(returned) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
 			for i := range j.blocks {
 				if _, ok := ls.keys[j.blocks[i].key]; ok {
 					j.blocks[i].leased = live
@@ -211,32 +234,123 @@ func (r *runner) load(op Op) error {
 			ls.anyUsed = true
 		}
 	}
-	return r.transfer(op, g, jobs, Load, accepted)
+	return r.newTransfer(op, g, jobs, Load, accepted)
 }
 
-// transfer sends a Store or Load and files its jobs; accepted, if set,
-// runs once the daemon has taken them, before any result is checked.
-func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted func()) error {
+// call is one request: prepared from the model as it stands, sent (maybe
+// at once with others: a burst), then finished, in order, against the
+// model.
+type call interface {
+	send()
+	finish(contested map[KeyRef]bool) error
+	kind() Kind
+}
+
+// runCalls sends calls at once and finishes them: transfers first (so
+// their jobs are filed before any Completions can report them), stores
+// before loads, then lookups and completions.
+func (r *runner) runCalls(calls []call) error {
+	if len(calls) == 1 {
+		calls[0].send()
+	} else {
+		var wg sync.WaitGroup
+		for _, c := range calls {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				c.send()
+			}()
+		}
+		wg.Wait()
+	}
+	// Keys two stores of one burst wrote: which of them claimed is
+	// unknown, so neither one's OK proves its key ready.
+	seen := map[KeyRef]int{}
+	for _, c := range calls {
+		if t, ok := c.(*transferCall); ok && t.kindOf == Store {
+			for _, j := range t.jobs {
+				for _, b := range j.rec.blocks {
+					seen[b.key]++
+				}
+			}
+		}
+	}
+	contested := map[KeyRef]bool{}
+	for k, n := range seen {
+		if n > 1 {
+			contested[k] = true
+		}
+	}
+	slices.SortStableFunc(calls, func(a, b call) int { return callOrder(a.kind()) - callOrder(b.kind()) })
+	var first error
+	for _, c := range calls {
+		if err := c.finish(contested); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+func callOrder(k Kind) int {
+	switch k {
+	case Store:
+		return 0
+	case Load:
+		return 1
+	case Lookup:
+		return 2
+	}
+	return 3
+}
+
+// transferCall is a Store or Load request.
+type transferCall struct {
+	r        *runner
+	op       Op
+	g        *reg
+	jobs     []sentJob
+	kindOf   Kind
+	accepted func(returned time.Time)
+	cl       *client.Client
+	req      *pb.TransferRequest
+	timeout  time.Duration
+	resp     *pb.TransferResponse
+	err      error
+	returned time.Time
+}
+
+func (r *runner) newTransfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted func(time.Time)) (*transferCall, error) {
 	cl, err := r.client(g.client)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	req := &pb.TransferRequest{RegistrationId: g.id, Wait: op.Wait}
+	c := &transferCall{r: r, op: op, g: g, jobs: jobs, kindOf: kind, accepted: accepted, cl: cl, timeout: callTimeout}
+	c.req = &pb.TransferRequest{RegistrationId: g.id, Wait: op.Wait}
 	for _, j := range jobs {
-		req.Jobs = append(req.Jobs, j.wire)
+		c.req.Jobs = append(c.req.Jobs, j.wire)
 	}
-	timeout := callTimeout
 	if op.Abandon {
-		timeout = time.Duration(1+r.rng.IntN(3)) * time.Millisecond
+		c.timeout = time.Duration(1+r.rng.IntN(3)) * time.Millisecond
 	}
-	ctx, cancel := ctxFor(timeout)
+	return c, nil
+}
+
+func (c *transferCall) kind() Kind { return c.kindOf }
+
+func (c *transferCall) send() {
+	ctx, cancel := ctxFor(c.timeout)
 	defer cancel()
-	var resp *pb.TransferResponse
-	if kind == Store {
-		resp, err = cl.API.Store(ctx, req)
+	if c.kindOf == Store {
+		c.resp, c.err = c.cl.API.Store(ctx, c.req)
 	} else {
-		resp, err = cl.API.Load(ctx, req)
+		c.resp, c.err = c.cl.API.Load(ctx, c.req)
 	}
+	c.returned = time.Now()
+}
+
+// finish files the jobs the daemon took and checks any results.
+func (c *transferCall) finish(contested map[KeyRef]bool) error {
+	r, op, g, jobs, kind, resp, err := c.r, c.op, c.g, c.jobs, c.kindOf, c.resp, c.err
 	maybe := false
 	switch codeOf(err) {
 	case codes.OK:
@@ -258,7 +372,7 @@ func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted fun
 	t := r.m.next()
 	for _, j := range jobs {
 		rec := j.rec
-		rec.issued, rec.maybe, rec.returned = t, maybe, time.Now()
+		rec.issued, rec.maybe, rec.returned = t, maybe, c.returned
 		rec.dma = rec.dma || r.cut == g
 		for i := range rec.blocks {
 			b := &rec.blocks[i]
@@ -266,6 +380,7 @@ func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted fun
 			g.busy[[2]int{rec.group, int(b.block)}] = rec.id
 			if kind == Store {
 				b.alone, b.mustBase, b.must = r.m.storeAccepted(b.key, t)
+				b.alone = b.alone && !contested[b.key]
 				b.base = r.lastLoss
 			}
 		}
@@ -276,8 +391,8 @@ func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted fun
 			r.c.LoadJobs++
 		}
 	}
-	if accepted != nil {
-		accepted()
+	if c.accepted != nil {
+		c.accepted(c.returned)
 	}
 	if resp != nil && op.Wait {
 		if len(resp.GetResults()) != len(jobs) {
@@ -298,32 +413,86 @@ func (r *runner) transfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted fun
 }
 
 func (r *runner) completions(op Op) error {
+	c, err := r.prepareCompletions(op)
+	if c == nil || err != nil {
+		return err
+	}
+	return r.runCalls([]call{c})
+}
+
+// completionsCall is a Completions request; cut ones have a deadline too
+// short for their wait.
+type completionsCall struct {
+	r       *runner
+	g       *reg
+	cl      *client.Client
+	req     *pb.CompletionsRequest
+	timeout time.Duration
+	cut     bool
+	resp    *pb.CompletionsResponse
+	err     error
+}
+
+func (c *completionsCall) kind() Kind { return Completions }
+
+func (c *completionsCall) send() {
+	ctx, cancel := ctxFor(c.timeout)
+	defer cancel()
+	c.resp, c.err = c.cl.API.Completions(ctx, c.req)
+}
+
+func (r *runner) prepareCompletions(op Op) (*completionsCall, error) {
 	g := r.conns[op.Client].regs[op.Slot]
 	if g == nil {
-		return r.skip()
+		return nil, r.skip()
+	}
+	c, err := r.newCompletions(g, op.WaitMs, op.MaxJobs)
+	if err != nil {
+		return nil, err
 	}
 	if op.Seed%7 == 0 {
 		// A reply cut off by the caller's deadline must not take results
 		// with it (issue 9 item 2, DESIGN §3.8).
-		return r.cutCompletions(g)
+		c.cut = true
+		c.req.WaitMs = 20
+		c.timeout = time.Duration(1+r.rng.IntN(2)) * time.Millisecond
 	}
-	return r.readCompletions(g, op.WaitMs, op.MaxJobs)
+	return c, nil
+}
+
+func (r *runner) newCompletions(g *reg, waitMs, maxJobs uint32) (*completionsCall, error) {
+	cl, err := r.client(g.client)
+	if err != nil {
+		return nil, err
+	}
+	return &completionsCall{r: r, g: g, cl: cl, timeout: callTimeout,
+		req: &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: waitMs, MaxJobs: maxJobs}}, nil
 }
 
 // readCompletions reads one Completions reply of g and checks each result.
 func (r *runner) readCompletions(g *reg, waitMs, maxJobs uint32) error {
-	cl, err := r.client(g.client)
+	c, err := r.newCompletions(g, waitMs, maxJobs)
 	if err != nil {
 		return err
 	}
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	resp, err := cl.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: waitMs, MaxJobs: maxJobs})
+	c.send()
+	return c.finish(nil)
+}
+
+func (c *completionsCall) finish(map[KeyRef]bool) error {
+	r, g, resp, err := c.r, c.g, c.resp, c.err
+	if c.cut && (codeOf(err) == codes.DeadlineExceeded || codeOf(err) == codes.Canceled) {
+		g.cutoff = r.m.next()
+		return nil
+	}
 	if err != nil {
 		return r.rpcErr("Completions", err)
 	}
-	if maxJobs > 0 && len(resp.GetResults()) > int(maxJobs) {
-		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", maxJobs, len(resp.GetResults()))
+	if r.conns[g.client].regs[g.slot] != g {
+		return nil // dropped (an earlier finish of a burst failed)
+	}
+	if mj := c.req.GetMaxJobs(); mj > 0 && len(resp.GetResults()) > int(mj) {
+		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", mj, len(resp.GetResults()))
 	}
 	for _, res := range resp.GetResults() {
 		if err := r.result(g, res); err != nil {
@@ -332,29 +501,6 @@ func (r *runner) readCompletions(g *reg, waitMs, maxJobs uint32) error {
 	}
 	if p := int(resp.GetPending()); p > len(g.jobs) {
 		return r.fail("accounting", "Completions says %d jobs pending, the registration has %d unfinished", p, len(g.jobs))
-	}
-	return nil
-}
-
-func (r *runner) cutCompletions(g *reg) error {
-	cl, err := r.client(g.client)
-	if err != nil {
-		return err
-	}
-	ctx, cancel := ctxFor(time.Duration(1+r.rng.IntN(2)) * time.Millisecond)
-	defer cancel()
-	resp, err := cl.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: 20})
-	switch codeOf(err) {
-	case codes.OK:
-		for _, res := range resp.GetResults() {
-			if err := r.result(g, res); err != nil {
-				return err
-			}
-		}
-	case codes.DeadlineExceeded, codes.Canceled:
-		g.cutoff = r.m.next()
-	default:
-		return r.rpcErr("Completions", err)
 	}
 	return nil
 }
@@ -553,21 +699,51 @@ func (r *runner) mustHold(k KeyRef, base float64, what string) error {
 }
 
 func (r *runner) lookup(op Op) error {
+	c, err := r.prepareLookup(op)
+	if c == nil || err != nil {
+		return err
+	}
+	return r.runCalls([]call{c})
+}
+
+// lookupCall is a Lookup request.
+type lookupCall struct {
+	r    *runner
+	op   Op
+	set  []int
+	ks   [][]KeyRef // per namespace of the set
+	cl   *client.Client
+	req  *pb.LookupRequest
+	sent time.Time
+	resp *pb.LookupResponse
+	err  error
+}
+
+func (c *lookupCall) kind() Kind { return Lookup }
+
+func (c *lookupCall) send() {
+	c.sent = time.Now()
+	ctx, cancel := ctxFor(callTimeout)
+	defer cancel()
+	c.resp, c.err = c.cl.API.Lookup(ctx, c.req)
+}
+
+func (r *runner) prepareLookup(op Op) (*lookupCall, error) {
 	set := r.sh.Sets[op.NS]
 	spec := r.sh.NS[set[0]]
 	if op.Group >= spec.Groups() {
-		return r.skip()
+		return nil, r.skip()
 	}
 	ids, ok, err := r.ids(set, op.Client)
 	if err != nil || !ok {
 		if err == nil {
-			return r.skip()
+			return nil, r.skip()
 		}
-		return err
+		return nil, err
 	}
 	cl, err := r.client(op.Client)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ks := make([][]KeyRef, len(set))
 	for i, ns := range set {
@@ -575,15 +751,19 @@ func (r *runner) lookup(op Op) error {
 			ks[i] = append(ks[i], KeyRef{NS: ns, Group: op.Group, Chain: op.Chain, Pos: p})
 		}
 	}
-	sent := time.Now()
-	ctx, cancel := ctxFor(callTimeout)
-	defer cancel()
-	resp, err := cl.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: ids, Keys: packKeys(spec, op.Group, ks[0]), LeaseMs: op.LeaseMs, Peek: op.Peek})
+	req := &pb.LookupRequest{NamespaceIds: ids, Keys: packKeys(spec, op.Group, ks[0]), LeaseMs: op.LeaseMs, Peek: op.Peek}
+	return &lookupCall{r: r, op: op, set: set, ks: ks, cl: cl, req: req}, nil
+}
+
+// finish checks the answer: every offered key may be there, a key that
+// must be there is offered unless a loss was counted, a lease comes with
+// what it holds.
+func (c *lookupCall) finish(map[KeyRef]bool) error {
+	r, op, set, ks, sent, resp, err := c.r, c.op, c.set, c.ks, c.sent, c.resp, c.err
 	if err != nil {
 		return r.rpcErr("Lookup", err)
 	}
-	t := r.m.next()
-	_ = t
+	r.m.next()
 	r.c.Lookups++
 	n := int(resp.GetReady())
 	r.c.Offered += n
@@ -648,4 +828,49 @@ func (r *runner) lookup(op Op) error {
 		return r.fail("wrong-result", "Lookup without a lease returned lease %d", resp.GetLeaseId())
 	}
 	return nil
+}
+
+// burst sends its operations at once, over their own connections (several
+// may share one), and checks them against the model as it stood before:
+// the daemon's handlers run concurrently, as an engine's worker, scheduler
+// and other ranks make them.
+func (r *runner) burst(op Op) error {
+	var calls []call
+	for i, sub := range op.Sub {
+		r.rng = rand.New(rand.NewPCG(sub.Seed, uint64(r.step)<<8|uint64(i)))
+		var c call
+		var err error
+		switch sub.Kind {
+		case Store:
+			var t *transferCall
+			if t, err = r.prepareStore(sub); t != nil {
+				c = t
+			}
+		case Load:
+			var t *transferCall
+			if t, err = r.prepareLoad(sub); t != nil {
+				c = t
+			}
+		case Lookup:
+			var l *lookupCall
+			if l, err = r.prepareLookup(sub); l != nil {
+				c = l
+			}
+		case Completions:
+			var cc *completionsCall
+			if cc, err = r.prepareCompletions(sub); cc != nil {
+				c = cc
+			}
+		}
+		if err != nil {
+			return err
+		}
+		if c != nil {
+			calls = append(calls, c)
+		}
+	}
+	if len(calls) == 0 {
+		return nil
+	}
+	return r.runCalls(calls)
 }

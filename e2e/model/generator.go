@@ -25,6 +25,8 @@ var weights = [numKinds]int{
 	RegionFault:    6,
 	BadRequest:     14,
 	Stats:          8,
+	Burst:          60,
+	RegisterRace:   4,
 	Check:          8,
 }
 
@@ -262,6 +264,18 @@ func (g *gen) op(k Kind) Op {
 	case BadRequest:
 		o.Client, o.Slot = g.pickSlot()
 		o.Count = rng.IntN(numBad)
+	case RegisterRace:
+		o.Client = rng.IntN(g.sh.Clients)
+		o.NS = rng.IntN(len(g.sh.NS))
+	case Burst:
+		kinds := []Kind{Store, Store, Store, Load, Load, Load, Lookup, Lookup, Completions, Completions}
+		for n := 2 + rng.IntN(3); len(o.Sub) < n; {
+			if k := kinds[rng.IntN(len(kinds))]; g.allowed(k) {
+				o.Sub = append(o.Sub, g.op(k))
+			} else if len(o.Sub) == 0 && !g.allowed(Store) && !g.allowed(Load) && !g.allowed(Lookup) && !g.allowed(Completions) {
+				break
+			}
+		}
 	}
 	return o
 }

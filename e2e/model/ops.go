@@ -29,13 +29,15 @@ const (
 	RegionFault                // shrink a registration's region file under a store and a load, then restore it
 	BadRequest                 // a malformed or refused request: the right code, and nothing accepted
 	Stats                      // Stats agrees with the model
+	Burst                      // stores, loads, lookups and completions sent at once
+	RegisterRace               // a Register racing the close of its connection (issue 9 item 6)
 	Check                      // quiesce, then every accounting check
 	numKinds
 )
 
 var kindNames = [...]string{"register", "unregister", "resolve", "lookup", "store", "load", "completions",
 	"invalidate-keys", "invalidate-ns", "disconnect", "restart", "kill", "corrupt", "region-fault",
-	"bad-request", "stats", "check"}
+	"bad-request", "stats", "burst", "register-race", "check"}
 
 func (k Kind) String() string {
 	if int(k) < len(kindNames) {
@@ -109,6 +111,7 @@ type Op struct {
 	Reset  bool
 	Count  int // Corrupt: slots to damage; BadRequest: the variant
 	Seed   uint64
+	Sub    []Op // Burst: the operations sent at once
 }
 
 func (o Op) String() string {
@@ -161,6 +164,17 @@ func (o Op) String() string {
 		fmt.Fprintf(&b, " c%d/r%d g%d chain %d", o.Client, o.Slot, o.Group, o.Chain)
 	case BadRequest:
 		fmt.Fprintf(&b, " %s c%d/r%d", badNames[o.Count], o.Client, o.Slot)
+	case RegisterRace:
+		fmt.Fprintf(&b, " c%d ns%d", o.Client, o.NS)
+	case Burst:
+		b.WriteString(" [")
+		for i, s := range o.Sub {
+			if i > 0 {
+				b.WriteString("; ")
+			}
+			b.WriteString(s.String())
+		}
+		b.WriteString("]")
 	}
 	fmt.Fprintf(&b, " #%x", o.Seed&0xffff)
 	return b.String()

@@ -330,6 +330,10 @@ func (r *runner) do(op Op) error {
 		return r.badRequest(op)
 	case Stats:
 		return r.stats(op.Client)
+	case Burst:
+		return r.burst(op)
+	case RegisterRace:
+		return r.registerRace(op)
 	case Check:
 		return r.quiesce()
 	}
@@ -662,4 +666,54 @@ func sortedKeys[M ~map[K]V, K comparable, V any](m M, less func(a, b K) bool) []
 	}
 	sort.Slice(out, func(i, j int) bool { return less(out[i], out[j]) })
 	return out
+}
+
+// registerRace registers over a connection of its own and closes that
+// connection while the Register may still be in the daemon: whatever the
+// race's outcome, the registration must go with the connection (its count
+// and mappings are checked when the daemon is next quiet, and at the end).
+func (r *runner) registerRace(op Op) error {
+	spec := r.sh.NS[op.NS]
+	g, err := r.newRegion(spec, 4, false)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		unix.Munmap(g.mem)
+		os.Remove(g.path)
+	}()
+	cl, err := client.Dial(r.p.Socket)
+	if err != nil {
+		return err
+	}
+	// Connect first, so the race is with the Register, not the dial.
+	ctx, cancel := ctxFor(callTimeout)
+	defer cancel()
+	if _, err := cl.Resolve(ctx, []byte(spec.Fingerprint)); err != nil {
+		cl.Close()
+		return r.rpcErr("Resolve", err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := cl.Register(ctx, []byte(spec.Fingerprint), spec.Layout(), g.wire(), "register-race")
+		done <- err
+	}()
+	time.Sleep(time.Duration(r.rng.IntN(1500)) * time.Microsecond)
+	cl.Close()
+	err = <-done
+	r.m.next()
+	if err == nil {
+		// Taken: the namespace exists, and the registration drains with
+		// its connection.
+		r.orphanRegs = append(r.orphanRegs, op.NS)
+		r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
+	} else if c := codeOf(err); c != codes.Canceled && c != codes.Unavailable {
+		return r.rpcErr("Register racing its connection's close", err)
+	} else {
+		// Refused or cut: it may still have been taken, and made the
+		// namespace.
+		r.orphanRegs = append(r.orphanRegs, op.NS)
+		r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
+	}
+	return nil
 }
