@@ -119,6 +119,7 @@ func (r *runner) restart(op Op) error {
 		r.settleLost(j)
 	}
 	r.orphans, r.orphanRegs, r.leases, r.leaseEnds = nil, nil, nil, nil
+	r.raced, r.racedPaths, r.leaked = nil, nil, 0
 	faults, reset := "", false
 	if r.sh.Disk() {
 		faults, reset = op.Faults, op.Reset

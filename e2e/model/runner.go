@@ -140,6 +140,13 @@ type runner struct {
 	// still runs them. They settle when pending_jobs reaches 0.
 	orphans    []*jobRec
 	orphanRegs []int // specs of registrations still draining after a disconnect
+	// raced: specs of registrations a register-race may have made, which
+	// must be gone when the daemon is next quiet (issue 9 item 6); their
+	// namespaces may exist. racedPaths are their region files.
+	raced      []int
+	racedNS    map[int]bool // in this incarnation
+	racedPaths []string
+	leaked     int // raced registrations still there when quiet (register-race-leak)
 
 	lastLoss float64 // loss counter at the last scrape of this incarnation
 	// maybesSettled: maybe-jobs of this incarnation settled as not taken;
@@ -376,6 +383,7 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 	}
 	r.lastLoss = m.Losses()
 	r.tally = map[string]float64{}
+	r.racedNS = map[int]bool{}
 	r.unobserved, r.maybesSettled = 0, 0
 	r.faultsInc = 0
 	r.baseGor = m.Sum("go_goroutines")
@@ -533,6 +541,7 @@ func (r *runner) register(op Op) error {
 	switch {
 	case resp.GetJoinedExisting() && !knownBefore && !r.inCat[op.NS]:
 		return r.fail("namespace", "Register of %s joined an existing namespace %d that nobody registered", spec.Fingerprint, resp.GetNamespaceId())
+	case resp.GetJoinedExisting() && !knownBefore && !r.inCat[op.NS] && r.racedNS[op.NS]:
 	case !resp.GetJoinedExisting() && r.live[op.NS] > 0:
 		return r.fail("namespace", "Register of %s made a new namespace %d while registration(s) of it are live in namespace %d", spec.Fingerprint, resp.GetNamespaceId(), r.nsID[op.NS])
 	case knownBefore && r.live[op.NS] > 0 && resp.GetNamespaceId() != r.nsID[op.NS]:
@@ -623,7 +632,7 @@ func (r *runner) resolve(c int) error {
 		switch {
 		case id == 0 && r.live[i] > 0:
 			return r.fail("resolve", "%s resolves to nothing with %d live registration(s) in namespace %d", r.sh.NS[i].Fingerprint, r.live[i], r.nsID[i])
-		case id != 0 && r.nsID[i] == 0 && !r.inCat[i]:
+		case id != 0 && r.nsID[i] == 0 && !r.inCat[i] && !r.racedNS[i]:
 			return r.fail("resolve", "%s resolves to namespace %d, never registered since the disk tier last started empty", r.sh.NS[i].Fingerprint, id)
 		case id != 0 && r.live[i] > 0 && id != r.nsID[i]:
 			return r.fail("resolve", "%s resolves to namespace %d, its live registrations are in %d", r.sh.NS[i].Fingerprint, id, r.nsID[i])
@@ -702,18 +711,14 @@ func (r *runner) registerRace(op Op) error {
 	cl.Close()
 	err = <-done
 	r.m.next()
-	if err == nil {
-		// Taken: the namespace exists, and the registration drains with
-		// its connection.
-		r.orphanRegs = append(r.orphanRegs, op.NS)
-		r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
-	} else if c := codeOf(err); c != codes.Canceled && c != codes.Unavailable {
+	if c := codeOf(err); err != nil && c != codes.Canceled && c != codes.Unavailable {
 		return r.rpcErr("Register racing its connection's close", err)
-	} else {
-		// Refused or cut: it may still have been taken, and made the
-		// namespace.
-		r.orphanRegs = append(r.orphanRegs, op.NS)
-		r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
 	}
+	// Taken, refused or cut, it may have been taken and made the
+	// namespace; the registration must go with its connection.
+	r.raced = append(r.raced, op.NS)
+	r.racedNS[op.NS] = true
+	r.racedPaths = append(r.racedPaths, g.path)
+	r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
 	return nil
 }
