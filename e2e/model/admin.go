@@ -410,8 +410,8 @@ func (r *runner) stats(c int) error {
 		if !ok {
 			return r.fail("accounting", "Stats names namespace %d with a fingerprint nobody registered: %q", n.GetNamespaceId(), n.GetFingerprint())
 		}
-		draining := 0
-		for _, o := range r.orphanRegs {
+		draining := r.leaked
+		for _, o := range append(append([]int{}, r.orphanRegs...), r.raced...) {
 			if o == i {
 				draining++
 			}

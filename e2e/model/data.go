@@ -673,7 +673,8 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 			return r.fail("unexpected-status", "load job %d (step %d): %s NO_SPACE without a disk tier to stage from", j.id, j.step, b.key)
 		}
 	case pb.BlockStatus_BLOCK_STATUS_IO_ERROR, pb.BlockStatus_BLOCK_STATUS_CORRUPT:
-		if !r.m.readFaults && !ks.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) {
+		underRead := ks.lastClear > b.issued && r.o.Tol["discard-under-read"]
+		if !r.m.readFaults && !ks.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
 		r.m.loadFailed(b.key, b.issued)

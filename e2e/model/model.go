@@ -90,6 +90,7 @@ var KnownTolerances = map[string]string{
 	"class-goroutines":       "the goroutines of a block-size class stay after its last user (issue 9 item 8)",
 	"lost-completions":       "a Completions reply cut off by its deadline loses its results (issue 9 item 2)",
 	"lost-wait-results":      "results of a Store or Load with wait, returned in a reply its caller gave up on, are lost",
+	"discard-under-read":     "an Invalidate zeroes the disk slot a load in flight is reading: the load fails CORRUPT",
 	"register-race-leak":     "a Register racing its connection's close is never released (issue 9 item 6)",
 	"lease-beyond-prefix":    "a Lookup with a lease over several namespaces returns a lease (pinning blocks) when nothing is ready in all of them",
 }
