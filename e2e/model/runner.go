@@ -539,9 +539,8 @@ func (r *runner) register(op Op) error {
 	}
 	r.m.next()
 	switch {
-	case resp.GetJoinedExisting() && !knownBefore && !r.inCat[op.NS]:
+	case resp.GetJoinedExisting() && !knownBefore && !r.inCat[op.NS] && !r.racedNS[op.NS]:
 		return r.fail("namespace", "Register of %s joined an existing namespace %d that nobody registered", spec.Fingerprint, resp.GetNamespaceId())
-	case resp.GetJoinedExisting() && !knownBefore && !r.inCat[op.NS] && r.racedNS[op.NS]:
 	case !resp.GetJoinedExisting() && r.live[op.NS] > 0:
 		return r.fail("namespace", "Register of %s made a new namespace %d while registration(s) of it are live in namespace %d", spec.Fingerprint, resp.GetNamespaceId(), r.nsID[op.NS])
 	case knownBefore && r.live[op.NS] > 0 && resp.GetNamespaceId() != r.nsID[op.NS]:
