@@ -43,6 +43,7 @@ func Reduce(o Options, f Finding, budget time.Duration, tries int, logf func(str
 			ro.Keep, ro.Dir, ro.Trace, ro.Duration = cand, "", false, 0
 			// A finding before the end needs no end checks to show.
 			ro.SkipFinal = f.Step < o.Steps
+			ro.DropDir = true
 			ro.Logf = func(string, ...any) {}
 			_, err := Run(ro)
 			runs++

@@ -42,6 +42,8 @@ type Options struct {
 	// SkipFinal skips the end-of-run checks (the reducer chasing a
 	// finding made before the end).
 	SkipFinal bool
+	// DropDir removes the run's directory even when it fails.
+	DropDir bool
 }
 
 // Counts are what a run did.
@@ -200,10 +202,16 @@ func Run(o Options) (Counts, error) {
 	err = r.run()
 	r.c.Elapsed = time.Since(start)
 	r.teardown()
-	if err == nil && o.Dir == "" {
+	switch {
+	case o.Dir != "":
+	case err == nil || o.DropDir:
 		os.RemoveAll(dir)
-	} else if err != nil {
-		o.Logf("run directory kept: %s (daemon logs kvoffloadd-N.log)", dir)
+	default:
+		// The logs are what a failure needs; the slot files are large.
+		if p.DiskDir != "" {
+			os.RemoveAll(p.DiskDir)
+		}
+		o.Logf("daemon logs kept: %s/kvoffloadd-N.log", dir)
 	}
 	return r.c, err
 }
