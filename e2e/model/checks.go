@@ -445,6 +445,8 @@ func (r *runner) finalChecks() error {
 	if err := r.p.Stop(); err != nil {
 		return r.fail("daemon", "%v", err)
 	}
+	skipped := r.c.Skipped
+	defer func() { r.c.Skipped = skipped }()
 	if r.sh.Disk() {
 		// Everything was invalidated before a clean stop: nothing may
 		// come back (docs/disk-format.md).

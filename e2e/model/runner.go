@@ -26,8 +26,11 @@ type Options struct {
 	Off    map[Kind]bool // kinds never generated
 	// Steps to generate; with Keep, only those indices run (a reduced
 	// sequence). Duration > 0 instead runs the stream until it passes.
-	Steps    int
-	Keep     []int
+	Steps int
+	Keep  []int
+	// Ops, when set, is the sequence itself (a regression case written
+	// out) instead of one generated from Seed.
+	Ops      []Op
 	Duration time.Duration
 	Tol      Tolerances
 	// MetricsEvery: the light accounting check runs after every this
@@ -233,7 +236,10 @@ func (r *runner) run() error {
 			return g.Next(), i, time.Now().Before(deadline)
 		}
 	default:
-		ops := Generate(r.o.Seed, r.sh, r.o.Steps, r.o.Off)
+		ops := r.o.Ops
+		if ops == nil {
+			ops = Generate(r.o.Seed, r.sh, r.o.Steps, r.o.Off)
+		}
 		idx := r.o.Keep
 		if idx == nil {
 			idx = make([]int, len(ops))
