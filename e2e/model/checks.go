@@ -170,8 +170,8 @@ func (r *runner) youngestMaybe() time.Duration {
 // maybeGrace is how long after its call gave up a job that the daemon may
 // have taken can still turn up: the handler of a request whose caller left
 // still runs it (the daemon accepts before it looks at the deadline), a
-// few scheduling delays later.
-const maybeGrace = time.Second
+// few scheduling delays later, or many on a loaded machine.
+const maybeGrace = 3 * time.Second
 
 // lostJobs settles the jobs with no result once nothing is pending: a job
 // the daemon may never have accepted (its call gave up) was not; any other

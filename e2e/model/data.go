@@ -703,7 +703,7 @@ func (r *runner) describeBlock(g *reg, spec NSSpec, group int, block uint32) str
 // Counters move just after the index does, so it looks again for a while
 // before it calls the loss uncounted.
 func (r *runner) mustHold(k KeyRef, base float64, what string) error {
-	deadline := time.Now().Add(2 * time.Second)
+	deadline := time.Now().Add(5 * time.Second)
 	for {
 		m, err := r.p.Metrics()
 		if err != nil {
@@ -729,12 +729,16 @@ func (r *runner) lookup(op Op) error {
 
 // lookupCall is a Lookup request.
 type lookupCall struct {
-	r    *runner
-	op   Op
-	set  []int
-	ks   [][]KeyRef // per namespace of the set
-	cl   *client.Client
-	req  *pb.LookupRequest
+	r   *runner
+	op  Op
+	set []int
+	ks  [][]KeyRef // per namespace of the set
+	cl  *client.Client
+	req *pb.LookupRequest
+	// must and base: each key's must state when the call was prepared; a
+	// store of the same burst may make a key a must after the lookup ran.
+	must [][]bool
+	base [][]float64
 	sent time.Time
 	resp *pb.LookupResponse
 	err  error
@@ -773,7 +777,16 @@ func (r *runner) prepareLookup(op Op) (*lookupCall, error) {
 		}
 	}
 	req := &pb.LookupRequest{NamespaceIds: ids, Keys: packKeys(spec, op.Group, ks[0]), LeaseMs: op.LeaseMs, Peek: op.Peek}
-	return &lookupCall{r: r, op: op, set: set, ks: ks, cl: cl, req: req}, nil
+	c := &lookupCall{r: r, op: op, set: set, ks: ks, cl: cl, req: req}
+	for _, row := range ks {
+		must, base := make([]bool, len(row)), make([]float64, len(row))
+		for i, k := range row {
+			st := r.m.key(k)
+			must[i], base[i] = st.must, st.mustBase
+		}
+		c.must, c.base = append(c.must, must), append(c.base, base)
+	}
+	return c, nil
 }
 
 // finish checks the answer: every offered key may be there, a key that
@@ -811,13 +824,12 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 		// a loss must have been counted since the earliest was stored.
 		base, allMust := 0.0, true
 		for s := range set {
-			st := r.m.key(ks[s][n])
-			if !st.must {
+			if !c.must[s][n] || !r.m.key(ks[s][n]).must {
 				allMust = false
 				break
 			}
-			if s == 0 || st.mustBase < base {
-				base = st.mustBase
+			if s == 0 || c.base[s][n] < base {
+				base = c.base[s][n]
 			}
 		}
 		if allMust {

@@ -203,7 +203,7 @@ func (g *gen) op(k Kind) Op {
 		o.N = 1 + rng.IntN(min(8, g.sh.ChainLen-o.From))
 		o.Jobs = 1 + rng.IntN(3)
 		o.Wait = rng.IntN(4) == 0
-		o.Abandon = o.Wait && rng.IntN(3) == 0
+		o.Abandon = o.Wait && rng.IntN(5) == 0
 		o.UseLease = k == Load && rng.IntN(2) == 0
 		if k == Store {
 			key := [2]int{ns, o.Group}
