@@ -148,7 +148,7 @@ func (r *runner) corrupt(op Op) error {
 		return r.skip()
 	}
 	payload := r.sh.NS[op.NS].Payload(op.Group)
-	f, err := corrupt.New(r.p.DiskDir, int64(r.sh.DiskChunk), int64(payload), op.Seed)
+	f, err := corrupt.New(r.p.DiskDirs[int(op.Seed>>8)%len(r.p.DiskDirs)], int64(r.sh.DiskChunk), int64(payload), op.Seed)
 	if err != nil {
 		return err
 	}

@@ -22,9 +22,10 @@ import (
 // Proc is the real kvoffloadd binary, started and stopped by the runner:
 // its socket, its metrics address, and one log file per incarnation.
 type Proc struct {
-	Binary  string
-	Dir     string // private: the socket and the logs
-	DiskDir string // the disk tier's directory, kept across restarts
+	Binary   string
+	Dir      string   // private: the socket and the logs
+	DiskDir  string   // holds the disk tier's directories, kept across restarts
+	DiskDirs []string // one --disk-dir each
 
 	Socket      string
 	MetricsAddr string
@@ -40,7 +41,7 @@ type Proc struct {
 }
 
 // NewProc prepares a daemon in fresh directories under dir.
-func NewProc(binary, dir string, disk bool) (*Proc, error) {
+func NewProc(binary, dir string, diskDirs int) (*Proc, error) {
 	flags, err := daemon.Flags(binary)
 	if err != nil {
 		return nil, err
@@ -49,10 +50,14 @@ func NewProc(binary, dir string, disk bool) (*Proc, error) {
 	if len(p.Socket) > 107 {
 		return nil, fmt.Errorf("socket path %s is too long for a unix socket", p.Socket)
 	}
-	if disk {
+	if diskDirs > 0 {
 		p.DiskDir = filepath.Join(dir, "disk")
-		if err := os.Mkdir(p.DiskDir, 0o700); err != nil {
-			return nil, err
+		for i := 0; i < diskDirs; i++ {
+			d := filepath.Join(p.DiskDir, strconv.Itoa(i))
+			if err := os.MkdirAll(d, 0o700); err != nil {
+				return nil, err
+			}
+			p.DiskDirs = append(p.DiskDirs, d)
 		}
 	}
 	return p, nil
@@ -96,7 +101,10 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 		args = append(args, "--debug-checks")
 	}
 	if sh.Disk() {
-		args = append(args, "--disk-dir", p.DiskDir, "--disk-bytes", strconv.FormatUint(sh.DiskBytes, 10),
+		for _, d := range p.DiskDirs {
+			args = append(args, "--disk-dir", d)
+		}
+		args = append(args, "--disk-bytes", strconv.FormatUint(sh.DiskBytes, 10),
 			"--disk-chunk-bytes", strconv.FormatUint(sh.DiskChunk, 10), "--disk-direct", "fallback")
 		if sh.WriteThrough {
 			args = append(args, "--write-through")

@@ -189,7 +189,7 @@ func Run(o Options) (Counts, error) {
 		dir = d
 	}
 	r.dir = dir
-	p, err := NewProc(o.Binary, dir, r.sh.Disk())
+	p, err := NewProc(o.Binary, dir, r.sh.DiskDirs())
 	if err != nil {
 		return r.c, err
 	}

@@ -57,7 +57,8 @@ type Shape struct {
 	Name         string
 	CPUBytes     uint64
 	CPUChunk     uint64
-	DiskBytes    uint64 // 0: no disk tier
+	DiskBytes    uint64 // per directory; 0: no disk tier
+	Stripe       int    // disk directories (0: one)
 	DiskChunk    uint64
 	WriteThrough bool
 	// Faults: restarts may turn on a --fault-spec plan.
@@ -78,6 +79,14 @@ type Shape struct {
 
 // Disk reports whether the shape has a disk tier.
 func (s Shape) Disk() bool { return s.DiskBytes > 0 }
+
+// DiskDirs is the number of --disk-dir.
+func (s Shape) DiskDirs() int {
+	if !s.Disk() {
+		return 0
+	}
+	return max(1, s.Stripe)
+}
 
 // The namespaces every shape uses: block sizes of 4 KiB to 32 KiB so the
 // tiers hold a few hundred blocks and several slot sizes compete for
@@ -105,10 +114,14 @@ var Shapes = map[string]Shape{
 	// Room for everything: nothing is evicted, so every stored block must
 	// be offered until it is invalidated.
 	"roomy": {CPUBytes: 64 << 20, CPUChunk: 1 << 20, DiskBytes: 64 << 20, DiskChunk: 1 << 20},
+	// Two slot files, faults at restarts.
+	"stripe": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, DiskBytes: 16 << 20, DiskChunk: 256 << 10, Stripe: 2, Faults: true},
+	// Chunks of one or two slots: every block size change moves chunks.
+	"tight": {CPUBytes: 4 << 20, CPUChunk: 64 << 10, DiskBytes: 16 << 20, DiskChunk: 80 << 10},
 }
 
 // ShapeNames in the order seeds pick them.
-var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy"}
+var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy", "stripe", "tight"}
 
 // ShapeFor is the shape a seed runs with when none is named.
 func ShapeFor(seed uint64) Shape {
