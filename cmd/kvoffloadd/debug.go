@@ -16,10 +16,11 @@ import (
 // model-based test, e2e/model): the in-process checks the package tests call
 // are otherwise out of their reach.
 //
-//	/debug/check       once the daemon is quiet (no job, lease or disk write
-//	                   in flight; the caller arranges that), compares the
-//	                   tiers' slot and pin counts with the index:
-//	                   200 "ok", or 500 with the mismatch.
+//	/debug/check       once the daemon is quiet (no job or disk write in
+//	                   flight; the caller arranges that), runs
+//	                   offload.CheckInvariants (slots, pins, leases,
+//	                   policies, classes and result queues against the
+//	                   index): 200 "ok", or 500 with what disagrees.
 //	/debug/goroutines  every goroutine's stack (runtime/pprof, debug=1), to
 //	                   name a leak.
 func mountDebug(mux *http.ServeMux, svc *offload.Service) {
@@ -49,11 +50,11 @@ func mountDebug(mux *http.ServeMux, svc *offload.Service) {
 	})
 }
 
-// checkQuiet waits for queued disk writes to land, then runs the accounting
-// check until it passes or wait has passed. Settling takes a moment even in
-// a quiet daemon (a discard's pin drops when its zeroed header lands, the
-// policies evict on their own goroutines), so a mismatch counts only if it
-// persists.
+// checkQuiet waits for queued disk writes to land, then runs the
+// service's invariant check (offload.CheckInvariants) until it passes or
+// wait has passed. Settling takes a moment even in a quiet daemon (an
+// erase's pin drops when its zeroed header lands, the policies evict on
+// their own goroutines), so a mismatch counts only if it persists.
 func checkQuiet(ctx context.Context, svc *offload.Service, wait time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
@@ -61,7 +62,7 @@ func checkQuiet(ctx context.Context, svc *offload.Service, wait time.Duration) e
 		return fmt.Errorf("disk writes still queued after %s: %w", wait, err)
 	}
 	for {
-		err := svc.CheckAccounting()
+		err := svc.CheckInvariants()
 		if err == nil {
 			return nil
 		}

@@ -184,7 +184,9 @@ func (r *runner) lostJobs() error {
 			}
 			for _, id := range sortedKeys(g.jobs, func(a, b uint64) bool { return a < b }) {
 				j := g.jobs[id]
-				if !j.maybe && !(r.o.Tol["lost-completions"] && g.cutoff > j.issued) {
+				// Without the cursor a reply cut off loses its results,
+				// as documented.
+				if !j.maybe && !(g.legacy && g.cutoff > j.issued) {
 					return r.fail("lost-result", "%s job %d of registration %d (step %d) was accepted and never reported; nothing is pending", j.op, j.id, g.id, j.step)
 				}
 				r.settleJob(g, j)

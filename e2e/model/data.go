@@ -199,7 +199,7 @@ func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 			}
 			s := r.m.key(k)
 			b := blockRec{key: k, block: blocks[i], allowed: slices.Clone(s.present), must: s.must, mustBase: s.mustBase}
-			if ls != nil {
+			if ls != nil && ls.client == g.client && ls.gen == r.conns[g.client].gen {
 				for _, gen := range ls.keys[k] {
 					b.staleLease = b.staleLease || gen != s.gen
 					if gen == s.gen || r.o.Tol["lease-after-invalidate"] {
@@ -224,7 +224,11 @@ func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 		// returns: the daemon took the lease inside it.
 		accepted = func(returned time.Time) {
 			j := jobs[0].rec
-			live := ls.live(returned) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
+			owned := ls.client == g.client && ls.gen == r.conns[g.client].gen
+			live := owned && ls.live(returned) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
+			if !owned {
+				return // another connection's lease: the load uses none
+			}
 			for i := range j.blocks {
 				if _, ok := ls.keys[j.blocks[i].key]; ok {
 					j.blocks[i].leased = live
@@ -485,8 +489,13 @@ func (r *runner) newCompletions(g *reg, waitMs, maxJobs uint32) (*completionsCal
 	if err != nil {
 		return nil, err
 	}
-	return &completionsCall{r: r, g: g, cl: cl, timeout: callTimeout,
-		req: &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: waitMs, MaxJobs: maxJobs}}, nil
+	c := &completionsCall{r: r, g: g, cl: cl, timeout: callTimeout,
+		req: &pb.CompletionsRequest{RegistrationId: g.id, WaitMs: waitMs, MaxJobs: maxJobs}}
+	if !g.legacy {
+		ack := g.acked
+		c.req.AckSeq = &ack
+	}
+	return c, nil
 }
 
 // readCompletions reads one Completions reply of g and checks each result.
@@ -515,6 +524,25 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", mj, len(resp.GetResults()))
 	}
 	for _, res := range resp.GetResults() {
+		if !g.legacy {
+			// The cursor: every queued result exactly once, in order,
+			// until acknowledged; another call of a burst may have
+			// processed some already.
+			seq := res.GetSeq()
+			switch {
+			case seq <= c.req.GetAckSeq():
+				return r.fail("wrong-result", "Completions acknowledging %d returned job %d with seq %d again", c.req.GetAckSeq(), res.GetJobId(), seq)
+			case seq <= g.acked:
+				continue
+			case seq != g.acked+1:
+				return r.fail("lost-result", "Completions of registration %d jumped from seq %d to %d (job %d): results in between were lost", g.id, g.acked, seq, res.GetJobId())
+			}
+			g.acked = seq
+		} else if res.GetSeq() != 0 && res.GetSeq() <= g.acked {
+			return r.fail("wrong-result", "Completions without a cursor returned job %d with seq %d again", res.GetJobId(), res.GetSeq())
+		} else {
+			g.acked = max(g.acked, res.GetSeq())
+		}
 		if err := r.result(g, res); err != nil {
 			return err
 		}
@@ -795,6 +823,9 @@ func (r *runner) prepareLookup(op Op) (*lookupCall, error) {
 func (c *lookupCall) finish(map[KeyRef]bool) error {
 	r, op, set, ks, sent, resp, err := c.r, c.op, c.set, c.ks, c.sent, c.resp, c.err
 	if err != nil {
+		if r.namespaceGone(set, err) {
+			return r.skip()
+		}
 		return r.rpcErr("Lookup", err)
 	}
 	r.m.next()
@@ -845,7 +876,8 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 		case n == 0 && resp.GetLeaseId() != 0 && !r.o.Tol["lease-beyond-prefix"]:
 			return r.fail("wrong-result", "Lookup with a lease offered nothing and lease %d", resp.GetLeaseId())
 		case resp.GetLeaseId() != 0:
-			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, step: r.step}
+			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, step: r.step,
+				client: op.Client, gen: r.conns[op.Client].gen}
 			for s := range set {
 				for i := 0; i < n; i++ {
 					l.keys[ks[s][i]] = slices.Clone(r.m.key(ks[s][i]).present)

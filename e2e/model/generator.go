@@ -185,6 +185,11 @@ func (g *gen) op(k Kind) Op {
 		o.N = 1 + rng.IntN(g.sh.ChainLen)
 		if rng.IntN(5) < 2 {
 			o.LeaseMs = uint32(100 + rng.IntN(1900))
+			if rng.IntN(4) > 0 {
+				// A lease serves the Loads of its own connection: most
+				// are taken where a registration of the namespace is.
+				o.Client = c
+			}
 		}
 		o.Peek = rng.IntN(3) == 0
 	case Store, Load:

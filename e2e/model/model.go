@@ -280,6 +280,8 @@ type lease struct {
 	consumed map[int]bool // namespace spec -> a load of it named the lease
 	anyUsed  bool
 	step     int
+	// The connection that took it: only its Loads use it.
+	client, gen int
 }
 
 // live reports whether the lease was surely still alive at a moment no

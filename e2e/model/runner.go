@@ -98,6 +98,7 @@ func mib(n uint64) string { return fmt.Sprintf("%.1fMiB", float64(n)/(1<<20)) }
 // conn is one client connection and the registrations made over it.
 type conn struct {
 	c    *client.Client
+	gen  int // dials so far: a lease belongs to one connection
 	regs []*reg
 }
 
@@ -118,6 +119,11 @@ type reg struct {
 	jobs        map[uint64]*jobRec
 	nextJob     uint64
 	cutoff      int // tick of the last Completions call cut off by its deadline
+	// legacy: Completions without the cursor (results leave as sent, so a
+	// reply cut off loses them, as documented); else acked is the seq of
+	// the last result processed, sent as ack_seq.
+	legacy bool
+	acked  uint64
 	// notTaken: maybe-jobs settled as never accepted; a result for one
 	// later is a finding of its own.
 	notTaken map[uint64]bool
@@ -375,6 +381,7 @@ func (r *runner) client(c int) (*client.Client, error) {
 			return nil, err
 		}
 		cn.c = cl
+		cn.gen++
 	}
 	return cn.c, nil
 }
@@ -567,6 +574,7 @@ func (r *runner) register(op Op) error {
 	}
 	g.id, g.ns, g.nsID, g.client, g.slot, g.incarnation = resp.GetRegistrationId(), op.NS, resp.GetNamespaceId(), op.Client, op.Slot, r.p.Incarnation
 	g.nextJob = 1
+	g.legacy = (op.Seed>>1)&3 == 0
 	cn.regs[op.Slot] = g
 	r.nsID[op.NS] = g.nsID
 	r.live[op.NS]++
@@ -734,4 +742,22 @@ func (r *runner) registerRace(op Op) error {
 	r.racedPaths = append(r.racedPaths, g.path)
 	r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
 	return nil
+}
+
+// namespaceGone reports whether err is an unknown-namespace refusal the
+// daemon may give: a namespace with no registration and no block goes a
+// minute after (docs/api.md), and its id with it. It forgets the ids.
+func (r *runner) namespaceGone(set []int, err error) bool {
+	if codeOf(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "unknown namespace") {
+		return false
+	}
+	for _, ns := range set {
+		if r.live[ns] > 0 {
+			return false
+		}
+	}
+	for _, ns := range set {
+		r.nsID[ns] = 0
+	}
+	return true
 }

@@ -18,6 +18,7 @@ A registration belongs to the connection that made it: closing the client
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -153,7 +154,11 @@ def _region_pb(r: Region) -> pb.Region:
     if r.shm_path is not None:
         m.shm_path = r.shm_path
     elif r.cuda_handle is not None:
-        m.cuda.CopyFrom(pb.CudaIpcMemory(handle=r.cuda_handle, device=r.cuda_device, alloc_size=r.cuda_alloc_size))
+        m.cuda.CopyFrom(
+            pb.CudaIpcMemory(
+                handle=r.cuda_handle, device=r.cuda_device, alloc_size=r.cuda_alloc_size, device_uuid=r.cuda_device_uuid
+            )
+        )
     return m
 
 
@@ -185,6 +190,10 @@ class Client:
             ("grpc.max_reconnect_backoff_ms", 1000),
             *options,
         ]
+        # Per registration, the seq of the last result completions()
+        # returned: the next call acknowledges it (docs/api.md, the cursor).
+        self._acked: dict[int, int] = {}
+        self._acked_lock = threading.Lock()
         self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.KVOffloadStub(self._channel)
         self._health = self._channel.unary_unary(_HEALTH_CHECK)
@@ -299,6 +308,8 @@ class Client:
         """Waits for the registration's jobs to drain, unmaps its regions and
         drops its unread completions. Cached blocks stay."""
         self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
+        with self._acked_lock:
+            self._acked.pop(registration_id, None)
 
     def lookup(
         self,
@@ -346,19 +357,39 @@ class Client:
         return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
 
     def load(
-        self, registration_id: int, jobs: Sequence[Job], *, wait: bool = False, timeout: float | None = None
+        self,
+        registration_id: int,
+        jobs: Sequence[Job],
+        *,
+        wait: bool = False,
+        ready_event: bytes = b"",
+        timeout: float | None = None,
     ) -> list[JobResult] | None:
-        """Copies cached blocks into engine blocks; see :meth:`store`."""
-        return self._transfer("Load", registration_id, jobs, wait, b"", timeout)
+        """Copies cached blocks into engine blocks; see :meth:`store`. On CUDA,
+        ``ready_event`` (an IPC event handle recorded on the compute stream)
+        makes the copies wait for the kernels still reading those blocks."""
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
-        that long for one when none is ready (it caps the wait at 10 s)."""
+        that long for one when none is ready (it caps the wait at 10 s).
+
+        Each call acknowledges the results the previous one returned for the
+        registration (``ack_seq``, docs/api.md): the daemon keeps a result
+        until then, so a reply lost with the connection comes again on the
+        next call instead of being lost. A reply carries at most a few MB;
+        results beyond it come with the next call. Read one registration's
+        completions from one thread."""
+        with self._acked_lock:
+            ack = self._acked.get(registration_id, 0)
         r = self._call(
             "Completions",
-            pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs),
+            pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs, ack_seq=ack),
             extra_s=wait_ms / 1000.0,
         )
+        if r.results:
+            with self._acked_lock:
+                self._acked[registration_id] = max(self._acked.get(registration_id, 0), r.results[-1].seq)
         return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending)
 
     def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:
