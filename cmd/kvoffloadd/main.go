@@ -107,6 +107,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Limits:       cfg.limits(),
 		Logger:       log,
 		Registerer:   reg,
+
+		NamespaceLinger: cfg.namespaceLinger,
 	})
 	if err != nil {
 		copier.Close()

@@ -492,7 +492,9 @@ func (r *runner) checkGoroutines() error {
 		base = float64(countGoroutines(r.baseGorDmp, "ristretto"))
 		count = func(Metrics) float64 { return float64(countGoroutines(r.p.Goroutines(), "ristretto")) }
 	}
-	m, ok, err := r.waitMetrics(10*time.Second, func(m Metrics) bool { return count(m) <= base })
+	// Namespaces with nothing left go after --namespace-linger (and a
+	// sweep), their classes' goroutines with them.
+	m, ok, err := r.waitMetrics(r.sh.Linger+15*time.Second, func(m Metrics) bool { return count(m) <= base })
 	if err != nil {
 		return err
 	}

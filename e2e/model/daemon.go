@@ -33,6 +33,8 @@ type Proc struct {
 	Incarnation int
 	// Debug: the binary serves /debug/check (--debug-checks).
 	Debug bool
+	// Linger: it takes --namespace-linger.
+	Linger bool
 
 	cmd     *exec.Cmd
 	exited  chan struct{}
@@ -46,7 +48,7 @@ func NewProc(binary, dir string, diskDirs int) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proc{Binary: binary, Dir: dir, Socket: filepath.Join(dir, "kvoffloadd.sock"), Debug: flags["debug-checks"]}
+	p := &Proc{Binary: binary, Dir: dir, Socket: filepath.Join(dir, "kvoffloadd.sock"), Debug: flags["debug-checks"], Linger: flags["namespace-linger"]}
 	if len(p.Socket) > 107 {
 		return nil, fmt.Errorf("socket path %s is too long for a unix socket", p.Socket)
 	}
@@ -99,6 +101,9 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 	}
 	if p.Debug {
 		args = append(args, "--debug-checks")
+	}
+	if p.Linger && sh.Linger > 0 {
+		args = append(args, "--namespace-linger", sh.Linger.String())
 	}
 	if sh.Disk() {
 		for _, d := range p.DiskDirs {

@@ -220,22 +220,24 @@ func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 	}
 	var accepted func(time.Time)
 	if ls != nil {
-		// Whether the lease holds the blocks is known once the call
+		// The first Load of a namespace naming the lease takes its pins
+		// (the first prepared: two loads of a burst cannot both have
+		// them). Whether it was still alive is known once the call
 		// returns: the daemon took the lease inside it.
+		owned := ls.client == g.client && ls.gen == r.conns[g.client].gen
+		first := owned && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
+		if owned {
+			ls.consumed[g.ns] = true
+			ls.anyUsed = true
+		}
 		accepted = func(returned time.Time) {
 			j := jobs[0].rec
-			owned := ls.client == g.client && ls.gen == r.conns[g.client].gen
-			live := owned && ls.live(returned) && !ls.consumed[g.ns] && (!ls.anyUsed || !r.o.Tol["lease-one-rank"])
-			if !owned {
-				return // another connection's lease: the load uses none
-			}
+			live := first && ls.live(returned)
 			for i := range j.blocks {
 				if _, ok := ls.keys[j.blocks[i].key]; ok {
 					j.blocks[i].leased = live
 				}
 			}
-			ls.consumed[g.ns] = true
-			ls.anyUsed = true
 		}
 	}
 	return r.newTransfer(op, g, jobs, Load, accepted)

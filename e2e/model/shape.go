@@ -3,6 +3,7 @@ package model
 import (
 	"fmt"
 	"strings"
+	"time"
 
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
@@ -64,6 +65,9 @@ type Shape struct {
 	// Faults: restarts may turn on a --fault-spec plan.
 	Faults    bool
 	IOWorkers int
+	// Linger: --namespace-linger. Short, so namespaces with nothing left
+	// go (with their ids and block-size classes) while the run goes on.
+	Linger time.Duration
 
 	NS []NSSpec
 	// Sets are the namespace sets a Lookup or Invalidate names: one
@@ -136,6 +140,9 @@ func NamedShape(name string) Shape {
 	}
 	s.Name = name
 	s.IOWorkers = 2
+	if s.Linger == 0 {
+		s.Linger = 2 * time.Second
+	}
 	s.NS = namespaces
 	s.Sets = namespaceSets
 	s.Clients = 4
