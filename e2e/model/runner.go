@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -744,6 +746,8 @@ func (r *runner) registerRace(op Op) error {
 	return nil
 }
 
+var nsIndex = regexp.MustCompile(`namespace_ids\[(\d+)\]`)
+
 // namespaceGone reports whether err is an unknown-namespace refusal the
 // daemon may give: a namespace with no registration and no block goes a
 // minute after (docs/api.md), and its id with it. It forgets the ids.
@@ -751,7 +755,13 @@ func (r *runner) namespaceGone(set []int, err error) bool {
 	if codeOf(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "unknown namespace") {
 		return false
 	}
-	for _, ns := range set {
+	gone := set
+	if m := nsIndex.FindStringSubmatch(err.Error()); m != nil {
+		if i, _ := strconv.Atoi(m[1]); i < len(set) {
+			gone = set[i : i+1]
+		}
+	}
+	for _, ns := range gone {
 		if r.live[ns] > 0 {
 			return false
 		}
