@@ -15,6 +15,9 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+
 	"github.com/kvoffloadd/kvoffloadd/bench/daemon"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 )
@@ -139,12 +142,33 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 		p.waitErr = cmd.Wait()
 		close(exited)
 	}()
-	c, err := client.Dial(p.Socket)
+	// Dial only once the socket exists: a dial that fails first waits
+	// out gRPC's reconnect backoff (a second) before it tries again.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		if _, err := os.Stat(p.Socket); err == nil {
+			break
+		}
+		select {
+		case <-p.exited:
+			return fmt.Errorf("kvoffloadd exited at start (%v): %s", p.waitErr, p.LogTail(2000))
+		default:
+		}
+		if time.Now().After(deadline) {
+			p.Kill()
+			return fmt.Errorf("kvoffloadd made no socket in 60s: %s", p.LogTail(2000))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// A socket left by a killed incarnation refuses the first dials:
+	// retry quickly rather than on gRPC's default one-second backoff.
+	c, err := client.Dial(p.Socket, grpc.WithConnectParams(grpc.ConnectParams{
+		Backoff: backoff.Config{BaseDelay: 10 * time.Millisecond, Multiplier: 1.5, MaxDelay: 200 * time.Millisecond},
+	}))
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	deadline := time.Now().Add(60 * time.Second)
 	for {
 		select {
 		case <-p.exited:

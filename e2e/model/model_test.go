@@ -31,10 +31,7 @@ var (
 // knownTolerances are the defects still open on main when this list was
 // last updated (see /work/notes/model-findings.md): the CI seeds run with
 // them so they pass, and find what is new.
-var knownTolerances = []string{
-	"lease-one-rank", "lost-completions", "two-jobs-one-block", "foreign-registration", "register-race-leak", "class-goroutines",
-	"lease-beyond-prefix", "lease-after-invalidate", "lost-wait-results", "ghost-after-restart", "discard-under-read",
-}
+var knownTolerances = []string{"lease-after-invalidate", "lost-wait-results", "ghost-after-restart", "discard-under-read"}
 
 var (
 	binOnce sync.Once
@@ -94,17 +91,19 @@ func tolerances(t testing.TB, s string) Tolerances {
 	return tol
 }
 
-// ciSeeds run in `make test`: every shape, a few hundred operations each,
-// about a minute in all on two shared cores.
+// ciSeeds run in `make test`: five shapes (the CPU tier alone; write-back
+// with one- or two-slot chunks; write-through; two slot files under fault
+// plans; room for everything), a few hundred operations each, about a
+// minute in all on two shared cores.
 var ciSeeds = []struct {
 	seed  uint64
 	shape string
 	steps int
 }{
-	{1, "cpu", 300},
-	{2, "disk", 300},
+	{1, "cpu", 250},
+	{2, "tight", 250},
 	{3, "wt", 250},
-	{4, "faults", 300},
+	{4, "stripe", 250},
 	{5, "roomy", 250},
 }
 
