@@ -23,6 +23,7 @@ func (r *runner) lightCheck() error {
 	}
 	r.lastLoss = m.Losses()
 	r.faultsInc = max(r.faultsInc, m.Sum("kvoffload_faults_injected_total"))
+	r.c.RSSMax = max(r.c.RSSMax, uint64(m.Sum("process_resident_memory_bytes")))
 	pending := m.Sum("kvoffload_pending_jobs")
 	r.settleOrphans(pending)
 	if pending == 0 {

@@ -63,6 +63,7 @@ type Counts struct {
 	Restarts, Kills  int
 	WrongBytes       int
 	RSSStart, RSSEnd uint64
+	RSSMax           uint64 // the most any incarnation held, seen at the light checks
 	GorStart, GorEnd float64
 	Elapsed          time.Duration
 	// ByKind is the time spent in each kind of operation; Checking in
@@ -90,9 +91,9 @@ func (c Counts) Slowest() string {
 }
 
 func (c Counts) String() string {
-	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills; daemon RSS %s -> %s, goroutines %.0f -> %.0f",
+	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills; daemon RSS %s -> %s (at most %s), goroutines %.0f -> %.0f",
 		c.Ops, c.Skipped, c.Elapsed.Round(time.Millisecond), float64(c.Ops)/max(c.Elapsed.Seconds(), 1e-9), c.Lookups, c.Offered, c.StoreJobs, c.LoadJobs,
-		c.BlocksVerified, c.WrongBytes, c.Faults, c.Corruptions, c.Restarts, c.Kills, mib(c.RSSStart), mib(c.RSSEnd), c.GorStart, c.GorEnd)
+		c.BlocksVerified, c.WrongBytes, c.Faults, c.Corruptions, c.Restarts, c.Kills, mib(c.RSSStart), mib(c.RSSEnd), mib(c.RSSMax), c.GorStart, c.GorEnd)
 }
 
 func mib(n uint64) string { return fmt.Sprintf("%.1fMiB", float64(n)/(1<<20)) }
