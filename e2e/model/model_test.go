@@ -251,7 +251,7 @@ var regressions = []struct {
 		{Kind: Load, Chain: 1, N: 2, Jobs: 1, Wait: true, UseLease: true, Seed: 1},
 	}},
 	{"N3 results of a wait the caller gave up on", "lost-wait-results", "cpu", abandonStorm()},
-	{"item 14 invalidated while its write-through write is in flight", "ghost-after-restart", "wt", []Op{
+	{"item 14 (N6) invalidated while its write-through write is in flight, then SIGTERM", "ghost-after-restart", "wt", []Op{
 		{Kind: Register, NS: 4, Seed: 1},
 		{Kind: Store, Chain: 1, N: 7, Jobs: 2, Seed: 1},
 		{Kind: InvalidateNS, NS: 5, Seed: 1},
