@@ -765,10 +765,13 @@ type lookupCall struct {
 	ks  [][]KeyRef // per namespace of the set
 	cl  *client.Client
 	req *pb.LookupRequest
-	// must and base: each key's must state when the call was prepared; a
-	// store of the same burst may make a key a must after the lookup ran.
+	// must, base and was: each key's must state, and whether it may have
+	// been there, when the call was prepared: the other calls of a burst
+	// may change both after the lookup ran (a store makes a must, a
+	// failed load clears a key the lookup saw).
 	must [][]bool
 	base [][]float64
+	was  [][]bool
 	sent time.Time
 	resp *pb.LookupResponse
 	err  error
@@ -809,12 +812,12 @@ func (r *runner) prepareLookup(op Op) (*lookupCall, error) {
 	req := &pb.LookupRequest{NamespaceIds: ids, Keys: packKeys(spec, op.Group, ks[0]), LeaseMs: op.LeaseMs, Peek: op.Peek}
 	c := &lookupCall{r: r, op: op, set: set, ks: ks, cl: cl, req: req}
 	for _, row := range ks {
-		must, base := make([]bool, len(row)), make([]float64, len(row))
+		must, base, was := make([]bool, len(row)), make([]float64, len(row)), make([]bool, len(row))
 		for i, k := range row {
 			st := r.m.key(k)
-			must[i], base[i] = st.must, st.mustBase
+			must[i], base[i], was[i] = st.must, st.mustBase, len(st.present) > 0
 		}
-		c.must, c.base = append(c.must, must), append(c.base, base)
+		c.must, c.base, c.was = append(c.must, must), append(c.base, base), append(c.was, was)
 	}
 	return c, nil
 }
@@ -845,7 +848,7 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 	for i := 0; i < n; i++ {
 		for s := range set {
 			k := ks[s][i]
-			if !r.m.maybePresent(k) {
+			if !r.m.maybePresent(k) && !c.was[s][i] {
 				st := r.m.key(k)
 				return r.fail("offered-absent", "Lookup over %v offered %s (position %d of %d ready), which is not there: generation %d, last cleared at tick %d, last stored at tick %d",
 					set, k, i, n, st.gen, st.lastClear, st.lastStore)

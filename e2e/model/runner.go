@@ -767,7 +767,7 @@ func (r *runner) namespaceGone(set []int, err error) bool {
 			return false
 		}
 	}
-	for _, ns := range set {
+	for _, ns := range gone {
 		r.nsID[ns] = 0
 	}
 	return true
