@@ -540,11 +540,10 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 				return r.fail("lost-result", "Completions of registration %d jumped from seq %d to %d (job %d): results in between were lost", g.id, g.acked, seq, res.GetJobId())
 			}
 			g.acked = seq
-		} else if res.GetSeq() != 0 && res.GetSeq() <= g.acked {
-			return r.fail("wrong-result", "Completions without a cursor returned job %d with seq %d again", res.GetJobId(), res.GetSeq())
-		} else {
-			g.acked = max(g.acked, res.GetSeq())
 		}
+		// Without the cursor two calls of a burst split the queue
+		// between them in any order; a result sent twice is caught
+		// below, by its job.
 		if err := r.result(g, res); err != nil {
 			return err
 		}
