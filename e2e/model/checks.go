@@ -22,6 +22,7 @@ func (r *runner) lightCheck() error {
 		return err
 	}
 	r.lastLoss = m.Losses()
+	r.takeBaseline(m)
 	r.faultsInc = max(r.faultsInc, m.Sum("kvoffload_faults_injected_total"))
 	r.c.RSSMax = max(r.c.RSSMax, uint64(m.Sum("process_resident_memory_bytes")))
 	pending := m.Sum("kvoffload_pending_jobs")
@@ -266,14 +267,15 @@ func (r *runner) quiesce() error {
 	m, ok, err := r.waitMetrics(30*time.Second, func(m Metrics) bool {
 		regs := int(m.Sum("kvoffload_registrations"))
 		return m.Sum("kvoffload_pending_jobs") == 0 && m.Sum("kvoffload_leases") == 0 &&
-			m.Sum("kvoffload_pinned_slots") == 0 && regs >= live && regs <= live+leak
+			m.Sum("kvoffload_pinned_slots") == 0 && regs >= live && regs <= live+leak &&
+			m.Sum("kvoffload_disk_recovering") == 0
 	})
 	if err != nil {
 		return err
 	}
 	if !ok {
-		return r.fail("accounting", "not quiet after 30s: kvoffload_pending_jobs %.0f, kvoffload_leases %.0f, kvoffload_pinned_slots %.0f, kvoffload_registrations %.0f (live %d, %d raced with their connection's close since the last check)",
-			m.Sum("kvoffload_pending_jobs"), m.Sum("kvoffload_leases"), m.Sum("kvoffload_pinned_slots"), m.Sum("kvoffload_registrations"), live, len(r.raced))
+		return r.fail("accounting", "not quiet after 30s: kvoffload_pending_jobs %.0f, kvoffload_leases %.0f, kvoffload_pinned_slots %.0f, kvoffload_registrations %.0f (live %d, %d raced with their connection's close since the last check), kvoffload_disk_recovering %.0f",
+			m.Sum("kvoffload_pending_jobs"), m.Sum("kvoffload_leases"), m.Sum("kvoffload_pinned_slots"), m.Sum("kvoffload_registrations"), live, len(r.raced), m.Sum("kvoffload_disk_recovering"))
 	}
 	r.settleOrphans(0)
 	r.orphanRegs, r.raced = nil, nil
@@ -460,6 +462,10 @@ func (r *runner) finalChecks() error {
 		r.m.restarted(false, false, false)
 		for i := range r.nsID {
 			r.nsID[i] = 0
+		}
+		// Recovery runs in the background: look once it has ended.
+		if _, ok, err := r.waitMetrics(60*time.Second, func(m Metrics) bool { return m.Sum("kvoffload_disk_recovering") == 0 }); err != nil || !ok {
+			return r.fail("daemon", "the disk tier still recovering 60s after the restart (%v)", err)
 		}
 		for set := range r.sh.Sets {
 			for chain := 0; chain < r.sh.Chains; chain++ {

@@ -233,6 +233,9 @@ func (r *runner) run() error {
 		return err
 	}
 	r.c.RSSStart = r.p.RSS()
+	if _, _, err := r.waitMetrics(60*time.Second, func(m Metrics) bool { return r.takeBaseline(m) }); err != nil {
+		return err
+	}
 	r.c.GorStart = r.baseGor
 	var next func() (Op, int, bool)
 	switch {
@@ -410,8 +413,8 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 	r.racedNS = map[int]bool{}
 	r.unobserved, r.maybesSettled = 0, 0
 	r.faultsInc = 0
-	r.baseGor = m.Sum("go_goroutines")
-	r.baseGorDmp = r.p.Goroutines()
+	r.baseGor, r.baseGorDmp = -1, ""
+	r.takeBaseline(m)
 	return nil
 }
 
@@ -770,5 +773,21 @@ func (r *runner) namespaceGone(set []int, err error) bool {
 	for _, ns := range gone {
 		r.nsID[ns] = 0
 	}
+	return true
+}
+
+// takeBaseline notes the goroutines of an incarnation once its disk tier
+// has recovered (recovery runs in the background, on goroutines of its
+// own); the end of the run must come back to them. It reports whether the
+// baseline is taken.
+func (r *runner) takeBaseline(m Metrics) bool {
+	if r.baseGor >= 0 {
+		return true
+	}
+	if m.Sum("kvoffload_disk_recovering") != 0 {
+		return false
+	}
+	r.baseGor = m.Sum("go_goroutines")
+	r.baseGorDmp = r.p.Goroutines()
 	return true
 }

@@ -56,9 +56,14 @@ type Options struct {
 	DiskDirs       []string
 	DiskBytes      uint64 // per dir; default 64MiB
 	DiskChunkBytes uint64 // default 4MiB
-	DiskFS         vfs.FS // e.g. an errorfs; default the OS
+	DiskFS         vfs.FS // e.g. an errorfs or a GateFS; default the OS
 	WriteThrough   bool
 	DiskReset      bool
+	// Recovering makes Start return as soon as the daemon serves, while
+	// the disk tier may still be recovering its files in the background.
+	// By default Start waits until recovery has ended, so a test sees
+	// what the disk held.
+	Recovering bool
 }
 
 // Daemon is a running core on a real unix socket.
@@ -152,6 +157,9 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		d.Stop(t)
 		os.RemoveAll(dir)
 	})
+	if !o.Recovering {
+		<-svc.DiskRecovered()
+	}
 	return d, nil
 }
 
