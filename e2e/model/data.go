@@ -235,7 +235,9 @@ func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 			live := first && ls.live(returned)
 			for i := range j.blocks {
 				if _, ok := ls.keys[j.blocks[i].key]; ok {
-					j.blocks[i].leased = live
+					// An Invalidate since the Lookup took the lease's
+					// pin of the key with it: MISSING is right then.
+					j.blocks[i].leased = live && (!j.blocks[i].staleLease || r.o.Tol["lease-after-invalidate"])
 				}
 			}
 		}
@@ -349,6 +351,13 @@ func (r *runner) newTransfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted 
 	}
 	c := &transferCall{r: r, op: op, g: g, jobs: jobs, kindOf: kind, accepted: accepted, cl: cl, timeout: callTimeout}
 	c.req = &pb.TransferRequest{RegistrationId: g.id, Wait: op.Wait}
+	if op.Ack && op.Wait && !g.legacy {
+		// The cursor: this request acknowledges what the runner has
+		// processed, and its results stay queued until a later call
+		// acknowledges them, so a reply that never arrived costs nothing.
+		ack := g.acked
+		c.req.AckSeq = &ack
+	}
 	for _, j := range jobs {
 		c.req.Jobs = append(c.req.Jobs, j.wire)
 	}
@@ -396,6 +405,10 @@ func (c *transferCall) finish(contested map[KeyRef]bool) error {
 	for _, j := range jobs {
 		rec := j.rec
 		rec.issued, rec.maybe, rec.returned = t, maybe, c.returned
+		// Without ack_seq a reply sent as its caller gave up takes its
+		// results with it, as documented (docs/api.md "Results of a Store
+		// or Load with wait").
+		rec.lossy = maybe && c.req.AckSeq == nil
 		rec.dma = rec.dma || r.cut == g
 		for i := range rec.blocks {
 			b := &rec.blocks[i]
@@ -424,6 +437,18 @@ func (c *transferCall) finish(contested map[KeyRef]bool) error {
 		for i, res := range resp.GetResults() {
 			if res.GetJobId() != jobs[i].rec.id {
 				return r.fail("wrong-result", "%s with wait: result %d is job %d, want job %d (request order)", kind, i, res.GetJobId(), jobs[i].rec.id)
+			}
+			if ack := c.req.AckSeq; ack != nil {
+				// Queued with its seq like any other result, and still
+				// queued: Completions sends it again until acknowledged.
+				if res.GetSeq() <= *ack {
+					return r.fail("wrong-result", "%s with wait and ack_seq %d: job %d has seq %d", kind, *ack, res.GetJobId(), res.GetSeq())
+				}
+				if !g.process(res.GetSeq()) {
+					continue // a Completions of the burst had it first
+				}
+			} else if res.GetSeq() != 0 {
+				return r.fail("wrong-result", "%s with wait and no ack_seq: job %d has seq %d, want 0 (it never joins the queue)", kind, res.GetJobId(), res.GetSeq())
 			}
 			if err := r.result(g, res); err != nil {
 				return err
@@ -525,21 +550,24 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 	if mj := c.req.GetMaxJobs(); mj > 0 && len(resp.GetResults()) > int(mj) {
 		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", mj, len(resp.GetResults()))
 	}
+	prev := c.req.GetAckSeq()
 	for _, res := range resp.GetResults() {
 		if !g.legacy {
-			// The cursor: every queued result exactly once, in order,
-			// until acknowledged; another call of a burst may have
-			// processed some already.
+			// The cursor: every queued result, in seq order from the
+			// acknowledged one on, with no gap, until acknowledged. A
+			// wait reply with ack_seq or another call of a burst may
+			// have processed some already: each seq is processed once.
 			seq := res.GetSeq()
 			switch {
 			case seq <= c.req.GetAckSeq():
 				return r.fail("wrong-result", "Completions acknowledging %d returned job %d with seq %d again", c.req.GetAckSeq(), res.GetJobId(), seq)
-			case seq <= g.acked:
-				continue
-			case seq != g.acked+1:
-				return r.fail("lost-result", "Completions of registration %d jumped from seq %d to %d (job %d): results in between were lost", g.id, g.acked, seq, res.GetJobId())
+			case seq != prev+1:
+				return r.fail("lost-result", "Completions of registration %d acknowledging %d jumped from seq %d to %d (job %d): results in between were lost", g.id, c.req.GetAckSeq(), prev, seq, res.GetJobId())
 			}
-			g.acked = seq
+			prev = seq
+			if !g.process(seq) {
+				continue
+			}
 		}
 		// Without the cursor two calls of a burst split the queue
 		// between them in any order; a result sent twice is caught

@@ -209,6 +209,8 @@ func (g *gen) op(k Kind) Op {
 		o.Jobs = 1 + rng.IntN(3)
 		o.Wait = rng.IntN(4) == 0
 		o.Abandon = o.Wait && rng.IntN(5) == 0
+		// From the op's seed, so the stream of earlier seeds is kept.
+		o.Ack = o.Wait && (o.Seed>>3)%3 != 0
 		o.UseLease = k == Load && rng.IntN(2) == 0
 		if k == Store {
 			key := [2]int{ns, o.Group}

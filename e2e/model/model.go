@@ -22,8 +22,10 @@ import (
 //     uncounted: a key stored while the daemon's loss counter stood at n
 //     (Metrics.Losses) must be offered while it still stands at n.
 //   - A restart keeps what may be on disk (or nothing, without a disk tier or
-//     with --disk-reset); after SIGKILL, blocks invalidated since the last
-//     clean stop may come back (a discard in flight is lost).
+//     with --disk-reset), except what was invalidated: an Invalidate that
+//     returned holds across a clean stop and a SIGKILL alike (its marks in
+//     the disk tier's catalog, docs/disk-format.md "Invalidation and
+//     restarts").
 
 type keyState struct {
 	gen       uint32   // the generation the next store writes
@@ -41,8 +43,8 @@ type keyState struct {
 	// back at a restart, verified (docs/disk-format.md, "Freeing a slot
 	// does not erase it").
 	freed []uint32
-	// ghosts: invalidated generations; their disk copies are erased, so
-	// only SIGKILL (a discard still in flight) may bring them back.
+	// ghosts: invalidated generations; nothing may bring them back (only
+	// the ghost-after-restart tolerance lets a restart do it).
 	ghosts []uint32
 }
 
@@ -82,14 +84,14 @@ type Tolerances map[string]bool
 // Known tolerances.
 var KnownTolerances = map[string]string{
 	"lease-after-invalidate": "a load naming a lease taken before an Invalidate may return the invalidated bytes (or CORRUPT, the discarded disk copy)",
-	"ghost-after-restart":    "a block invalidated before a clean restart may come back: Invalidate erases only the disk copy the index names, not older freed copies (after a failed load, an eviction)",
+	"ghost-after-restart":    "a block invalidated before a restart (clean or SIGKILL) may come back: Invalidate erases only the disk copy the index names, not older freed copies (after a failed load, an eviction), nor one whose erase had not landed",
 	"failed-keeps-cpu":       "a block whose disk read failed may still be offered from a CPU copy another load made",
 	"lease-one-rank":         "the first rank's Load of a lease taken over several namespaces uses the whole lease (issue 9 item 1)",
 	"two-jobs-one-block":     "two jobs of one Load may target one engine block (issue 9 item 3)",
 	"foreign-registration":   "any connection may use another's registration id (issue 9 item 4)",
 	"class-goroutines":       "the goroutines of a block-size class stay after its last user (issue 9 item 8)",
 	"lost-completions":       "a Completions reply cut off by its deadline loses its results (issue 9 item 2)",
-	"lost-wait-results":      "results of a Store or Load with wait, returned in a reply its caller gave up on, are lost",
+	"lost-wait-results":      "results of a Store or Load with wait and ack_seq, returned in a reply its caller gave up on, are lost (without ack_seq that is documented)",
 	"discard-under-read":     "an Invalidate zeroes the disk slot a load in flight is reading: the load fails CORRUPT",
 	"register-race-leak":     "a Register racing its connection's close is never released (issue 9 item 6)",
 	"lease-beyond-prefix":    "a Lookup with a lease over several namespaces returns a lease (pinning blocks) when nothing is ready in all of them",
@@ -211,15 +213,15 @@ func (m *Model) restarted(killed, empty bool, readFaults bool) {
 		for _, g := range s.freed {
 			s.present = addGen(s.present, g)
 		}
-		if killed || m.tol["ghost-after-restart"] {
+		if m.tol["ghost-after-restart"] {
 			for _, g := range s.ghosts {
 				s.present = addGen(s.present, g)
 			}
+			continue
 		}
-		if !killed && !m.tol["ghost-after-restart"] {
-			// A clean stop finishes every discard.
-			s.ghosts = nil
-		}
+		// The invalidation marks erase every copy at recovery, after a
+		// clean stop or a SIGKILL alike.
+		s.ghosts = nil
 	}
 }
 
@@ -265,6 +267,9 @@ type jobRec struct {
 	// whether the daemon accepted it; returned is when it did.
 	maybe    bool
 	returned time.Time
+	// lossy: a maybe-job of a wait without ack_seq, whose results a reply
+	// sent as the caller gave up takes with it (documented).
+	lossy bool
 	// dma: a region fault may hit it (DMA_ERROR allowed).
 	dma bool
 }

@@ -99,7 +99,10 @@ type Op struct {
 	Wait   bool
 	// Abandon: wait with a deadline too short for the jobs; their
 	// results must then come through Completions.
-	Abandon  bool
+	Abandon bool
+	// Ack: a wait over a registration using the cursor sends ack_seq, so
+	// its results stay queued until acknowledged.
+	Ack      bool
 	LeaseMs  uint32
 	Peek     bool
 	UseLease bool
@@ -136,6 +139,9 @@ func (o Op) String() string {
 		fmt.Fprintf(&b, " c%d/r%d g%d chain %d [%d,%d) jobs %d", o.Client, o.Slot, o.Group, o.Chain, o.From, o.From+o.N, o.Jobs)
 		if o.Wait {
 			b.WriteString(" wait")
+		}
+		if o.Ack {
+			b.WriteString(" ack")
 		}
 		if o.Abandon {
 			b.WriteString(" abandon")

@@ -123,10 +123,13 @@ type reg struct {
 	nextJob     uint64
 	cutoff      int // tick of the last Completions call cut off by its deadline
 	// legacy: Completions without the cursor (results leave as sent, so a
-	// reply cut off loses them, as documented); else acked is the seq of
-	// the last result processed, sent as ack_seq.
+	// reply cut off loses them, as documented); else acked is the seq below
+	// which every result was processed, sent as ack_seq, and ahead the seqs
+	// above it processed already (from wait replies, which need not come
+	// in seq order).
 	legacy bool
 	acked  uint64
+	ahead  map[uint64]bool
 	// notTaken: maybe-jobs settled as never accepted; a result for one
 	// later is a finding of its own.
 	notTaken map[uint64]bool
@@ -166,11 +169,15 @@ type runner struct {
 	// maybesSettled: maybe-jobs of this incarnation settled as not taken;
 	// the daemon's block counters may count them (lost-wait-results).
 	maybesSettled int
-	tally         map[string]float64
-	unobserved    int // jobs of this incarnation whose results will never be seen
-	faultsInc     float64
-	baseGor       float64
-	baseGorDmp    string
+	// lossySettled: those of them whose call had no ack_seq: a reply the
+	// daemon sent as the caller gave up took their results (documented),
+	// so the counters may exceed the results read.
+	lossySettled int
+	tally        map[string]float64
+	unobserved   int // jobs of this incarnation whose results will never be seen
+	faultsInc    float64
+	baseGor      float64
+	baseGorDmp   string
 
 	step  int
 	op    Op
@@ -411,7 +418,7 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 	r.lastLoss = m.Losses()
 	r.tally = map[string]float64{}
 	r.racedNS = map[int]bool{}
-	r.unobserved, r.maybesSettled = 0, 0
+	r.unobserved, r.maybesSettled, r.lossySettled = 0, 0, 0
 	r.faultsInc = 0
 	r.baseGor, r.baseGorDmp = -1, ""
 	r.takeBaseline(m)
@@ -486,10 +493,24 @@ func (r *runner) teardown() {
 	}
 }
 
+// process notes that the result with seq was processed; false if it was
+// already.
+func (g *reg) process(seq uint64) bool {
+	if seq <= g.acked || g.ahead[seq] {
+		return false
+	}
+	g.ahead[seq] = true
+	for g.ahead[g.acked+1] {
+		delete(g.ahead, g.acked+1)
+		g.acked++
+	}
+	return true
+}
+
 // ---- registrations ----
 
 func (r *runner) newRegion(spec NSSpec, blocks int, blockMajor bool) (*reg, error) {
-	g := &reg{blocks: blocks, busy: map[[2]int]uint64{}, jobs: map[uint64]*jobRec{}, notTaken: map[uint64]bool{}}
+	g := &reg{blocks: blocks, busy: map[[2]int]uint64{}, jobs: map[uint64]*jobRec{}, notTaken: map[uint64]bool{}, ahead: map[uint64]bool{}}
 	total := 0
 	for _, s := range spec.Segments {
 		total += s.Bytes
