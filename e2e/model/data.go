@@ -198,8 +198,9 @@ func (r *runner) prepareLoad(op Op) (*transferCall, error) {
 				}
 			}
 			s := r.m.key(k)
-			b := blockRec{key: k, block: blocks[i], allowed: slices.Clone(s.present), must: s.must, mustBase: s.mustBase}
+			b := blockRec{key: k, block: blocks[i], allowed: slices.Clone(s.present), must: s.must, mustBase: s.mustBase, corrupt: s.corrupt}
 			if ls != nil && ls.client == g.client && ls.gen == r.conns[g.client].gen {
+				b.corrupt = b.corrupt || ls.corrupt[k]
 				for _, gen := range ls.keys[k] {
 					b.staleLease = b.staleLease || gen != s.gen
 					if gen == s.gen || r.o.Tol["lease-after-invalidate"] {
@@ -731,7 +732,7 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 		}
 	case pb.BlockStatus_BLOCK_STATUS_IO_ERROR, pb.BlockStatus_BLOCK_STATUS_CORRUPT:
 		underRead := ks.lastClear > b.issued && r.o.Tol["discard-under-read"]
-		if !r.m.readFaults && !ks.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
+		if !r.m.readFaults && !ks.corrupt && !b.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
 		r.m.loadFailed(b.key, b.issued)
@@ -908,11 +909,12 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 		case n == 0 && resp.GetLeaseId() != 0 && !r.o.Tol["lease-beyond-prefix"]:
 			return r.fail("wrong-result", "Lookup with a lease offered nothing and lease %d", resp.GetLeaseId())
 		case resp.GetLeaseId() != 0:
-			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, step: r.step,
+			l := &lease{id: resp.GetLeaseId(), set: set, group: op.Group, keys: map[KeyRef][]uint32{}, sent: sent, ms: op.LeaseMs, consumed: map[int]bool{}, corrupt: map[KeyRef]bool{}, step: r.step,
 				client: op.Client, gen: r.conns[op.Client].gen}
 			for s := range set {
 				for i := 0; i < n; i++ {
 					l.keys[ks[s][i]] = slices.Clone(r.m.key(ks[s][i]).present)
+					l.corrupt[ks[s][i]] = r.m.key(ks[s][i]).corrupt
 				}
 			}
 			r.leases = append(r.leases, l)

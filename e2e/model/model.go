@@ -249,6 +249,10 @@ type blockRec struct {
 	leased  bool
 	// staleLease: its lease holds a generation invalidated since.
 	staleLease bool
+	// corrupt: external damage may have hit its disk copy when the load
+	// was issued or, for a block its lease holds, when the lease pinned it
+	// (a failed load that clears the key later does not unpin the copy).
+	corrupt bool
 	// Both: the key was a must when the job was accepted, with this base.
 	must     bool
 	mustBase float64
@@ -282,7 +286,8 @@ type lease struct {
 	keys     map[KeyRef][]uint32 // generations each leased key may hold
 	sent     time.Time           // before the Lookup was sent: the deadline is at least sent+ms
 	ms       uint32
-	consumed map[int]bool // namespace spec -> a load of it named the lease
+	consumed map[int]bool    // namespace spec -> a load of it named the lease
+	corrupt  map[KeyRef]bool // keys whose disk copy may have been damaged when pinned
 	anyUsed  bool
 	step     int
 	// The connection that took it: only its Loads use it.
