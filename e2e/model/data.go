@@ -296,6 +296,8 @@ func (r *runner) runCalls(calls []call) error {
 		}
 	}
 	slices.SortStableFunc(calls, func(a, b call) int { return callOrder(a.kind()) - callOrder(b.kind()) })
+	// The burst's first tick: its stores finish (and tick) before its loads.
+	start := r.m.tick
 	var first error
 	for _, c := range calls {
 		if t, ok := c.(*transferCall); ok && t.kindOf == Load && len(seen) > 0 {
@@ -306,6 +308,9 @@ func (r *runner) runCalls(calls []call) error {
 					b := &j.rec.blocks[i]
 					if seen[b.key] > 0 {
 						b.allowed = addGen(b.allowed, r.m.key(b.key).gen)
+						// And it may have claimed the key after
+						// the load failed and dropped it.
+						b.clearFrom = start
 					}
 				}
 			}
@@ -414,6 +419,9 @@ func (c *transferCall) finish(contested map[KeyRef]bool) error {
 		for i := range rec.blocks {
 			b := &rec.blocks[i]
 			b.issued = t
+			if b.clearFrom == 0 {
+				b.clearFrom = t
+			}
 			g.busy[[2]int{rec.group, int(b.block)}] = rec.id
 			if kind == Store {
 				b.alone, b.mustBase, b.must = r.m.storeAccepted(b.key, t)
@@ -735,12 +743,12 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 		if !r.m.readFaults && !ks.corrupt && !b.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
-		r.m.loadFailed(b.key, b.issued)
+		r.m.loadFailed(b.key, b.clearFrom)
 	case pb.BlockStatus_BLOCK_STATUS_DMA_ERROR:
 		if !j.dma {
 			return r.fail("unexpected-status", "load job %d (step %d): %s DMA_ERROR with its region intact", j.id, j.step, b.key)
 		}
-		r.m.loadFailed(b.key, b.issued)
+		r.m.loadFailed(b.key, b.clearFrom)
 	default:
 		return r.fail("unexpected-status", "load job %d (step %d): %s %v", j.id, j.step, b.key, st)
 	}

@@ -249,6 +249,10 @@ type blockRec struct {
 	leased  bool
 	// staleLease: its lease holds a generation invalidated since.
 	staleLease bool
+	// clearFrom: a failure of the load clears the key as of this tick, not
+	// its own: a store of the key sent in the same burst (finished, and
+	// ticked, first) may have come after the load dropped the key.
+	clearFrom int
 	// corrupt: external damage may have hit its disk copy when the load
 	// was issued or, for a block its lease holds, when the lease pinned it
 	// (a failed load that clears the key later does not unpin the copy).
