@@ -265,6 +265,7 @@ func (r *runner) runCalls(calls []call) error {
 		for _, c := range calls {
 			if cc, ok := c.(*completionsCall); ok {
 				cc.concurrent = true
+				cc.ackMax = cc.g.acked
 			}
 		}
 		var wg sync.WaitGroup
@@ -487,8 +488,12 @@ type completionsCall struct {
 	timeout time.Duration
 	cut     bool
 	// concurrent: sent in a burst, so its pending count may predate
-	// results another call of the burst already reported.
+	// results another call of the burst already reported, and another
+	// call of the burst may have acknowledged up to ackMax (preparing a
+	// later call can read completions first): the daemon may have let go
+	// of the results up to it before this reply was made.
 	concurrent bool
+	ackMax     uint64
 	resp       *pb.CompletionsResponse
 	err        error
 }
@@ -560,7 +565,7 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", mj, len(resp.GetResults()))
 	}
 	prev := c.req.GetAckSeq()
-	for _, res := range resp.GetResults() {
+	for i, res := range resp.GetResults() {
 		if !g.legacy {
 			// The cursor: every queued result, in seq order from the
 			// acknowledged one on, with no gap, until acknowledged. A
@@ -570,6 +575,7 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 			switch {
 			case seq <= c.req.GetAckSeq():
 				return r.fail("wrong-result", "Completions acknowledging %d returned job %d with seq %d again", c.req.GetAckSeq(), res.GetJobId(), seq)
+			case i == 0 && c.concurrent && seq <= c.ackMax+1:
 			case seq != prev+1:
 				return r.fail("lost-result", "Completions of registration %d acknowledging %d jumped from seq %d to %d (job %d): results in between were lost", g.id, c.req.GetAckSeq(), prev, seq, res.GetJobId())
 			}
