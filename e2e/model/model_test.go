@@ -93,18 +93,19 @@ func tolerances(t testing.TB, s string) Tolerances {
 
 // ciSeeds run in `make test`: five shapes (the CPU tier alone; write-back
 // with one- or two-slot chunks; write-through; two slot files under fault
-// plans; room for everything), a few hundred operations each, about a
-// minute in all on two shared cores.
+// plans; room for everything), 200 operations each: with the regression
+// cases about a minute on two busy shared cores (the longer runs are
+// -seed, make soak).
 var ciSeeds = []struct {
 	seed  uint64
 	shape string
 	steps int
 }{
-	{1, "cpu", 250},
-	{2, "tight", 250},
-	{3, "wt", 250},
-	{4, "stripe", 250},
-	{5, "roomy", 250},
+	{1, "cpu", 200},
+	{2, "tight", 200},
+	{3, "wt", 200},
+	{4, "stripe", 200},
+	{5, "roomy", 200},
 }
 
 // TestModel runs the CI seeds, or the run named by -seed.
@@ -130,8 +131,13 @@ func TestModel(t *testing.T) {
 	if tol == "" {
 		tol = "known"
 	}
+	daemonBinary(t) // built once, before the runs start
 	for _, c := range ciSeeds {
 		t.Run(fmt.Sprintf("seed=%d/shape=%s", c.seed, c.shape), func(t *testing.T) {
+			// Each run has its own daemon, socket and directories; much of
+			// a run is waiting (daemon starts, quiet checks), so they
+			// overlap well even on two cores.
+			t.Parallel()
 			runSeed(t, Options{Seed: c.seed, Steps: c.steps, Shape: NamedShape(c.shape), Off: off, Tol: tolerances(t, tol)})
 		})
 	}
@@ -309,6 +315,7 @@ func TestModelRegressions(t *testing.T) {
 			if slices.Contains(knownTolerances, c.tol) && !*flagOpen {
 				t.Skipf("open: %s (%s)", c.tol, KnownTolerances[c.tol])
 			}
+			t.Parallel()
 			var tol []string
 			for _, k := range knownTolerances {
 				if k != c.tol {
