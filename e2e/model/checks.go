@@ -210,6 +210,11 @@ func (r *runner) settleJob(g *reg, j *jobRec) {
 		return
 	}
 	g.notTaken[j.id] = true
+	for i := range j.blocks {
+		if j.op == Load {
+			r.m.loadSettled(j.blocks[i].key, j.incarnation == r.p.Incarnation, false)
+		}
+	}
 	r.maybesSettled++
 	if j.lossy || r.o.Tol["lost-wait-results"] {
 		r.lossySettled++

@@ -424,6 +424,9 @@ func (c *transferCall) finish(contested map[KeyRef]bool) error {
 				b.clearFrom = t
 			}
 			g.busy[[2]int{rec.group, int(b.block)}] = rec.id
+			if kind == Load {
+				r.m.key(b.key).loading++
+			}
 			if kind == Store {
 				b.alone, b.mustBase, b.must = r.m.storeAccepted(b.key, t)
 				b.alone = b.alone && !contested[b.key]
@@ -704,6 +707,7 @@ func (r *runner) storeBlock(j *jobRec, b *blockRec, st pb.BlockStatus) error {
 func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) error {
 	spec := r.sh.NS[g.ns]
 	ks := r.m.key(b.key)
+	r.m.loadSettled(b.key, j.incarnation == r.p.Incarnation, st == statusOK)
 	switch st {
 	case statusOK:
 		if r.cut == g {
@@ -749,12 +753,12 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 		if !r.m.readFaults && !ks.corrupt && !b.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
-		r.m.loadFailed(b.key, b.clearFrom)
+		r.m.loadFailed(b.key, b.clearFrom, b.issued, true)
 	case pb.BlockStatus_BLOCK_STATUS_DMA_ERROR:
 		if !j.dma {
 			return r.fail("unexpected-status", "load job %d (step %d): %s DMA_ERROR with its region intact", j.id, j.step, b.key)
 		}
-		r.m.loadFailed(b.key, b.clearFrom)
+		r.m.loadFailed(b.key, b.clearFrom, b.issued, false)
 	default:
 		return r.fail("unexpected-status", "load job %d (step %d): %s %v", j.id, j.step, b.key, st)
 	}

@@ -33,6 +33,12 @@ type keyState struct {
 	lastStore int      // tick of the last accepted store since the last clear
 	lastClear int      // tick of the last definite clear (invalidate, failure)
 	inflight  int      // stores of this key accepted and not settled
+	// loading: load jobs of this key accepted and not settled; okLoad: the
+	// tick at which the last OK load of it was read. A failed disk read
+	// drops only the disk copy: a CPU copy another load made meanwhile
+	// (promoted from a good read of the same slot) stays, and is offered.
+	loading int
+	okLoad  int
 	// must: a store's OK was seen and nothing cleared the key since; it
 	// must be offered while the loss counter stays at mustBase.
 	must     bool
@@ -189,9 +195,31 @@ func (m *Model) invalidated(k KeyRef, t int) {
 }
 
 // loadFailed records a load block that failed in a way that drops it.
-func (m *Model) loadFailed(k KeyRef, issued int) {
-	m.key(k).clearAfter(issued)
+// diskRead: it failed reading its disk copy (IO_ERROR, CORRUPT), which
+// drops only that copy; issued is the failing load's tick.
+func (m *Model) loadFailed(k KeyRef, clearFrom, issued int, diskRead bool) {
+	s := m.key(k)
+	if diskRead && (s.loading > 0 || s.okLoad >= issued) {
+		// Another load of k ran alongside: its good read may have
+		// promoted k to the CPU tier before this one failed.
+		s.must = false
+		m.trace(k, "load of tick %d failed reading disk; another load may have kept a CPU copy", issued)
+		return
+	}
+	s.clearAfter(clearFrom)
 	m.trace(k, "load of tick %d failed", issued)
+}
+
+// loadSettled records a load block of k whose result was read (or will never
+// be) in this incarnation (cur) or an earlier one.
+func (m *Model) loadSettled(k KeyRef, cur, ok bool) {
+	s := m.key(k)
+	if cur && s.loading > 0 {
+		s.loading--
+	}
+	if cur && ok {
+		s.okLoad = m.tick
+	}
 }
 
 // restarted records a new daemon incarnation.
@@ -205,6 +233,7 @@ func (m *Model) restarted(killed, empty bool, readFaults bool) {
 	for _, s := range m.keys {
 		s.must = false
 		s.inflight = 0
+		s.loading = 0
 		if empty {
 			s.present, s.freed, s.ghosts = s.present[:0], nil, nil
 			s.corrupt = false

@@ -427,6 +427,11 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 
 // settleLost gives up on a job whose result will never come.
 func (r *runner) settleLost(j *jobRec) {
+	for i := range j.blocks {
+		if j.op == Load {
+			r.m.loadSettled(j.blocks[i].key, j.incarnation == r.p.Incarnation, false)
+		}
+	}
 	if j.op == Store {
 		for i := range j.blocks {
 			r.m.storeSettled(j.blocks[i].key, &j.blocks[i], false, true, j.incarnation, r.p.Incarnation)
