@@ -56,6 +56,8 @@ type Config struct {
 	// WriteThrough writes every stored block to disk at once instead of
 	// when the CPU tier evicts it.
 	WriteThrough bool
+	// Remote, when set, adds the shared remote tier behind the local ones.
+	Remote *RemoteConfig
 	DMA          dma.Engine
 	Limits       Limits
 	Logger       *slog.Logger
@@ -78,6 +80,8 @@ type Service struct {
 	demotions    chan demotion
 	staging      chan stageReq // disk reads of loads waiting for a CPU slot
 	diskWrites   atomic.Int64  // demotions queued or in flight
+
+	rem *remoteTier // nil without a remote tier
 
 	jobs sync.WaitGroup // accepted jobs not yet finished
 	stop chan struct{}  // closed by Close: background goroutines exit
@@ -124,10 +128,11 @@ func New(cfg Config) (*Service, error) {
 	s.mu.leases = map[uint64]*lease{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
-	if cfg.Disk != nil && cc.Reserve == 0 {
+	if (cfg.Disk != nil || cfg.Remote != nil) && cc.Reserve == 0 {
 		// Keep slots the policy never fills: stores land there while
 		// evicted blocks are still on their way to disk (write-back),
-		// and loads stage blocks read from disk there.
+		// and loads stage blocks read from disk or fetched from the
+		// remote tier there.
 		cc.Reserve = 1.0 / 8
 	}
 	cc.Evict = s.onPolicyEvict
@@ -147,6 +152,12 @@ func New(cfg Config) (*Service, error) {
 		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
 			t.Close()
 			return nil, fmt.Errorf("disk tier: %w", err)
+		}
+	}
+	if cfg.Remote != nil {
+		if err := s.openRemote(*cfg.Remote, cfg.Registerer); err != nil {
+			s.Close()
+			return nil, err
 		}
 	}
 	s.reaper.Add(1)
@@ -393,6 +404,9 @@ const (
 	TierCPU
 	TierDisk
 	TierCPUAndDisk
+	// TierRemote: no local tier holds the block; the shared remote tier
+	// does (it cannot be pinned: gone by load time, it is MISSING).
+	TierRemote
 )
 
 // Lookup counts the leading keys ready in every namespace. With a lease it
@@ -469,6 +483,9 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 		if touched != nil {
 			ns.classes[keys.Group].Touch(touched[j])
 		}
+	}
+	if s.rem != nil && res.Ready < n {
+		s.rem.extendLookup(nss, keys, n, &res)
 	}
 	if res.Ready < n {
 		s.m.lookupBlocks.WithLabelValues("miss").Inc()
@@ -750,12 +767,16 @@ func (s *Service) Close() error {
 	}
 	s.m.regs.Set(0)
 	s.releaseLeases(time.Time{}, true)
-	var diskErr error
+	var remErr, diskErr error
+	if s.rem != nil {
+		// Publishes still queued hold pins on CPU slots: dropped here.
+		remErr = s.rem.close()
+	}
 	if s.disk != nil {
 		s.dropQueuedDemotions()
 		// Drains the disk writes in flight (their callbacks touch the
 		// arena and the index), syncs and closes the files.
 		diskErr = s.disk.Close()
 	}
-	return errors.Join(diskErr, s.cpu.Close())
+	return errors.Join(remErr, diskErr, s.cpu.Close())
 }

@@ -48,6 +48,9 @@ type Options struct {
 	DiskFS         vfs.FS // e.g. an errorfs; default the OS
 	WriteThrough   bool
 	DiskReset      bool
+
+	// Remote, when set, adds the remote tier (the daemon closes its store).
+	Remote *offload.RemoteConfig
 }
 
 // Daemon is a running core on a real unix socket.
@@ -102,6 +105,7 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		CPU:          cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
 		Disk:         dc,
 		WriteThrough: o.WriteThrough,
+		Remote:       o.Remote,
 		DMA:          copier,
 		Limits:       o.Limits,
 		Logger:       log,
