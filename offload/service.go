@@ -57,11 +57,11 @@ type Config struct {
 	// when the CPU tier evicts it.
 	WriteThrough bool
 	// Remote, when set, adds the shared remote tier behind the local ones.
-	Remote *RemoteConfig
-	DMA          dma.Engine
-	Limits       Limits
-	Logger       *slog.Logger
-	Registerer   prometheus.Registerer
+	Remote     *RemoteConfig
+	DMA        dma.Engine
+	Limits     Limits
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
 }
 
 // Service is the daemon's core. Its methods are safe for concurrent use.

@@ -238,4 +238,3 @@ const (
 	ioSt      = pb.BlockStatus_BLOCK_STATUS_IO_ERROR
 	corruptSt = pb.BlockStatus_BLOCK_STATUS_CORRUPT
 )
-
