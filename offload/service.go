@@ -56,12 +56,13 @@ type Config struct {
 	// WriteThrough writes every stored block to disk at once instead of
 	// when the CPU tier evicts it.
 	WriteThrough bool
+	DMA          dma.Engine
+	Limits       Limits
+	Logger       *slog.Logger
+	Registerer   prometheus.Registerer
+
 	// Remote, when set, adds the shared remote tier behind the local ones.
-	Remote     *RemoteConfig
-	DMA        dma.Engine
-	Limits     Limits
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer
+	Remote *RemoteConfig
 }
 
 // Service is the daemon's core. Its methods are safe for concurrent use.
