@@ -40,6 +40,8 @@ type config struct {
 	writeThrough   bool
 	faultSpec      string
 	faultPlan      errorfs.Plan
+
+	remote remoteFlags
 }
 
 func defaultSocket() string {
@@ -104,8 +106,9 @@ func formatBytes(n uint64) string {
 }
 
 const usageHead = `kvoffloadd keeps LLM KV-cache blocks for an inference engine (vLLM) in host
-memory, so prefixes evicted from the GPU can be loaded back instead of
-recomputed. The engine's connector talks to it over gRPC on a unix socket;
+memory (and, with --disk-dir, on NVMe; with --remote-redis, in a Redis Cluster
+shared by a fleet of nodes), so prefixes evicted from the GPU can be loaded
+back instead of recomputed. The engine's connector talks to it over gRPC on a unix socket;
 block bytes move between the engine's registered memory and a pinned arena,
 never through the socket.
 
@@ -153,6 +156,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
+	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
@@ -232,6 +236,7 @@ func (c *config) validate() error {
 	if len(c.diskDirs) == 0 && (c.diskReset || c.writeThrough || c.faultSpec != "") {
 		bad("--disk-reset, --write-through and --fault-spec need a disk tier: add --disk-dir")
 	}
+	c.remote.validate(bad)
 	if c.faultSpec != "" {
 		p, err := errorfs.ParsePlan(c.faultSpec)
 		if err != nil {

@@ -13,6 +13,7 @@ package rediscluster
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -36,6 +37,10 @@ type Options struct {
 	Dir string
 	// Password, when set, is every node's requirepass and masterauth.
 	Password string
+	// TLS serves clients and the cluster bus over TLS only, with a
+	// certificate for 127.0.0.1 from a CA made for the cluster
+	// (Cluster.CAFile, Cluster.TLSConfig).
+	TLS bool
 	// MaxMemory, when set, is every node's maxmemory (bytes), with
 	// maxmemory-policy allkeys-lru.
 	MaxMemory uint64
@@ -49,6 +54,7 @@ type Options struct {
 // Cluster is a running cluster.
 type Cluster struct {
 	opt     Options
+	tls     *tlsFiles
 	dir     string
 	ownDir  bool
 	nodes   []*Node
@@ -117,6 +123,13 @@ func Start(ctx context.Context, opt Options) (*Cluster, error) {
 			c.Close()
 		}
 	}()
+	if opt.TLS {
+		f, err := makeTLS(c.dir)
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		c.tls = f
+	}
 	ports, err := freePorts(2 * opt.Masters)
 	if err != nil {
 		return nil, err
@@ -144,6 +157,9 @@ func Start(ctx context.Context, opt Options) (*Cluster, error) {
 	args := []string{"--cluster", "create"}
 	args = append(args, c.Addrs()...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if c.tls != nil {
+		args = append(args, "--tls", "--cacert", c.tls.CA)
+	}
 	cmd := exec.CommandContext(ctx, opt.CLI, args...)
 	if opt.Password != "" {
 		cmd.Env = append(os.Environ(), "REDISCLI_AUTH="+opt.Password)
@@ -180,14 +196,14 @@ func (n *Node) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa
 // Client is a plain client of this one node (not cluster-aware), for
 // commands a test sends to a node on purpose. Close it after use.
 func (n *Node) Client() *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: n.Addr(), Password: n.c.opt.Password, Protocol: 2, DisableIdentity: true,
+	return redis.NewClient(&redis.Options{Addr: n.Addr(), Password: n.c.opt.Password, TLSConfig: n.c.TLSConfig(), Protocol: 2, DisableIdentity: true,
 		DialTimeout: 2 * time.Second, ReadTimeout: 10 * time.Second, MaxRetries: -1, ContextTimeoutEnabled: true, DialerRetries: 1})
 }
 
 // ClusterClient is a cluster-aware client for tests to read, write and
 // corrupt values from outside the daemon. Close it after use.
 func (c *Cluster) ClusterClient() *redis.ClusterClient {
-	return redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), Password: c.opt.Password, Protocol: 2, DisableIdentity: true,
+	return redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), Password: c.opt.Password, TLSConfig: c.TLSConfig(), Protocol: 2, DisableIdentity: true,
 		DialTimeout: 2 * time.Second, ReadTimeout: 10 * time.Second, ContextTimeoutEnabled: true, DialerRetries: 1})
 }
 
@@ -229,6 +245,7 @@ func (n *Node) writeConfig() error {
 	o := n.c.opt
 	lines := []string{
 		"port " + strconv.Itoa(n.Port),
+		"tls-port 0",
 		"bind 127.0.0.1",
 		"cluster-enabled yes",
 		"cluster-port " + strconv.Itoa(n.BusPort),
@@ -246,6 +263,11 @@ func (n *Node) writeConfig() error {
 	}
 	if o.Password != "" {
 		lines = append(lines, "requirepass "+o.Password, "masterauth "+o.Password)
+	}
+	if t := n.c.tls; t != nil {
+		lines[0], lines[1] = "port 0", "tls-port "+strconv.Itoa(n.Port)
+		lines = append(lines, "tls-cluster yes", "tls-replication yes", "tls-auth-clients no",
+			"tls-cert-file "+t.Cert, "tls-key-file "+t.Key, "tls-ca-cert-file "+t.CA)
 	}
 	if o.MaxMemory > 0 {
 		lines = append(lines, "maxmemory "+strconv.FormatUint(o.MaxMemory, 10), "maxmemory-policy allkeys-lru")
@@ -333,7 +355,13 @@ func (n *Node) Start(ctx context.Context) error {
 // partitioned node would. It returns at once; the returned channel is
 // closed when the node answers again.
 func (n *Node) Hang(d time.Duration) (<-chan struct{}, error) {
-	conn, err := net.DialTimeout("tcp", n.Addr(), 2*time.Second)
+	var conn net.Conn
+	var err error
+	if cfg := n.c.TLSConfig(); cfg != nil {
+		conn, err = tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", n.Addr(), cfg)
+	} else {
+		conn, err = net.DialTimeout("tcp", n.Addr(), 2*time.Second)
+	}
 	if err != nil {
 		return nil, err
 	}
