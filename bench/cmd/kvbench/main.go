@@ -38,7 +38,7 @@ func main() {
 }
 
 // allScenarios in the order they run.
-var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt"}
+var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "remote"}
 
 // options is every flag, validated.
 type options struct {
@@ -77,7 +77,11 @@ offered again, or a daemon that does not exit 0 on SIGTERM fails the run.
 Scenarios: cpu (the CPU tier holds the working set), disk (CPU tier much
 smaller: hits come from the disk tier), mixed (about half fits in CPU), faults
 (disk, with the daemon's --fault-spec at each --fault-rates read fault rate),
-corrupt (disk, with bytes of the slot file flipped from outside while it runs).
+corrupt (disk, with bytes of the slot file flipped from outside while it runs),
+remote (two daemons sharing a Redis Cluster of three masters kvbench starts from
+redis-server: node A runs the steps and publishes, node B, empty, looks up A's
+requests and loads their blocks from the cluster; beside it, raw GETs of the
+same values from the same cluster).
 
 Flags:
 `
