@@ -143,6 +143,18 @@ func TestHungMaster(t *testing.T) {
 			t.Errorf("block %d (on the hung master: %v): %v, want %v", i, on[i], s, want)
 		}
 	}
+	// The hung master is in its back-off now: Lookups do not wait on it
+	// (a scheduler calls Lookup for many requests per step).
+	for i := 0; i < 5; i++ {
+		if lr := eb.lookup(t, hs); lr.Ready != 30 && !on[lr.Ready] {
+			t.Errorf("lookup with the master hung: prefix ends at %d, a block of a live master", lr.Ready)
+		}
+	}
+	select {
+	case <-awake:
+		t.Fatal("lookups waited for the hung master to wake up")
+	default:
+	}
 	<-awake
 	// Loaded blocks were promoted to B's CPU tier; the others come from
 	// the cluster again.

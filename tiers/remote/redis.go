@@ -35,11 +35,18 @@ type RedisConfig struct {
 // batch is one pipeline: the client splits it by hash slot and sends each
 // node its commands in one write, all nodes in parallel, then reads the
 // replies, so a batch costs one round trip to the slowest node it touches.
+// A node that just timed out or refused is left out of the next batches
+// for a while (breaker.go): its keys are unavailable at once.
 type Redis struct {
 	cc *redis.ClusterClient
+	br *breaker
 }
 
 var _ Store = (*Redis)(nil)
+
+// ErrNodeBackoff is wrapped (with ErrUnavailable) for a key whose node
+// failed moments ago and is not asked again until its back-off ends.
+var ErrNodeBackoff = errors.New("node failed recently; not asked until its back-off ends")
 
 // NewRedis returns a client; it does not connect until the first call, so a
 // cluster that is down at start is not an error here (Ping tells).
@@ -89,20 +96,77 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		ReadBufferSize:  64 << 10,
 		WriteBufferSize: 64 << 10,
 	})
-	return &Redis{cc: cc}, nil
+	return &Redis{cc: cc, br: newBreaker()}, nil
+}
+
+// route finds the master of each key from the client's slot map, and
+// whether that node is in its back-off. A key it cannot place (no slot map
+// yet, the cluster down) gets "": it goes into the pipeline, which fails
+// or succeeds on its own.
+func (r *Redis) route(ctx context.Context, keys []string) (addrs []string, skip []bool) {
+	addrs = make([]string, len(keys))
+	skip = make([]bool, len(keys))
+	for i, k := range keys {
+		c, err := r.cc.MasterForKey(ctx, k)
+		if err != nil {
+			break // no slot map: placing the others would only retry
+		}
+		addrs[i] = c.Options().Addr
+		skip[i] = r.br.open(addrs[i])
+	}
+	return addrs, skip
+}
+
+// settle trips the breaker of every node that timed out or refused, and
+// resets it for every node that answered.
+func (r *Redis) settle(addrs []string, skip []bool, errs func(i int) error) {
+	failed := map[string]bool{}
+	answered := map[string]bool{}
+	for i, a := range addrs {
+		if skip[i] || a == "" {
+			continue
+		}
+		err := errs(i)
+		switch k := ErrorKind(err); {
+		case err == nil:
+			answered[a] = true
+		case k == "timeout" || k == "connection":
+			failed[a] = true
+		}
+	}
+	for a := range failed {
+		r.br.trip(a)
+	}
+	for a := range answered {
+		if !failed[a] {
+			r.br.reset(a)
+		}
+	}
+}
+
+func backoffErr(addr string) error {
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, addr, ErrNodeBackoff)
 }
 
 // Exists implements Store.
 func (r *Redis) Exists(ctx context.Context, keys []string, out []Presence) error {
+	addrs, skip := r.route(ctx, keys)
 	cmds := make([]*redis.IntCmd, len(keys))
 	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, k := range keys {
-			cmds[i] = p.Exists(ctx, k)
+			if !skip[i] {
+				cmds[i] = p.Exists(ctx, k)
+			}
 		}
 		return nil
 	})
 	var first error
 	for i, c := range cmds {
+		if skip[i] {
+			out[i] = Failed
+			first = cmp(first, backoffErr(addrs[i]))
+			continue
+		}
 		n, cerr := c.Result()
 		switch {
 		case cerr != nil:
@@ -114,6 +178,7 @@ func (r *Redis) Exists(ctx context.Context, keys []string, out []Presence) error
 			out[i] = Absent
 		}
 	}
+	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
 	return unavailable(cmp(first, pipelineErr(err)))
 }
 
@@ -127,9 +192,17 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 		size       *redis.IntCmd
 		head, body *redis.ZeroCopyStringCmd
 	}
+	keys := make([]string, len(fs))
+	for i := range fs {
+		keys[i] = fs[i].Key
+	}
+	addrs, skip := r.route(ctx, keys)
 	cs := make([]cmds, len(fs))
 	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i := range fs {
+			if skip[i] {
+				continue
+			}
 			f := &fs[i]
 			c := &cs[i]
 			c.size = p.StrLen(ctx, f.Key)
@@ -148,6 +221,11 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 	for i := range fs {
 		f, c := &fs[i], &cs[i]
 		f.Size, f.HeadN, f.BodyN, f.Err = 0, 0, 0, nil
+		if skip[i] {
+			f.Err = backoffErr(addrs[i])
+			first = cmp(first, f.Err)
+			continue
+		}
 		size, err := c.size.Result()
 		if err == nil && c.head != nil {
 			f.HeadN, err = c.head.Result()
@@ -162,50 +240,77 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 		}
 		f.Size = size
 	}
+	r.settle(addrs, skip, func(i int) error {
+		if skip[i] {
+			return nil
+		}
+		return fs[i].Err
+	})
 	return unavailable(cmp(first, pipelineErr(err)))
 }
 
 // Set implements Store.
 func (r *Redis) Set(ctx context.Context, items []Item) []error {
+	keys := make([]string, len(items))
+	for i := range items {
+		keys[i] = items[i].Key
+	}
+	addrs, skip := r.route(ctx, keys)
 	cmds := make([]*redis.StatusCmd, len(items))
 	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, it := range items {
-			cmds[i] = p.Set(ctx, it.Key, it.Value, 0)
+			if !skip[i] {
+				cmds[i] = p.Set(ctx, it.Key, it.Value, 0)
+			}
 		}
 		return nil
 	})
 	errs := make([]error, len(items))
 	for i, c := range cmds {
-		if err := c.Err(); err != nil {
+		if skip[i] {
+			errs[i] = backoffErr(addrs[i])
+		} else if err := c.Err(); err != nil {
 			errs[i] = unavailable(err)
 		}
 	}
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
 	return errs
 }
 
 // Delete implements Store with UNLINK: Redis frees a large value off its
-// main thread.
+// main thread. Keys of a node in its back-off are not deleted (reported).
 func (r *Redis) Delete(ctx context.Context, keys []string) error {
+	addrs, skip := r.route(ctx, keys)
 	cmds := make([]*redis.IntCmd, len(keys))
 	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, k := range keys {
-			cmds[i] = p.Unlink(ctx, k)
+			if !skip[i] {
+				cmds[i] = p.Unlink(ctx, k)
+			}
 		}
 		return nil
 	})
 	var first error
-	for _, c := range cmds {
-		first = cmp(first, c.Err())
+	for i, c := range cmds {
+		if skip[i] {
+			first = cmp(first, backoffErr(addrs[i]))
+		} else {
+			first = cmp(first, c.Err())
+		}
 	}
+	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
 	return unavailable(cmp(first, pipelineErr(err)))
 }
 
-// Ping asks every master of the cluster.
+// Ping asks every master of the cluster, those in their back-off too: a
+// node that answers is out of it at once.
 func (r *Redis) Ping(ctx context.Context) error {
 	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		addr := c.Options().Addr
 		if err := c.Ping(ctx).Err(); err != nil {
-			return fmt.Errorf("%s: %w", c.Options().Addr, err)
+			return fmt.Errorf("%s: %w", addr, err)
 		}
+		r.br.reset(addr)
 		return nil
 	})
 	return unavailable(err)

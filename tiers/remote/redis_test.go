@@ -269,6 +269,7 @@ func TestRedisKilledMaster(t *testing.T) {
 func TestRedisHungMaster(t *testing.T) {
 	c := cluster(t)
 	r := newRedis(t, c, 200*time.Millisecond)
+	rt := countRoundTrips(r)
 	ctx := testCtx(t)
 	_, keys, vals := testBlocks(t, 60, 2000, nil)
 	setAll(t, r, keys, vals)
@@ -309,7 +310,32 @@ func TestRedisHungMaster(t *testing.T) {
 			t.Errorf("key %d on a live master: err %v", i, errs[i])
 		}
 	}
+	// The hung node is in its back-off now: the next batch does not
+	// send it a command and does not wait for it.
+	rt.reset()
+	got, errs = getAll(t, ctx, r, keys, sizesOf(vals))
+	select {
+	case <-awake:
+		t.Fatal("the second Get returned only after the hung master woke up")
+	default:
+	}
+	if p, _ := rt.snapshot(); p[victim.Addr()] != 0 || len(p) != len(c.Nodes())-1 {
+		t.Errorf("pipelines of the second batch by node: %v; want none to %s and one to each other", p, victim.Addr())
+	}
+	for i := range keys {
+		if onVictim[i] && !errors.Is(errs[i], ErrNodeBackoff) {
+			t.Errorf("key %d on the hung master, second batch: %v, want ErrNodeBackoff", i, errs[i])
+		}
+		if !onVictim[i] && !bytes.Equal(got[i], vals[i]) {
+			t.Errorf("key %d on a live master, second batch: %v", i, errs[i])
+		}
+	}
 	<-awake
+	// A health check that reaches the node ends its back-off.
+	waitFor(t, func() error { return r.Ping(ctx) })
+	if tr := r.br.tripped(); len(tr) != 0 {
+		t.Fatalf("still in back-off after a good ping: %v", tr)
+	}
 	waitFor(t, func() error {
 		got, errs := getAll(t, ctx, r, keys, sizesOf(vals))
 		for i := range keys {
