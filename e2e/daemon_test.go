@@ -435,9 +435,10 @@ func TestClientGoneReleasesEverything(t *testing.T) {
 		_, err := d.Svc.Registration(e.reg.RegistrationId)
 		return err != nil
 	})
-	// The lease's pins remain until it expires; the load's are gone.
-	if n := d.Svc.CPU().Pinned(); n != 8 {
-		t.Fatalf("%d slots pinned, want the lease's 8", n)
+	// The load's pins are gone, and so are the lease's: it was the
+	// connection's, and no other connection may use it.
+	if n := d.Svc.CPU().Pinned(); n != 0 {
+		t.Fatalf("%d slots pinned after the client went", n)
 	}
 	// Blocks stay cached for the next engine.
 	e2 := register(t, d, small, "m")

@@ -103,8 +103,9 @@ type shard struct {
 	slab    [][]record
 	free    []uint32
 	n       int
+	perNS   map[uint32]int // entries per namespace
 	scratch Entry
-	_       [28]byte // keep shards' locks on separate cache lines
+	_       [20]byte // keep shards' locks on separate cache lines
 }
 
 // Index is safe for concurrent use.
@@ -117,6 +118,7 @@ func New() *Index {
 	ix := &Index{}
 	for i := range ix.shards {
 		ix.shards[i].table = make([]uint32, minTable)
+		ix.shards[i].perNS = map[uint32]int{}
 	}
 	return ix
 }
@@ -173,6 +175,11 @@ func (s *shard) grow() {
 // so no tombstones slow later probes).
 func (s *shard) remove(pos int) {
 	v := s.table[pos]
+	if ns := s.rec(v - 1).key.NS; s.perNS[ns] <= 1 {
+		delete(s.perNS, ns)
+	} else {
+		s.perNS[ns]--
+	}
 	*s.rec(v - 1) = record{}
 	s.free = append(s.free, v-1)
 	s.n--
@@ -235,6 +242,7 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	*s.rec(n) = record{key: *k, e: *e}
 	s.table[pos] = n + 1
 	s.n++
+	s.perNS[k.NS]++
 	if s.n*4 > len(s.table)*3 {
 		s.grow()
 	}
@@ -276,6 +284,18 @@ func (ix *Index) Len() int {
 		s := &ix.shards[i]
 		s.mu.Lock()
 		n += s.n
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// CountNS is the number of entries of namespace ns.
+func (ix *Index) CountNS(ns uint32) int {
+	n := 0
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		n += s.perNS[ns]
 		s.mu.Unlock()
 	}
 	return n

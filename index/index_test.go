@@ -52,6 +52,15 @@ func TestAgainstMap(t *testing.T) {
 			if ix.Len() != len(model) {
 				t.Fatalf("step %d: Len %d, model %d", step, ix.Len(), len(model))
 			}
+			perNS := map[uint32]int{}
+			for mk := range model {
+				perNS[mk.NS]++
+			}
+			for ns := uint32(0); ns < 4; ns++ {
+				if got := ix.CountNS(ns); got != perNS[ns] {
+					t.Fatalf("step %d: CountNS(%d) = %d, model %d", step, ns, got, perNS[ns])
+				}
+			}
 		}
 	}
 	// Keys never inserted are never found: the index is exact.
@@ -83,8 +92,8 @@ func TestRangeDeletes(t *testing.T) {
 		put(ix, key(uint32(i%2), 0, i), uint32(i))
 	}
 	ix.Range(func(k *Key, e *Entry) bool { return k.NS != 1 })
-	if ix.Len() != 5000 {
-		t.Fatalf("Len after dropping ns 1: %d", ix.Len())
+	if ix.Len() != 5000 || ix.CountNS(1) != 0 || ix.CountNS(0) != 5000 {
+		t.Fatalf("Len after dropping ns 1: %d (ns 0: %d, ns 1: %d)", ix.Len(), ix.CountNS(0), ix.CountNS(1))
 	}
 	for i := uint64(0); i < 10000; i++ {
 		k := key(uint32(i%2), 0, i)

@@ -31,6 +31,13 @@ type demotion struct {
 	key     index.Key
 	cpuSlot cpu.SlotID
 	keepCPU bool // write-through: the CPU copy stays
+	// dslot is the disk slot written (NoSlot until one is taken);
+	// released is set when the disk policy evicted the block while it was
+	// written: the slot was released then (the writer's pin keeps it), so
+	// the policy does not count room that is still taken. Both are guarded
+	// by the key's index lock.
+	dslot    slots.SlotID
+	released bool
 }
 
 const demotionQueue = 4096
@@ -111,7 +118,7 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	s.disk = t
 	s.writeThrough = writeThrough
 	s.dm = newDiskMetrics(reg)
-	s.demotions = make(chan demotion, demotionQueue)
+	s.demotions = make(chan *demotion, demotionQueue)
 
 	catalog := t.Namespaces()
 	digests := make([][32]byte, 0, len(catalog))
@@ -186,21 +193,55 @@ func (s *Service) diskMeta(k *index.Key) disk.Meta {
 // demote queues a block's CPU copy for the disk. The caller holds the
 // entry's index lock, has set DiskWriting and pinned the CPU slot. It
 // reports false when the queue is full (the caller undoes both).
+//
+// The demotion becomes the key's current one. An earlier demotion of the
+// key still in flight belongs to an entry since removed (invalidated, or
+// dropped after a failed load): when it ends it only gives back its own
+// slots, and never touches the entry or the policy of this one.
 func (s *Service) demote(d demotion) bool {
+	d.dslot = index.NoSlot
+	dp := &d
+	s.writing.Lock()
+	s.writing.byKey[d.key] = dp
+	s.writing.Unlock()
 	select {
-	case s.demotions <- d:
+	case s.demotions <- dp:
 		s.diskWrites.Add(1)
 		return true
 	default:
+		s.endDemotion(dp)
 		s.dm.demotions.WithLabelValues("dropped").Inc()
 		return false
 	}
 }
 
+// current reports whether d is its key's current demotion.
+func (s *Service) current(d *demotion) bool {
+	s.writing.Lock()
+	defer s.writing.Unlock()
+	return s.writing.byKey[d.key] == d
+}
+
+// currentOf is the key's current demotion, nil when none.
+func (s *Service) currentOf(k index.Key) *demotion {
+	s.writing.Lock()
+	defer s.writing.Unlock()
+	return s.writing.byKey[k]
+}
+
+// endDemotion forgets d once it is over.
+func (s *Service) endDemotion(d *demotion) {
+	s.writing.Lock()
+	if s.writing.byKey[d.key] == d {
+		delete(s.writing.byKey, d.key)
+	}
+	s.writing.Unlock()
+}
+
 // demoter writes queued blocks to disk in batches until the service stops.
 func (s *Service) demoter() {
 	defer s.reaper.Done()
-	batch := make([]demotion, 0, 256)
+	batch := make([]*demotion, 0, 256)
 	for {
 		select {
 		case d := <-s.demotions:
@@ -221,33 +262,44 @@ func (s *Service) demoter() {
 	}
 }
 
-func (s *Service) writeDemotions(batch []demotion) {
+func (s *Service) writeDemotions(batch []*demotion) {
 	byClass := map[*slots.Class][]index.Key{}
-	for _, d := range batch {
-		if ns := s.nsByID(d.key.NS); ns != nil {
+	classes := make([]*slots.Class, len(batch))
+	for i, d := range batch {
+		if ns := s.nsByID(d.key.NS); ns != nil && s.current(d) {
 			c := ns.diskClasses[d.key.Group]
+			classes[i] = c
 			byClass[c] = append(byClass[c], d.key)
 		}
 	}
 	for c, keys := range byClass {
 		c.Admit(keys)
 	}
-	for _, d := range batch {
-		ns := s.nsByID(d.key.NS)
-		c := ns.diskClasses[d.key.Group]
+	for i, d := range batch {
+		c := classes[i]
 		dslot := index.NoSlot
-		result := ""
+		result := "rejected"
 		s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
-			if !found {
-				result = "rejected"
+			switch {
+			case !found:
 				return false
-			}
-			if e.Flags&index.DiskWriting == 0 {
-				result = "rejected" // the disk policy declined it
-			} else if sl, ok := c.Alloc(); ok {
-				dslot = sl
+			case c == nil || !s.current(d):
+				// Its entry was removed while it waited; that entry's
+				// remover let go of the CPU copy.
 				return true
-			} else {
+			case e.Flags&index.DiskWriting == 0:
+				// the disk policy declined it
+			case e.Flags&index.DiskEvicted != 0:
+				// The policy evicted it again before it took a slot
+				// (another key of the batch won it): a slot now would
+				// be room the policy does not count.
+				e.Flags &^= index.DiskWriting | index.DiskEvicted
+			default:
+				if sl, ok := c.Alloc(); ok {
+					dslot = sl
+					d.dslot = sl
+					return true
+				}
 				result = "no_space"
 				e.Flags &^= index.DiskWriting
 			}
@@ -259,73 +311,104 @@ func (s *Service) writeDemotions(batch []demotion) {
 				c.Forget(&d.key)
 			}
 			s.dm.demotions.WithLabelValues(result).Inc()
+			s.endDemotion(d)
 			s.cpu.Unpin(d.cpuSlot)
 			s.diskWrites.Add(-1)
 			continue
 		}
 		m := s.diskMeta(&d.key)
 		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
-		d := d
 		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
 	}
 }
 
 // dropCPUCopyLocked lets go of the CPU copy a write-back demotion was for:
 // the CPU tier's policy already evicted it.
-func (s *Service) dropCPUCopyLocked(e *index.Entry, d demotion) {
+func (s *Service) dropCPUCopyLocked(e *index.Entry, d *demotion) {
 	if !d.keepCPU && e.CPU == d.cpuSlot {
 		s.cpu.Release(e.CPU)
 		e.CPU = index.NoSlot
 	}
 }
 
-func (s *Service) demotionDone(d demotion, c *slots.Class, dslot slots.SlotID, err error) {
-	forget := false
+// demotionDone settles a finished disk write. The key's current demotion
+// attaches its slot to the entry, unless the disk policy evicted the block
+// meanwhile or the slot's chunk is moving to another slot size. Any slot
+// written and not attached is erased: the block must not come back at a
+// restart (its entry may have been invalidated).
+func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, err error) {
+	forget, attached := false, false
 	s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
+		if !found || !s.current(d) {
+			// Its entry was removed while written; a later entry of the
+			// key, if any, is none of this demotion's business.
+			return found
+		}
 		switch {
-		case !found || e.Flags&index.DiskWriting == 0:
-			// Invalidated while written: the slot was never attached.
-			s.releaseDiskSlotLocked(dslot, err)
+		case e.Flags&index.DiskWriting == 0:
+			// The disk policy declined it while written.
 			forget = true
-			if !found {
-				return false
-			}
 		case err != nil:
-			s.releaseDiskSlotLocked(dslot, err)
 			forget = true
 		case e.Flags&index.DiskEvicted != 0:
-			s.disk.Release(dslot)
+		case s.disk.Draining(dslot):
+			forget = true
 		default:
 			e.Disk = dslot
+			attached = true
 		}
 		e.Flags &^= index.DiskWriting | index.DiskEvicted
 		s.dropCPUCopyLocked(e, d)
 		return e.Holds()
 	})
-	s.disk.Unpin(dslot) // the writer's pin, from Alloc
-	s.cpu.Unpin(d.cpuSlot)
-	s.diskWrites.Add(-1)
+	// Forget while the slot still holds the class alive.
 	if forget {
 		c.Forget(&d.key)
 	}
+	s.endDemotion(d)
+	if attached {
+		s.disk.Unpin(dslot) // the writer's pin, from Alloc
+	} else {
+		s.releaseWritten(d, dslot, err)
+	}
+	s.cpu.Unpin(d.cpuSlot)
+	s.diskWrites.Add(-1)
 	switch {
 	case err != nil:
 		s.dm.demotions.WithLabelValues("failed").Inc()
 		s.log.Warn("disk write failed; the block's disk copy is dropped", "slot", dslot, "kept_in_cpu", d.keepCPU, "err", err)
+	case !attached:
+		s.dm.demotions.WithLabelValues("rejected").Inc()
 	default:
 		s.dm.demotions.WithLabelValues("written").Inc()
 	}
 }
 
-// releaseDiskSlotLocked frees a disk slot after a failed write:
-// quarantined if the device returned EIO (a bad spot), free otherwise
-// (ENOSPC, a cancelled write).
-func (s *Service) releaseDiskSlotLocked(dslot slots.SlotID, err error) {
-	if err != nil && errors.Is(err, syscall.EIO) {
+// releaseWritten lets go of a disk slot a demotion wrote but did not
+// attach, and of the writer's pin on it: quarantined if the device returned
+// EIO (a bad spot), erased if the write went through (so the block does not
+// come back at a restart; the pin passes to the erase), free otherwise
+// (ENOSPC, a refused or cancelled write: no header was written).
+func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
+	switch {
+	case err != nil && errors.Is(err, syscall.EIO):
 		s.disk.Quarantine(dslot)
-		return
+		s.disk.Unpin(dslot)
+	case err == nil:
+		if !d.released {
+			s.disk.Release(dslot)
+		}
+		s.diskWrites.Add(1)
+		s.disk.Discard(dslot, func() {
+			s.disk.Unpin(dslot)
+			s.diskWrites.Add(-1)
+		})
+	default:
+		if !d.released {
+			s.disk.Release(dslot)
+		}
+		s.disk.Unpin(dslot)
 	}
-	s.disk.Release(dslot)
 }
 
 // onDiskEvict runs on the disk policy's goroutine for each key it evicted.
@@ -336,8 +419,15 @@ func (s *Service) onDiskEvict(k index.Key) {
 			return false
 		}
 		if e.Disk == index.NoSlot {
-			if e.Flags&index.DiskWriting != 0 {
+			if e.Flags&index.DiskWriting != 0 && e.Flags&index.DiskEvicted == 0 {
 				e.Flags |= index.DiskEvicted
+				// The slot being written is room the policy no longer
+				// counts: release it now (the writer's pin keeps it) so
+				// the policy's capacity says so.
+				if d := s.currentOf(k); d != nil && d.dslot != index.NoSlot && !d.released {
+					s.disk.Release(d.dslot)
+					d.released = true
+				}
 			}
 			return true
 		}
@@ -377,13 +467,14 @@ func (s *Service) dropQueuedDemotions() {
 		select {
 		case d := <-s.demotions:
 			s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
-				if !found {
-					return false
+				if !found || !s.current(d) {
+					return found
 				}
 				e.Flags &^= index.DiskWriting | index.DiskEvicted
 				s.dropCPUCopyLocked(e, d)
 				return e.Holds()
 			})
+			s.endDemotion(d)
 			s.cpu.Unpin(d.cpuSlot)
 			s.diskWrites.Add(-1)
 		default:
@@ -393,8 +484,8 @@ func (s *Service) dropQueuedDemotions() {
 }
 
 // FlushDisk waits until every block queued for the disk tier has been
-// written (or failed), or ctx ends. Tests and benchmarks use it to know
-// what the disk holds.
+// written (or failed) and every erased slot's header is zeroed, or ctx
+// ends. Tests and benchmarks use it to know what the disk holds.
 func (s *Service) FlushDisk(ctx context.Context) error {
 	for s.diskWrites.Load() > 0 {
 		select {

@@ -18,6 +18,10 @@ var (
 	// ErrBacklog: the registration has too many unfinished or unread jobs;
 	// read Completions before submitting more.
 	ErrBacklog = errors.New("too many pending jobs")
+	// ErrLimit: a bound on what clients may make the daemon hold was
+	// reached (leases, pinned blocks, namespaces, block sizes); the
+	// message names it. Retry once some is given back.
+	ErrLimit = errors.New("limit reached")
 	// ErrShuttingDown: the daemon is stopping and takes no new work.
 	ErrShuttingDown = errors.New("daemon is shutting down")
 )

@@ -82,6 +82,9 @@ type Result struct {
 	Failures  []Failure
 	Blocks    uint32
 	Bytes     uint64
+	// Seq numbers the results of a registration's queue, from 1, in the
+	// order they finished; 0 on a result returned to a Transfer that waited.
+	Seq uint64
 }
 
 // Registration is one client's mapping of engine memory into a namespace.
@@ -97,9 +100,16 @@ type Registration struct {
 	mu struct {
 		sync.Mutex
 		pending map[uint64]struct{}
-		done    []Result
-		notify  chan struct{} // closed and replaced when done grows
-		closed  bool
+		// done holds finished results not yet acknowledged (or, for a
+		// client without a cursor, not yet read), in Seq order.
+		done      []Result
+		seq       uint64 // the last Seq given
+		doneBytes int    // wire bytes of done
+		// reserved is the wire bytes the results of unfinished jobs may
+		// take: with doneBytes, bounded by Limits.MaxUnreadBytes.
+		reserved int
+		notify   chan struct{} // closed and replaced when done grows
+		closed   bool
 	}
 }
 
@@ -132,96 +142,11 @@ func (r *Registration) close() bool {
 	}
 	r.mu.Lock()
 	r.mu.done = nil
+	r.mu.doneBytes = 0
 	close(r.mu.notify)
 	r.mu.notify = make(chan struct{})
 	r.mu.Unlock()
 	return true
-}
-
-// Completions returns finished jobs not yet returned, waiting up to wait for
-// one when there is none. It returns at most max (0: all).
-func (r *Registration) Completions(ctx context.Context, wait time.Duration, max int) ([]Result, int, error) {
-	var timer <-chan time.Time
-	if wait > 0 {
-		t := time.NewTimer(wait)
-		defer t.Stop()
-		timer = t.C
-	}
-	for {
-		r.mu.Lock()
-		if r.mu.closed && len(r.mu.pending) == 0 {
-			r.mu.Unlock()
-			return nil, 0, fmt.Errorf("%w: registration_id %d was unregistered", ErrUnknownRegistration, r.ID)
-		}
-		if n := len(r.mu.done); n > 0 || timer == nil {
-			if max > 0 && n > max {
-				n = max
-			}
-			out := make([]Result, n)
-			copy(out, r.mu.done)
-			rest := copy(r.mu.done, r.mu.done[n:])
-			clear(r.mu.done[rest:])
-			r.mu.done = r.mu.done[:rest]
-			pending := len(r.mu.pending)
-			r.mu.Unlock()
-			return out, pending, nil
-		}
-		notify := r.mu.notify
-		r.mu.Unlock()
-		select {
-		case <-notify:
-		case <-timer:
-			timer = nil
-		case <-ctx.Done():
-			return nil, 0, ctx.Err()
-		case <-r.s.closing:
-			timer = nil
-		}
-	}
-}
-
-// waiter collects the results of a Transfer with wait set. If the caller
-// gives up, results still to come go to Completions instead: no job's
-// result is ever lost.
-type waiter struct {
-	mu        sync.Mutex
-	results   []Result
-	left      int
-	done      chan struct{}
-	abandoned bool
-}
-
-func (r *Registration) deliver(w *waiter, slot int, res Result) {
-	if w != nil {
-		w.mu.Lock()
-		if !w.abandoned {
-			w.results[slot] = res
-			w.left--
-			if w.left == 0 {
-				close(w.done)
-			}
-			w.mu.Unlock()
-			r.finish(res, false)
-			return
-		}
-		w.mu.Unlock()
-	}
-	r.finish(res, true)
-}
-
-// finish retires a job: it leaves pending and, when queue is set, joins the
-// completions.
-func (r *Registration) finish(res Result, queue bool) {
-	r.mu.Lock()
-	delete(r.mu.pending, res.JobID)
-	if queue {
-		// Kept while the registration drains, so a client that lost its
-		// connection can still read them; close drops what is left.
-		r.mu.done = append(r.mu.done, res)
-	}
-	close(r.mu.notify)
-	r.mu.notify = make(chan struct{})
-	r.mu.Unlock()
 }
 
 // blockRef is one block of a job on its way through the copy engine.
@@ -236,10 +161,11 @@ type blockRef struct {
 
 // Transfer validates every job of a Store or Load request, accepts them all
 // or none, and starts them. With wait it returns their results; otherwise
-// they arrive through Completions.
-func (r *Registration) Transfer(ctx context.Context, op Op, jobs []Job, wait bool, readyEvent []byte) ([]Result, error) {
+// they arrive through Completions. owner is the caller: a Load uses only
+// the leases it owns.
+func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []Job, wait bool, readyEvent []byte) ([]Result, error) {
 	s := r.s
-	if err := r.validate(op, jobs); err != nil {
+	if err := r.validate(op, jobs, readyEvent); err != nil {
 		s.m.refused.WithLabelValues("invalid").Inc()
 		return nil, err
 	}
@@ -247,6 +173,7 @@ func (r *Registration) Transfer(ctx context.Context, op Op, jobs []Job, wait boo
 	closing := s.mu.closing
 	if !closing {
 		s.jobs.Add(len(jobs))
+		s.inflight.Add(int64(len(jobs)))
 	}
 	s.mu.Unlock()
 	if closing {
@@ -261,6 +188,7 @@ func (r *Registration) Transfer(ctx context.Context, op Op, jobs []Job, wait boo
 	r.mu.Unlock()
 	if err != nil {
 		s.jobs.Add(-len(jobs))
+		s.inflight.Add(-int64(len(jobs)))
 		s.m.refused.WithLabelValues("backlog").Inc()
 		return nil, err
 	}
@@ -273,37 +201,13 @@ func (r *Registration) Transfer(ctx context.Context, op Op, jobs []Job, wait boo
 		r.startStores(jobs, w, readyEvent)
 	} else {
 		for i := range jobs {
-			r.startLoad(&jobs[i], w, i)
+			r.startLoad(&jobs[i], owner, w, i)
 		}
 	}
 	if w == nil {
 		return nil, nil
 	}
-	select {
-	case <-w.done:
-		return w.results, nil
-	case <-ctx.Done():
-		w.mu.Lock()
-		if w.left == 0 {
-			w.mu.Unlock()
-			return w.results, nil
-		}
-		// Results already in w go to Completions too.
-		w.abandoned = true
-		var got []Result
-		for _, res := range w.results {
-			if res.Op != 0 {
-				got = append(got, res)
-			}
-		}
-		w.mu.Unlock()
-		r.mu.Lock()
-		if !r.mu.closed {
-			r.mu.done = append(r.mu.done, got...)
-		}
-		r.mu.Unlock()
-		return nil, ctx.Err()
-	}
+	return r.waitResults(ctx, w, jobs)
 }
 
 func (r *Registration) admitLocked(jobs []Job) error {
@@ -312,6 +216,13 @@ func (r *Registration) admitLocked(jobs []Job) error {
 	}
 	if n := len(r.mu.pending) + len(r.mu.done) + len(jobs); n > r.s.lim.MaxPending {
 		return fmt.Errorf("%w: %d jobs would be unfinished or unread, at most %d per registration", ErrBacklog, n, r.s.lim.MaxPending)
+	}
+	worst := 0
+	for i := range jobs {
+		worst += jobs[i].worstBytes()
+	}
+	if n := r.mu.doneBytes + r.mu.reserved + worst; n > r.s.lim.MaxUnreadBytes {
+		return fmt.Errorf("%w: the results of unfinished and unread jobs could take %d bytes, at most %d per registration", ErrBacklog, n, r.s.lim.MaxUnreadBytes)
 	}
 	for i := range jobs {
 		if _, dup := r.mu.pending[jobs[i].ID]; dup {
@@ -322,10 +233,11 @@ func (r *Registration) admitLocked(jobs []Job) error {
 		}
 		r.mu.pending[jobs[i].ID] = struct{}{}
 	}
+	r.mu.reserved += worst
 	return nil
 }
 
-func (r *Registration) validate(op Op, jobs []Job) error {
+func (r *Registration) validate(op Op, jobs []Job, readyEvent []byte) error {
 	lim := r.s.lim
 	if len(jobs) == 0 {
 		return fmt.Errorf("%w: jobs is empty", ErrInvalid)
@@ -333,9 +245,19 @@ func (r *Registration) validate(op Op, jobs []Job) error {
 	if len(jobs) > lim.MaxJobsPerRequest {
 		return fmt.Errorf("%w: %d jobs, at most %d per request", ErrInvalid, len(jobs), lim.MaxJobsPerRequest)
 	}
+	if len(readyEvent) > lim.MaxReadyEvent {
+		return fmt.Errorf("%w: ready_event is %d bytes, at most %d", ErrInvalid, len(readyEvent), lim.MaxReadyEvent)
+	}
 	hb := r.ns.Layout.HashBytes
 	total := 0
 	ids := make(map[uint64]struct{}, len(jobs))
+	// A load's engine blocks, over every job of the request: two copies
+	// into one block would race.
+	type target struct{ job, pos int }
+	var loadInto map[uint64]target
+	if op == OpLoad {
+		loadInto = map[uint64]target{}
+	}
 	for j := range jobs {
 		job := &jobs[j]
 		f := fmt.Sprintf("jobs[%d]", j)
@@ -343,6 +265,9 @@ func (r *Registration) validate(op Op, jobs []Job) error {
 			return fmt.Errorf("%w: %s.job_id %d appears twice in the request", ErrInvalid, f, job.ID)
 		}
 		ids[job.ID] = struct{}{}
+		if len(job.RequestID) > lim.MaxRequestID {
+			return fmt.Errorf("%w: %s.request_id is %d bytes, at most %d", ErrInvalid, f, len(job.RequestID), lim.MaxRequestID)
+		}
 		if job.Keys.Group >= r.ns.Layout.NumGroups() {
 			return fmt.Errorf("%w: %s.keys.group is %d, the namespace has %d groups", ErrInvalid, f, job.Keys.Group, r.ns.Layout.NumGroups())
 		}
@@ -362,10 +287,6 @@ func (r *Registration) validate(op Op, jobs []Job) error {
 		}
 		nb := r.reg.NumBlocks(job.Keys.Group)
 		seenKey := make(map[string]int, n)
-		var seenBlock map[uint32]int
-		if op == OpLoad {
-			seenBlock = make(map[uint32]int, n)
-		}
 		for i, b := range job.BlockIDs {
 			if b >= nb {
 				return fmt.Errorf("%w: %s.block_ids[%d] = %d is out of range (the registered regions hold %d blocks)", ErrInvalid, f, i, b, nb)
@@ -375,11 +296,15 @@ func (r *Registration) validate(op Op, jobs []Job) error {
 				return fmt.Errorf("%w: %s has the same key at positions %d and %d", ErrInvalid, f, p, i)
 			}
 			seenKey[h] = i
-			if seenBlock != nil {
-				if p, dup := seenBlock[b]; dup {
-					return fmt.Errorf("%w: %s loads into block_id %d twice (positions %d and %d)", ErrInvalid, f, b, p, i)
+			if loadInto != nil {
+				t := uint64(job.Keys.Group)<<32 | uint64(b)
+				if p, dup := loadInto[t]; dup {
+					if p.job == j {
+						return fmt.Errorf("%w: %s loads into block_id %d twice (positions %d and %d)", ErrInvalid, f, b, p.pos, i)
+					}
+					return fmt.Errorf("%w: %s.block_ids[%d] and jobs[%d].block_ids[%d] both load into block_id %d of group %d", ErrInvalid, f, i, p.job, p.pos, b, job.Keys.Group)
 				}
-				seenBlock[b] = i
+				loadInto[t] = target{j, i}
 			}
 		}
 	}
@@ -393,7 +318,9 @@ func (r *Registration) failure(job *Job, i int, st Status) Failure {
 
 // startLoad pins the job's ready blocks and copies them into engine
 // memory. Blocks only on disk are first read into CPU slots and verified.
-func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
+// A lease the job names serves only if owner holds it, and only with its
+// pins in this registration's namespace.
+func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int) {
 	s := r.s
 	lj := &loadJob{r: r, job: *job, w: w, wslot: slot, start: time.Now()}
 	hb := r.ns.Layout.HashBytes
@@ -403,7 +330,7 @@ func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 	lj.refs = make([]blockRef, 0, n)
 	var ls *lease
 	if job.LeaseID != 0 {
-		ls = s.takeLease(job.LeaseID)
+		ls = s.takeLease(job.LeaseID, owner, r.ns.ID)
 	}
 	touched := make([]uint64, 0, n)
 	var reads []diskRead
@@ -416,12 +343,15 @@ func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 			if !found || e.State != index.Ready {
 				return found
 			}
+			// A slot at its pin ceiling serves as missing.
 			if e.CPU != index.NoSlot {
-				s.cpu.Pin(e.CPU)
-				cslot = e.CPU
+				if s.cpu.Pin(e.CPU) {
+					cslot = e.CPU
+				}
 			} else if e.Disk != index.NoSlot {
-				s.disk.Pin(e.Disk)
-				dslot = e.Disk
+				if s.disk.Pin(e.Disk) {
+					dslot = e.Disk
+				}
 			}
 			return true
 		})
@@ -451,7 +381,7 @@ func (r *Registration) startLoad(job *Job, w *waiter, slot int) {
 		}
 	}
 	if ls != nil {
-		s.unpinLease(ls) // pins of keys this job did not name
+		s.unpinLease(ls) // pins of this namespace's keys the job did not name
 	}
 	r.ns.classes[g].Touch(touched)
 	if len(reads) == 0 && len(remotes) == 0 {
@@ -751,21 +681,23 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 					// Readable from its staging slot until the disk
 					// write lands, like a block the policy evicted.
 					e.Flags &^= index.Spill
-					s.cpu.Pin(e.CPU)
-					if s.demote(demotion{key: ref.key, cpuSlot: e.CPU}) {
-						e.Flags |= index.DiskWriting
-						return true
+					if s.cpu.Pin(e.CPU) {
+						if s.demote(demotion{key: ref.key, cpuSlot: e.CPU}) {
+							e.Flags |= index.DiskWriting
+							return true
+						}
+						s.cpu.Unpin(e.CPU)
 					}
-					s.cpu.Unpin(e.CPU)
 					s.dropCopiesLocked(e)
 					res.Failures = append(res.Failures, r.failure(job, ref.i, Rejected))
 					return false
 				case s.disk != nil && s.writeThrough:
-					s.cpu.Pin(e.CPU)
-					if s.demote(demotion{key: ref.key, cpuSlot: e.CPU, keepCPU: true}) {
-						e.Flags |= index.DiskWriting
-					} else {
-						s.cpu.Unpin(e.CPU)
+					if s.cpu.Pin(e.CPU) {
+						if s.demote(demotion{key: ref.key, cpuSlot: e.CPU, keepCPU: true}) {
+							e.Flags |= index.DiskWriting
+						} else {
+							s.cpu.Unpin(e.CPU)
+						}
 					}
 				}
 				return true
@@ -776,10 +708,11 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 		}
 		if op == OpLoad && copyErr != nil {
 			// DESIGN §3.4: a block whose load failed for any reason
-			// leaves the index before the result goes out.
+			// leaves the index before the result goes out, and its disk
+			// copy is erased: it does not come back after a restart either.
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if found {
-					s.dropCopiesLocked(e)
+					s.dropEntryLocked(e)
 					forget = append(forget, ref.key)
 				}
 				return false
@@ -818,7 +751,10 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 	if !res.OK && s.log.Enabled(context.Background(), slog.LevelDebug) {
 		s.log.Debug("job finished with failures", "op", opName, "registration", r.ID, "job", job.ID, "request", job.RequestID, "failed", len(res.Failures), "blocks", res.Blocks)
 	}
-	r.deliver(w, slot, res)
+	// Nothing of the job is in flight any more: counted before the result
+	// goes out, so a client that has every result finds the service idle.
+	s.inflight.Add(-1)
+	r.deliver(w, slot, res, job.worstBytes())
 	r.jobs.Done()
 	s.jobs.Done()
 }

@@ -15,6 +15,7 @@ type metrics struct {
 	pendingJobs  prometheus.Gauge
 	regs         prometheus.Gauge
 	leases       prometheus.Gauge
+	namespaces   prometheus.Gauge
 	refused      *prometheus.CounterVec // reason
 }
 
@@ -49,12 +50,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		leases: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvoffload_leases", Help: "Live Lookup leases.",
 		}),
+		namespaces: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvoffload_namespaces", Help: "Namespaces kept: with a registration or a cached block, or lately so.",
+		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvoffload_requests_refused_total", Help: "Requests refused before any work, by reason.",
+			Name: "kvoffload_requests_refused_total", Help: "Requests refused before any work, by reason (invalid, backlog, shutting_down, lease_limit), and loads that named another connection's lease (lease_not_owned).",
 		}, []string{"reason"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.lookups, m.lookupBlocks, m.blocks, m.bytes, m.jobSeconds, m.evictions, m.pendingJobs, m.regs, m.leases, m.refused)
+		reg.MustRegister(m.lookups, m.lookupBlocks, m.blocks, m.bytes, m.jobSeconds, m.evictions, m.pendingJobs, m.regs, m.leases, m.namespaces, m.refused)
 	}
 	return m
 }

@@ -91,8 +91,12 @@ type remoteTier struct {
 	fetches chan fetchReq
 	wg      sync.WaitGroup // fetchers and the health checker
 	stop    chan struct{}
+}
 
-	digests sync.Map // *Namespace -> [32]byte
+// remoteNS is a namespace's identity in the remote store, computed once.
+type remoteNS struct {
+	once   sync.Once
+	digest [32]byte
 }
 
 // fetchReq is the remote blocks of one load.
@@ -113,10 +117,15 @@ const fetchQueue = 4096
 // answers (for the kvoffload_remote_up metric and the log).
 const healthEvery = 2 * time.Second
 
-func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error {
-	if cfg.Store == nil || cfg.Timeout <= 0 {
+func (c *RemoteConfig) validate() error {
+	if c.Store == nil || c.Timeout <= 0 {
 		return errors.New("remote tier: a store and a positive timeout are required")
 	}
+	return nil
+}
+
+// openRemote starts the remote tier (its config validated by New).
+func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 	if cfg.Queue <= 0 {
 		cfg.Queue = 256
 	}
@@ -160,7 +169,6 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 	}
 	go rt.health(err == nil)
 	s.rem = rt
-	return nil
 }
 
 func (rt *remoteTier) setUp(err error, first bool) {
@@ -214,12 +222,10 @@ func (rt *remoteTier) close() error {
 // digest is the namespace's identity in the store: its fingerprint and
 // layout (remote.NamespaceDigest).
 func (rt *remoteTier) digest(ns *Namespace) [32]byte {
-	if d, ok := rt.digests.Load(ns); ok {
-		return d.([32]byte)
-	}
-	d := remote.NamespaceDigest(ns.Fingerprint, layoutBytes(ns.Layout))
-	rt.digests.Store(ns, d)
-	return d
+	ns.remote.once.Do(func() {
+		ns.remote.digest = remote.NamespaceDigest(ns.Fingerprint, layoutBytes(ns.Layout))
+	})
+	return ns.remote.digest
 }
 
 // layoutBytes is the layout's canonical encoding for the namespace digest.
@@ -496,9 +502,11 @@ func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID)
 		ready = found && e.State == index.Ready && e.CPU == slot
 		if ready && rt.write == WriteAll {
 			// Pinned while the entry names it, so it is in use; the
-			// publisher unpins it when done.
-			s.cpu.Pin(slot)
-			src.slot = slot
+			// publisher unpins it when done. A slot at its pin
+			// ceiling is not published.
+			if ready = s.cpu.Pin(slot); ready {
+				src.slot = slot
+			}
 		}
 		return found
 	})
@@ -522,8 +530,7 @@ func (p *publishSource) Read(dst []byte) bool {
 	slot := p.slot
 	if slot == index.NoSlot {
 		s.ix.Mutate(&p.key, func(e *index.Entry, found bool) bool {
-			if found && e.State == index.Ready && e.CPU != index.NoSlot {
-				s.cpu.Pin(e.CPU)
+			if found && e.State == index.Ready && e.CPU != index.NoSlot && s.cpu.Pin(e.CPU) {
 				slot = e.CPU
 			}
 			return found
@@ -575,6 +582,15 @@ func (s *Service) FlushRemote(ctx context.Context) error {
 		return nil
 	}
 	return s.rem.pub.Flush(ctx)
+}
+
+// remotePublishing is the blocks queued or in flight to the remote tier
+// (they pin CPU slots with WriteAll).
+func (s *Service) remotePublishing() int {
+	if s.rem == nil || s.rem.pub == nil {
+		return 0
+	}
+	return s.rem.pub.Depth()
 }
 
 // RemoteKey is the store key of a block of namespace nsID (docs/remote.md),

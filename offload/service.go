@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,26 +26,84 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
-// Limits bound everything a request may ask for before anything is allocated.
+// Limits bound everything a request may ask for before anything is
+// allocated, and everything a client can make the daemon hold. A zero field
+// takes its DefaultLimits value. docs/operations.md lists each with the
+// status a request past it gets.
 type Limits struct {
 	MaxJobsPerRequest   int           // jobs in one Store or Load
 	MaxBlocksPerRequest int           // blocks over all jobs of one request
 	MaxKeysPerLookup    int           // keys in one Lookup or Invalidate
-	MaxNamespaces       int           // namespace ids in one Lookup
+	MaxNamespaces       int           // namespace ids in one Lookup or Resolve
 	MaxPending          int           // unfinished plus unread jobs per registration
 	MaxLease            time.Duration // longest Lookup lease
 	MaxFingerprint      int           // bytes
+	MaxRequestID        int           // bytes of a job's request_id
+	MaxClientName       int           // bytes of Register's client_name
+	MaxReadyEvent       int           // bytes of a Store's ready_event
+	MaxRegionName       int           // bytes of a region's shm_path or CUDA handle
+	// MaxUnreadBytes bounds, per registration, the wire bytes of results
+	// not yet read plus the most the results of its unfinished jobs can
+	// take.
+	MaxUnreadBytes       int
+	MaxLeasesPerOwner    int // leases one connection holds
+	MaxLeasePinsPerOwner int // blocks its leases pin
+	MaxLeases            int // leases of all connections
+	MaxLeasePins         int // blocks all leases pin
+	// MaxNamespacesTotal bounds the namespaces the daemon keeps (those
+	// with a registration or a cached block).
+	MaxNamespacesTotal int
 }
 
 // DefaultLimits are generous for an engine and small enough to refuse abuse.
 var DefaultLimits = Limits{
-	MaxJobsPerRequest:   4096,
-	MaxBlocksPerRequest: 1 << 16,
-	MaxKeysPerLookup:    1 << 16,
-	MaxNamespaces:       64,
-	MaxPending:          8192,
-	MaxLease:            30 * time.Second,
-	MaxFingerprint:      256,
+	MaxJobsPerRequest:    4096,
+	MaxBlocksPerRequest:  1 << 16,
+	MaxKeysPerLookup:     1 << 16,
+	MaxNamespaces:        64,
+	MaxPending:           8192,
+	MaxLease:             30 * time.Second,
+	MaxFingerprint:       256,
+	MaxRequestID:         512,
+	MaxClientName:        256,
+	MaxReadyEvent:        256,
+	MaxRegionName:        4096,
+	MaxUnreadBytes:       64 << 20,
+	MaxLeasesPerOwner:    8192,
+	MaxLeasePinsPerOwner: 1 << 20,
+	MaxLeases:            1 << 16,
+	MaxLeasePins:         1 << 21,
+	MaxNamespacesTotal:   1024,
+}
+
+// withDefaults fills the zero fields of l from DefaultLimits.
+func (l Limits) withDefaults() Limits {
+	fill := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	d := DefaultLimits
+	fill(&l.MaxJobsPerRequest, d.MaxJobsPerRequest)
+	fill(&l.MaxBlocksPerRequest, d.MaxBlocksPerRequest)
+	fill(&l.MaxKeysPerLookup, d.MaxKeysPerLookup)
+	fill(&l.MaxNamespaces, d.MaxNamespaces)
+	fill(&l.MaxPending, d.MaxPending)
+	if l.MaxLease == 0 {
+		l.MaxLease = d.MaxLease
+	}
+	fill(&l.MaxFingerprint, d.MaxFingerprint)
+	fill(&l.MaxRequestID, d.MaxRequestID)
+	fill(&l.MaxClientName, d.MaxClientName)
+	fill(&l.MaxReadyEvent, d.MaxReadyEvent)
+	fill(&l.MaxRegionName, d.MaxRegionName)
+	fill(&l.MaxUnreadBytes, d.MaxUnreadBytes)
+	fill(&l.MaxLeasesPerOwner, d.MaxLeasesPerOwner)
+	fill(&l.MaxLeasePinsPerOwner, d.MaxLeasePinsPerOwner)
+	fill(&l.MaxLeases, d.MaxLeases)
+	fill(&l.MaxLeasePins, d.MaxLeasePins)
+	fill(&l.MaxNamespacesTotal, d.MaxNamespacesTotal)
+	return l
 }
 
 // Config wires the service to its parts.
@@ -58,12 +117,23 @@ type Config struct {
 	WriteThrough bool
 	DMA          dma.Engine
 	Limits       Limits
-	Logger       *slog.Logger
-	Registerer   prometheus.Registerer
+	// NamespaceLinger is how long a namespace with no registration and no
+	// cached block is kept before it goes (its id with it); 0 means
+	// DefaultNamespaceLinger, negative means at the next sweep.
+	NamespaceLinger time.Duration
+	Logger          *slog.Logger
+	Registerer      prometheus.Registerer
 
 	// Remote, when set, adds the shared remote tier behind the local ones.
 	Remote *RemoteConfig
 }
+
+// DefaultNamespaceLinger keeps an empty namespace through an engine
+// restart, so a scheduler's namespace ids stay good.
+const DefaultNamespaceLinger = time.Minute
+
+// namespaceSweep is how often the reaper looks for empty namespaces.
+const namespaceSweep = time.Second
 
 // Service is the daemon's core. Its methods are safe for concurrent use.
 type Service struct {
@@ -78,14 +148,22 @@ type Service struct {
 	disk         *disk.Tier // nil without a disk tier
 	writeThrough bool
 	dm           *diskMetrics
-	demotions    chan demotion
+	demotions    chan *demotion
 	staging      chan stageReq // disk reads of loads waiting for a CPU slot
-	diskWrites   atomic.Int64  // demotions queued or in flight
+	diskWrites   atomic.Int64  // demotions and discards queued or in flight
+	// writing is the demotion in flight for each key: a demotion that
+	// finds another in its place belongs to an entry since removed.
+	writing struct {
+		sync.Mutex
+		byKey map[index.Key]*demotion
+	}
+	linger time.Duration
 
 	rem *remoteTier // nil without a remote tier
 
-	jobs sync.WaitGroup // accepted jobs not yet finished
-	stop chan struct{}  // closed by Close: background goroutines exit
+	jobs     sync.WaitGroup // accepted jobs not yet finished
+	inflight atomic.Int64   // the same, as a count
+	stop     chan struct{}  // closed by Close: background goroutines exit
 	// closing is closed by BeginShutdown: long polls return at once.
 	closing     chan struct{}
 	closingOnce sync.Once
@@ -93,18 +171,24 @@ type Service struct {
 
 	mu struct {
 		sync.Mutex
-		byPrint map[string]*Namespace
-		byID    []*Namespace // index = id-1
-		regs    map[uint64]*Registration
-		nextReg uint64
-		leases  map[uint64]*lease
-		nextLs  uint64
-		closing bool
-		closed  bool
+		byPrint   map[string]*Namespace
+		byID      map[uint32]*Namespace
+		nextNS    uint32 // the last namespace id given; ids are never reused
+		regs      map[uint64]*Registration
+		nextReg   uint64
+		leases    map[uint64]*lease
+		nextLs    uint64
+		owners    map[Owner]*ownerUse
+		leasePins int
+		started   bool // New has returned: the namespace bound applies
+		closing   bool
+		closed    bool
 	}
 }
 
-// Namespace is a set of blocks that share identity and layout.
+// Namespace is a set of blocks that share identity and layout. It lives
+// while it has a registration or a cached block, and a while after
+// (Config.NamespaceLinger).
 type Namespace struct {
 	ID          uint32
 	Fingerprint []byte
@@ -112,6 +196,9 @@ type Namespace struct {
 	classes     []*slots.Class // CPU tier, per group
 	diskClasses []*slots.Class // disk tier, per group; nil without one
 	regs        int            // guarded by Service.mu
+	idleSince   time.Time      // guarded by Service.mu: when regs last reached 0
+
+	remote remoteNS // the remote tier's name for it
 }
 
 // New builds the service: it maps the CPU arena and hands it to the copy engine.
@@ -119,14 +206,23 @@ func New(cfg Config) (*Service, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.Limits == (Limits{}) {
-		cfg.Limits = DefaultLimits
+	cfg.Limits = cfg.Limits.withDefaults()
+	if cfg.Remote != nil {
+		if err := cfg.Remote.validate(); err != nil {
+			return nil, err
+		}
 	}
-	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{})}
+	if cfg.NamespaceLinger == 0 {
+		cfg.NamespaceLinger = DefaultNamespaceLinger
+	}
+	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{}), linger: cfg.NamespaceLinger}
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
+	s.mu.byID = map[uint32]*Namespace{}
 	s.mu.regs = map[uint64]*Registration{}
 	s.mu.leases = map[uint64]*lease{}
+	s.mu.owners = map[Owner]*ownerUse{}
+	s.writing.byKey = map[index.Key]*demotion{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
 	if (cfg.Disk != nil || cfg.Remote != nil) && cc.Reserve == 0 {
@@ -156,11 +252,11 @@ func New(cfg Config) (*Service, error) {
 		}
 	}
 	if cfg.Remote != nil {
-		if err := s.openRemote(*cfg.Remote, cfg.Registerer); err != nil {
-			s.Close()
-			return nil, err
-		}
+		s.openRemote(*cfg.Remote, cfg.Registerer)
 	}
+	s.mu.Lock()
+	s.mu.started = true
+	s.mu.Unlock()
 	s.reaper.Add(1)
 	go s.reapLeases()
 	return s, nil
@@ -187,6 +283,9 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 	)
 }
 
+// Limits are the bounds the service enforces.
+func (s *Service) Limits() Limits { return s.lim }
+
 // CPU exposes the CPU tier (for stats and tests).
 func (s *Service) CPU() *cpu.Tier { return s.cpu }
 
@@ -203,6 +302,14 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	}
 	if len(specs) != len(l.Segments) {
 		return nil, false, fmt.Errorf("%w: regions has %d entries, layout.segments has %d", ErrInvalid, len(specs), len(l.Segments))
+	}
+	if len(name) > s.lim.MaxClientName {
+		return nil, false, fmt.Errorf("%w: client_name is %d bytes, at most %d", ErrInvalid, len(name), s.lim.MaxClientName)
+	}
+	for i, sp := range specs {
+		if len(sp.ShmPath) > s.lim.MaxRegionName || (sp.CUDA != nil && len(sp.CUDA.Handle) > s.lim.MaxRegionName) {
+			return nil, false, fmt.Errorf("%w: regions[%d] names its memory in more than %d bytes", ErrInvalid, i, s.lim.MaxRegionName)
+		}
 	}
 	opened := make([]dma.Region, 0, len(specs))
 	closeAll := func() {
@@ -243,8 +350,18 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	}
 	if !joined {
 		var err error
-		if ns, err = s.newNamespaceLocked(fingerprint, l); err != nil {
+		ns, err = s.newNamespaceLocked(fingerprint, l)
+		if errors.Is(err, ErrLimit) {
+			// Empty namespaces may be holding the room (or the block
+			// sizes): drop them now rather than refuse.
+			s.sweepNamespacesLocked(true)
+			ns, err = s.newNamespaceLocked(fingerprint, l)
+		}
+		if err != nil {
 			closeAll()
+			if errors.Is(err, ErrLimit) {
+				return nil, false, err
+			}
 			return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
 		}
 		if err := s.saveNamespace(ns); err != nil {
@@ -273,40 +390,112 @@ func (s *Service) Resolve(fingerprints [][]byte) ([]uint32, error) {
 	out := make([]uint32, len(fingerprints))
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	now := time.Now()
 	for i, f := range fingerprints {
+		if len(f) > s.lim.MaxFingerprint {
+			return nil, fmt.Errorf("%w: fingerprints[%d] is %d bytes, at most %d", ErrInvalid, i, len(f), s.lim.MaxFingerprint)
+		}
 		if ns, ok := s.mu.byPrint[string(f)]; ok {
 			out[i] = ns.ID
+			if ns.regs == 0 {
+				ns.idleSince = now // a scheduler still uses it
+			}
 		}
 	}
 	return out, nil
 }
 
-// newNamespaceLocked creates a namespace with its tiers' classes.
+// newNamespaceLocked creates a namespace with its tiers' classes. Past
+// Limits.MaxNamespacesTotal or the tiers' block sizes the error wraps
+// ErrLimit. (Namespaces brought back from the disk at start are not
+// counted against the total: their blocks are there already.)
 func (s *Service) newNamespaceLocked(fingerprint []byte, l layout.Layout) (*Namespace, error) {
-	ns := &Namespace{ID: uint32(len(s.mu.byID) + 1), Fingerprint: bytes.Clone(fingerprint), Layout: l}
+	if s.mu.nextNS == math.MaxUint32 {
+		return nil, fmt.Errorf("%w: every namespace id has been given out; restart the daemon", ErrLimit)
+	}
+	if s.mu.started && len(s.mu.byID) >= s.lim.MaxNamespacesTotal {
+		return nil, fmt.Errorf("%w: the daemon keeps %d namespaces, at most %d (a namespace goes when it has no registration and no cached block)", ErrLimit, len(s.mu.byID), s.lim.MaxNamespacesTotal)
+	}
+	ns := &Namespace{Fingerprint: bytes.Clone(fingerprint), Layout: l}
 	for g := uint32(0); g < l.NumGroups(); g++ {
 		c, err := s.cpu.Class(l.SlotBytes(g))
 		if err != nil {
-			return nil, fmt.Errorf("group %d: %w", g, err)
+			ns.dropClasses()
+			return nil, classErr(fmt.Errorf("group %d: %w", g, err))
 		}
 		ns.classes = append(ns.classes, c)
 		if s.disk != nil {
 			c, err := s.disk.Class(disk.SlotBytes(l.PayloadBytes(g)))
 			if err != nil {
-				return nil, fmt.Errorf("group %d: disk tier: %w", g, err)
+				ns.dropClasses()
+				return nil, classErr(fmt.Errorf("group %d: disk tier: %w", g, err))
 			}
 			ns.diskClasses = append(ns.diskClasses, c)
 		}
 	}
-	s.mu.byID = append(s.mu.byID, ns)
+	s.mu.nextNS++
+	ns.ID = s.mu.nextNS
+	ns.idleSince = time.Now()
+	s.mu.byID[ns.ID] = ns
 	s.mu.byPrint[string(fingerprint)] = ns
+	s.m.namespaces.Inc()
 	return ns, nil
 }
 
-// dropNamespaceLocked undoes newNamespaceLocked for a namespace no one saw.
+// classErr marks running out of block sizes as a limit.
+func classErr(err error) error {
+	if errors.Is(err, slots.ErrTooManyClasses) {
+		return fmt.Errorf("%w: %v", ErrLimit, err)
+	}
+	return err
+}
+
+// dropClasses gives back the namespace's references to its classes.
+func (ns *Namespace) dropClasses() {
+	for _, c := range ns.classes {
+		c.Drop()
+	}
+	for _, c := range ns.diskClasses {
+		c.Drop()
+	}
+	ns.classes, ns.diskClasses = nil, nil
+}
+
+// dropNamespaceLocked forgets a namespace: no registration names it and
+// the index holds none of its blocks. Its id is not given out again.
 func (s *Service) dropNamespaceLocked(ns *Namespace) {
-	s.mu.byID = s.mu.byID[:len(s.mu.byID)-1]
+	delete(s.mu.byID, ns.ID)
 	delete(s.mu.byPrint, string(ns.Fingerprint))
+	ns.dropClasses()
+	s.m.namespaces.Dec()
+}
+
+// sweepNamespaces drops the namespaces with no registration and no cached
+// block that have lingered long enough.
+func (s *Service) sweepNamespaces() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sweepNamespacesLocked(false)
+}
+
+// sweepNamespacesLocked drops empty namespaces; now drops them however
+// recently they emptied (the daemon is short of room for a new one).
+func (s *Service) sweepNamespacesLocked(now bool) {
+	if s.mu.closed {
+		return
+	}
+	t := time.Now()
+	for _, ns := range s.mu.byID {
+		if ns.regs > 0 || (!now && t.Sub(ns.idleSince) < s.linger) {
+			continue
+		}
+		// New entries of ns need a registration of ns (a store) or the
+		// disk tier's recovery, both excluded here: the count stays 0.
+		if s.ix.CountNS(ns.ID) == 0 {
+			s.log.Info("namespace dropped: no registration and no cached block", "namespace", ns.ID)
+			s.dropNamespaceLocked(ns)
+		}
+	}
 }
 
 // Registration looks up a live registration.
@@ -337,6 +526,9 @@ func (s *Service) Unregister(id uint64) error {
 	s.mu.Lock()
 	delete(s.mu.regs, id)
 	r.ns.regs--
+	if r.ns.regs == 0 {
+		r.ns.idleSince = time.Now()
+	}
 	s.m.regs.Dec()
 	s.mu.Unlock()
 	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)
@@ -353,11 +545,16 @@ func (s *Service) namespaces(ids []uint32) ([]*Namespace, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := make([]*Namespace, len(ids))
+	now := time.Now()
 	for i, id := range ids {
-		if id == 0 || int(id) > len(s.mu.byID) {
+		ns, ok := s.mu.byID[id]
+		if !ok {
 			return nil, fmt.Errorf("%w: namespace_ids[%d] = %d", ErrUnknownNamespace, i, id)
 		}
-		out[i] = s.mu.byID[id-1]
+		if ns.regs == 0 {
+			ns.idleSince = now // a scheduler still uses it
+		}
+		out[i] = ns
 		if i > 0 && out[i].Layout.HashBytes != out[0].Layout.HashBytes {
 			return nil, fmt.Errorf("%w: namespace_ids[%d] uses %d-byte hashes, namespace_ids[0] %d-byte", ErrInvalid, i, out[i].Layout.HashBytes, out[0].Layout.HashBytes)
 		}
@@ -411,8 +608,8 @@ const (
 )
 
 // Lookup counts the leading keys ready in every namespace. With a lease it
-// also pins that prefix until the lease ends.
-func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek bool) (LookupResult, error) {
+// also pins that prefix until the lease ends; the lease is owner's.
+func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.Duration, peek bool) (LookupResult, error) {
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
 		return LookupResult{}, err
@@ -467,10 +664,10 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 				continue
 			}
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-				ready = found && e.Offerable()
+				// A slot at its pin ceiling ends the prefix.
+				ready = found && e.Offerable() && ls.pin(s, k, e)
 				if ready {
 					tier = slowest(tier, j, *e)
-					ls.pin(s, k, e)
 				}
 				return found
 			})
@@ -493,14 +690,27 @@ func (s *Service) Lookup(nsIDs []uint32, keys Keys, leaseFor time.Duration, peek
 	}
 	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
 	s.c.lookupHits.Add(uint64(res.Ready))
-	if ls != nil {
-		// Pins taken for a key that turned out not ready in a later
-		// namespace are beyond the prefix; the lease releases them all.
-		if ls.empty() {
-			return res, nil
-		}
-		res.LeaseID = s.addLease(ls, leaseFor)
+	if ls == nil {
+		return res, nil
 	}
+	if res.Ready < n {
+		// The first key not ready everywhere may be pinned in the
+		// namespaces before the one that lacks it: beyond the prefix.
+		hash := keys.Hashes[res.Ready*hb : (res.Ready+1)*hb]
+		for _, ns := range nss {
+			if p, ok := ls.take(makeKey(ns.ID, keys.Group, hash)); ok {
+				s.unpin(p)
+			}
+		}
+	}
+	if ls.n == 0 {
+		return res, nil
+	}
+	id, err := s.addLease(ls, owner, leaseFor)
+	if err != nil {
+		return LookupResult{}, err
+	}
+	res.LeaseID = id
 	return res, nil
 }
 
@@ -587,12 +797,29 @@ func (s *Service) dropEntryLocked(e *index.Entry) {
 		e.CPU = index.NoSlot
 	}
 	if e.Disk != index.NoSlot {
-		d := e.Disk
-		s.disk.Pin(d)
-		s.disk.Release(d)
-		s.disk.Discard(d, func() { s.disk.Unpin(d) })
+		s.discardLocked(e.Disk)
 		e.Disk = index.NoSlot
 	}
+}
+
+// discardLocked releases disk slot d, which the caller just removed from
+// the index, and erases its header so the block does not come back after a
+// restart. The slot stays pinned until the erase has landed, so the zeros
+// never fall on a block written there later.
+func (s *Service) discardLocked(d slots.SlotID) {
+	if !s.disk.Pin(d) {
+		// At the pin ceiling (cannot happen within the limits): free it
+		// without the erase rather than hold it forever.
+		s.disk.Release(d)
+		s.log.Warn("disk slot at its pin ceiling released without erasing its header", "slot", d)
+		return
+	}
+	s.disk.Release(d)
+	s.diskWrites.Add(1)
+	s.disk.Discard(d, func() {
+		s.disk.Unpin(d)
+		s.diskWrites.Add(-1)
+	})
 }
 
 // dropCopiesLocked lets go of an entry's slots without erasing its disk
@@ -622,13 +849,11 @@ func (s *Service) forget(keys []index.Key) {
 	}
 }
 
+// nsByID finds a namespace; nil once it is dropped.
 func (s *Service) nsByID(id uint32) *Namespace {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if id == 0 || int(id) > len(s.mu.byID) {
-		return nil
-	}
-	return s.mu.byID[id-1]
+	return s.mu.byID[id]
 }
 
 // onPolicyEvict runs on the CPU policy's goroutine for each key it evicted.
@@ -653,12 +878,13 @@ func (s *Service) onPolicyEvict(k index.Key) {
 			}
 			return e.State == index.Ready
 		case s.disk != nil && !s.writeThrough && e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
-			s.cpu.Pin(e.CPU)
-			if s.demote(demotion{key: k, cpuSlot: e.CPU}) {
-				e.Flags |= index.DiskWriting
-				return true
+			if s.cpu.Pin(e.CPU) {
+				if s.demote(demotion{key: k, cpuSlot: e.CPU}) {
+					e.Flags |= index.DiskWriting
+					return true
+				}
+				s.cpu.Unpin(e.CPU)
 			}
-			s.cpu.Unpin(e.CPU)
 		}
 		// The CPU copy goes (a disk write in flight holds its own pin).
 		s.cpu.Release(e.CPU)
@@ -767,7 +993,7 @@ func (s *Service) Close() error {
 		r.close()
 	}
 	s.m.regs.Set(0)
-	s.releaseLeases(time.Time{}, true)
+	s.releaseLeases(func(*lease) bool { return true })
 	var remErr, diskErr error
 	if s.rem != nil {
 		// Publishes still queued hold pins on CPU slots: dropped here.

@@ -36,6 +36,9 @@ type Options struct {
 	ChunkBytes uint64
 	Workers    int
 	Limits     offload.Limits
+	// NamespaceLinger is passed to offload.Config (negative: drop empty
+	// namespaces at the next sweep).
+	NamespaceLinger time.Duration
 	// Wrap, when set, wraps the host copy engine (to gate or fail copies).
 	Wrap func(dma.Engine) dma.Engine
 	// Quiet drops logs below warnings.
@@ -102,14 +105,15 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		}
 	}
 	svc, err := offload.New(offload.Config{
-		CPU:          cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
-		Disk:         dc,
-		WriteThrough: o.WriteThrough,
-		Remote:       o.Remote,
-		DMA:          copier,
-		Limits:       o.Limits,
-		Logger:       log,
-		Registerer:   reg,
+		CPU:             cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
+		Disk:            dc,
+		WriteThrough:    o.WriteThrough,
+		Remote:          o.Remote,
+		DMA:             copier,
+		Limits:          o.Limits,
+		NamespaceLinger: o.NamespaceLinger,
+		Logger:          log,
+		Registerer:      reg,
 	})
 	if err != nil {
 		copier.Close()

@@ -6,6 +6,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -18,6 +19,13 @@ import (
 type Client struct {
 	conn *grpc.ClientConn
 	API  pb.KVOffloadClient
+
+	mu struct {
+		sync.Mutex
+		// acked is, per registration, the seq of the last result
+		// Completions returned: the next call acknowledges it.
+		acked map[uint64]uint64
+	}
 }
 
 // Dial connects to the daemon's unix socket. The connection is made lazily;
@@ -31,7 +39,9 @@ func Dial(socket string, opts ...grpc.DialOption) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dial %s: %w", socket, err)
 	}
-	return &Client{conn: conn, API: pb.NewKVOffloadClient(conn)}, nil
+	c := &Client{conn: conn, API: pb.NewKVOffloadClient(conn)}
+	c.mu.acked = map[uint64]uint64{}
+	return c, nil
 }
 
 // Close closes the connection; the daemon then releases every registration
@@ -91,9 +101,22 @@ func (c *Client) Load(ctx context.Context, registration uint64, jobs []*pb.Job, 
 	return r.GetResults(), err
 }
 
-// Completions returns finished jobs, waiting up to waitMs for one.
+// Completions returns finished jobs, waiting up to waitMs for one. It
+// acknowledges the results the previous call returned for the registration
+// (the cursor, docs/api.md): the daemon keeps a result until the call after
+// the one that returned it, so a reply lost with the connection comes again
+// on the next call. Read one registration's completions from one goroutine.
 func (c *Client) Completions(ctx context.Context, registration uint64, waitMs uint32) (*pb.CompletionsResponse, error) {
-	return c.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: registration, WaitMs: waitMs})
+	c.mu.Lock()
+	ack := c.mu.acked[registration]
+	c.mu.Unlock()
+	r, err := c.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: registration, WaitMs: waitMs, AckSeq: &ack})
+	if n := len(r.GetResults()); err == nil && n > 0 {
+		c.mu.Lock()
+		c.mu.acked[registration] = max(c.mu.acked[registration], r.Results[n-1].GetSeq())
+		c.mu.Unlock()
+	}
+	return r, err
 }
 
 // WaitJobs reads completions until every job id in ids has finished, and
@@ -132,5 +155,10 @@ func (c *Client) Stats(ctx context.Context) (*pb.StatsResponse, error) {
 // Unregister releases a registration.
 func (c *Client) Unregister(ctx context.Context, registration uint64) error {
 	_, err := c.API.Unregister(ctx, &pb.UnregisterRequest{RegistrationId: registration})
+	if err == nil {
+		c.mu.Lock()
+		delete(c.mu.acked, registration)
+		c.mu.Unlock()
+	}
 	return err
 }

@@ -61,7 +61,9 @@ func New(svc *offload.Service, log *slog.Logger) *Server {
 	s.grpc = grpc.NewServer(
 		grpc.Creds(creds),
 		grpc.MaxRecvMsgSize(MaxMessageBytes),
-		grpc.MaxSendMsgSize(MaxMessageBytes),
+		// Replies carrying results are bounded by the service (a
+		// Completions reply is cut to it): the send limit allows it.
+		grpc.MaxSendMsgSize(max(MaxMessageBytes, svc.Limits().MaxReplyBytes())),
 	)
 	pb.RegisterKVOffloadServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
@@ -93,6 +95,8 @@ func (s *Server) Stop(timeout time.Duration) {
 }
 
 func (s *Server) connClosed(connID uint64) {
+	// Nobody else may use the connection's leases: their pins go now.
+	s.svc.ReleaseOwner(offload.Owner(connID))
 	s.mu.Lock()
 	regs := s.mu.byConn[connID]
 	delete(s.mu.byConn, connID)
@@ -120,6 +124,12 @@ func peerOf(ctx context.Context) (PeerInfo, bool) {
 	return info, ok
 }
 
+// ownerOf names the caller's connection for the service's leases.
+func ownerOf(ctx context.Context) offload.Owner {
+	info, _ := peerOf(ctx)
+	return offload.Owner(info.ConnID)
+}
+
 // toStatus maps a domain error to a gRPC status.
 func toStatus(err error) error {
 	if err == nil {
@@ -134,7 +144,7 @@ func toStatus(err error) error {
 		code = codes.NotFound
 	case errors.Is(err, offload.ErrLayoutMismatch):
 		code = codes.FailedPrecondition
-	case errors.Is(err, offload.ErrBacklog):
+	case errors.Is(err, offload.ErrBacklog), errors.Is(err, offload.ErrLimit):
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
@@ -217,7 +227,7 @@ func (s *Server) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.LookupR
 	if req.GetKeys() == nil {
 		return nil, invalid("keys is missing")
 	}
-	res, err := s.svc.Lookup(req.GetNamespaceIds(), keysOf(req.GetKeys()), time.Duration(req.GetLeaseMs())*time.Millisecond, req.GetPeek())
+	res, err := s.svc.Lookup(ownerOf(ctx), req.GetNamespaceIds(), keysOf(req.GetKeys()), time.Duration(req.GetLeaseMs())*time.Millisecond, req.GetPeek())
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -250,7 +260,7 @@ func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRe
 		}
 		jobs[i] = offload.Job{ID: j.GetJobId(), RequestID: j.GetRequestId(), Keys: keysOf(j.GetKeys()), BlockIDs: j.GetBlockIds(), LeaseID: j.GetLeaseId()}
 	}
-	results, err := reg.Transfer(ctx, op, jobs, req.GetWait(), req.GetReadyEvent())
+	results, err := reg.Transfer(ctx, ownerOf(ctx), op, jobs, req.GetWait(), req.GetReadyEvent())
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -264,7 +274,7 @@ func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRe
 func toResults(rs []offload.Result) []*pb.JobResult {
 	out := make([]*pb.JobResult, len(rs))
 	for i, r := range rs {
-		jr := &pb.JobResult{JobId: r.JobID, RequestId: r.RequestID, Op: pb.Op(r.Op), Ok: r.OK, Blocks: r.Blocks, Bytes: r.Bytes}
+		jr := &pb.JobResult{JobId: r.JobID, RequestId: r.RequestID, Op: pb.Op(r.Op), Ok: r.OK, Blocks: r.Blocks, Bytes: r.Bytes, Seq: r.Seq}
 		if len(r.Failures) > 0 {
 			jr.Failures = make([]*pb.BlockFailure, len(r.Failures))
 			for j, f := range r.Failures {
@@ -283,11 +293,15 @@ func (s *Server) Completions(ctx context.Context, req *pb.CompletionsRequest) (*
 		return nil, toStatus(err)
 	}
 	wait := min(time.Duration(req.GetWaitMs())*time.Millisecond, MaxCompletionsWait)
-	rs, pending, err := reg.Completions(ctx, wait, int(req.GetMaxJobs()))
+	var ack *uint64
+	if req.AckSeq != nil {
+		ack = req.AckSeq
+	}
+	c, err := reg.Completions(ctx, wait, int(req.GetMaxJobs()), ack)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &pb.CompletionsResponse{Results: toResults(rs), Pending: uint32(pending)}, nil
+	return &pb.CompletionsResponse{Results: toResults(c.Results), Pending: uint32(c.Pending), More: c.More}, nil
 }
 
 // Invalidate implements pb.KVOffloadServer.

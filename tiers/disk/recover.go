@@ -135,6 +135,9 @@ func (t *Tier) Recover(fn func(Recovered) (index.Key, bool)) error {
 		if err == nil {
 			t.seqs.set(c.s, c.slotBytes, uint64(c.epoch)<<32|c.seq)
 			err = cls.Restore(c.s, k)
+			// The restored slot keeps the class; its users hold their own
+			// references.
+			cls.Drop()
 		}
 		if err != nil {
 			return fmt.Errorf("disk tier: recover slot %d: %w", c.s, err)

@@ -5,12 +5,18 @@
 // decides which blocks to keep. It never decides what is cached: that is the
 // index's job. It tells its owner, through callbacks, which keys the policy
 // wants gone.
+//
+// Everything a client can make it hold is bounded by the space: slot sizes
+// (classes) by the number of chunks, each class's policy by a share of a
+// budget sized from the space, pins per slot by MaxPins. A class lives while
+// its owner holds a reference (Class, Drop) or any of its slots is in use.
 package slots
 
 import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sync"
 	"sync/atomic"
 
@@ -26,8 +32,21 @@ type SlotID = uint32
 // Offset is the byte offset of slot s in the space.
 func Offset(s SlotID) uint64 { return uint64(s) * layout.SlotAlign }
 
-// ErrSlotTooLarge means a block does not fit in one chunk.
-var ErrSlotTooLarge = errors.New("block larger than a chunk")
+// MaxPins is the most pins one slot takes; Pin refuses the next. The
+// owner's own bounds (leases, jobs) keep real counts far below it: this
+// makes a wrapped count impossible rather than unlikely.
+const MaxPins = math.MaxUint32
+
+var (
+	// ErrSlotTooLarge means a block does not fit in one chunk.
+	ErrSlotTooLarge = errors.New("block larger than a chunk")
+	// ErrTooManyClasses means the space already serves as many slot sizes
+	// as it has chunks (or Config.MaxClasses): a new size could get no
+	// chunk of its own, and each size costs a policy.
+	ErrTooManyClasses = errors.New("too many block sizes")
+	// ErrClosed means the space was closed.
+	ErrClosed = errors.New("slot space closed")
+)
 
 // Config sizes the space and names its owner's callbacks.
 type Config struct {
@@ -36,12 +55,17 @@ type Config struct {
 	ChunkBytes uint64 // 0 picks a default from Bytes
 	// Reserve is the fraction of each slot size's slots the policy keeps
 	// free, so stores find room while evicted blocks are still being
-	// written elsewhere (write-back). 0 in a CPU-only daemon.
+	// written elsewhere (write-back). 0 in a CPU-only daemon. Any
+	// fraction above 0 keeps at least one slot.
 	Reserve float64
-	Logger  *slog.Logger
+	// MaxClasses bounds the slot sizes served at once; 0 (or more than
+	// the chunks) means one per chunk.
+	MaxClasses int
+	Logger     *slog.Logger
 	// Evict is called with each key the policy evicted, on the policy's
 	// goroutine. The owner removes the key from the index and calls Release
-	// on its slot; it must not call Forget or Admit from here.
+	// on its slot; it must not call Forget or Admit from here. It is not
+	// called once the space or the class is closing.
 	Evict func(index.Key)
 	// Reject is called with each key the policy declined to admit.
 	Reject func(index.Key)
@@ -61,54 +85,67 @@ const (
 	slotFree uint8 = iota
 	slotUsed
 	slotReleased    // owner let go; freed when the last pin drops
-	slotQuarantined // never reused; counts as used space
+	slotQuarantined // never reused while the chunk keeps this slot size; counts as used space
+)
+
+// Policy sizing. TinyLFU wants about ten counters per block the class can
+// hold; the counters of all classes together stay within
+// countersPerSlot × (the space's bytes / SlotAlign), what one class of the
+// smallest blocks would need, and no class gets fewer than minCounters.
+const (
+	countersPerSlot = 10
+	minCounters     = 1 << 14
 )
 
 // chunkSlots is the state of a chunk's slots, kept per slot (not per 4 KiB
-// of space: a 4 TiB disk of 2 MiB slots costs 6 MiB of it, not 3 GiB).
+// of space: a 4 TiB disk of 2 MiB slots costs 10 MiB of it, not 3 GiB).
 type chunkSlots struct {
-	pins  []uint16
+	pins  []uint32
 	state []uint8
 }
 
-// slotRef points at one slot's pins and state.
-type slotRef struct {
-	pins  *uint16
-	state *uint8
-}
-
-// slotLocked finds slot s in its chunk. The chunk has a slot size.
-func (t *Space) slotLocked(s SlotID) slotRef {
-	ch := uint64(s) / t.slotsPer
-	i := (uint64(s) - ch*t.slotsPer) / (t.mu.slotClass[ch].slotBytes / layout.SlotAlign)
-	cs := &t.mu.slots[ch]
-	return slotRef{pins: &cs.pins[i], state: &cs.state[i]}
-}
+// span is a byte range within a chunk.
+type span struct{ lo, hi uint64 }
 
 // Space is a tier's slots. Its methods are safe for concurrent use.
 type Space struct {
-	capacity   uint64
-	chunkBytes uint64
-	slotsPer   uint64 // SlotIDs per chunk
-	cfg        Config
+	capacity      uint64
+	chunkBytes    uint64
+	slotsPer      uint64 // SlotIDs per chunk
+	maxClasses    int
+	counterBudget int64
+	cfg           Config
 
 	touches        chan touchBatch
 	touchesDropped atomic.Uint64
+	retire         chan struct{} // wakes the worker: classes to close
 	stop           chan struct{}
+	closing        atomic.Bool
 	wg             sync.WaitGroup
 
 	mu struct {
 		sync.Mutex
-		classes     map[uint64]*Class
-		freeChunks  []uint32
-		chunkOwner  []*Class // nil: free
-		draining    []bool
-		chunkLive   []uint32
+		classes    map[uint64]*Class
+		retired    []*Class // removed; their policies wait for the worker
+		freeChunks []uint32
+		chunkOwner []*Class // nil: free or draining
+		draining   []bool
+		// chunkLive counts the chunk's slots someone may still name:
+		// used, released (pinned), quarantined while pinned. A draining
+		// chunk is freed when it reaches 0.
+		chunkLive []uint32
+		// chunkHeld counts slots that take room without holding a block
+		// the policy knows: released but pinned, and quarantined.
+		chunkHeld   []uint32
 		slots       []chunkSlots // per chunk; empty while the chunk is free
 		slotClass   []*Class
+		bad         [][]span // per chunk: quarantined byte ranges, kept across slot sizes
 		usedBytes   uint64
 		blocks      uint64
 		quarantined int
+		pinned      int // slots with at least one pin
+		counters    int64
+		closed      bool
 	}
 }
 
@@ -117,11 +154,24 @@ type Class struct {
 	t         *Space
 	slotBytes uint64
 	perChunk  uint64
+	counters  int64
 	policy    *ristretto.Cache[uint64, index.Key]
+	// retired is set when the class is removed: its policy's callbacks
+	// stop reaching the owner, and the worker closes it.
+	retired atomic.Bool
+	// pmu orders every use of the policy (read-locked) with closing it:
+	// ristretto must not be used while it closes. A user that lost the
+	// race to a removal finds retired set and does nothing.
+	pmu sync.RWMutex
+
 	// guarded by t.mu
 	free    []SlotID
 	chunks  int
+	live    int // slots of its chunks (draining ones too) someone may name
+	held    int // chunkHeld of the chunks it owns
+	refs    int
 	maxCost int64
+	removed bool
 }
 
 // New returns an empty space. Use Chunks to learn its size before New when
@@ -144,19 +194,26 @@ func New(cfg Config) (*Space, error) {
 	if nChunks*chunk/layout.SlotAlign > uint64(^uint32(0)) {
 		return nil, fmt.Errorf("%s tier of %d bytes is too large (at most 16TiB)", cfg.Name, cfg.Bytes)
 	}
-	t := &Space{capacity: nChunks * chunk, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, cfg: cfg,
-		touches: make(chan touchBatch, 1024), stop: make(chan struct{})}
+	maxClasses := int(nChunks)
+	if cfg.MaxClasses > 0 && cfg.MaxClasses < maxClasses {
+		maxClasses = cfg.MaxClasses
+	}
+	t := &Space{capacity: nChunks * chunk, chunkBytes: chunk, slotsPer: chunk / layout.SlotAlign, maxClasses: maxClasses, cfg: cfg,
+		touches: make(chan touchBatch, 1024), retire: make(chan struct{}, 1), stop: make(chan struct{})}
+	t.counterBudget = countersPerSlot * int64(t.capacity/layout.SlotAlign)
 	t.mu.classes = map[uint64]*Class{}
 	t.mu.chunkOwner = make([]*Class, nChunks)
 	t.mu.draining = make([]bool, nChunks)
 	t.mu.chunkLive = make([]uint32, nChunks)
+	t.mu.chunkHeld = make([]uint32, nChunks)
 	t.mu.slots = make([]chunkSlots, nChunks)
 	t.mu.slotClass = make([]*Class, nChunks)
+	t.mu.bad = make([][]span, nChunks)
 	for c := int(nChunks) - 1; c >= 0; c-- {
 		t.mu.freeChunks = append(t.mu.freeChunks, uint32(c))
 	}
 	t.wg.Add(1)
-	go t.toucher()
+	go t.worker()
 	return t, nil
 }
 
@@ -166,18 +223,41 @@ func (t *Space) ChunkBytes() uint64 { return t.chunkBytes }
 // Capacity is the size of the space in bytes (whole chunks).
 func (t *Space) Capacity() uint64 { return t.capacity }
 
-// Usage reports bytes and blocks held in slots.
+// MaxClasses is how many slot sizes the space serves at once.
+func (t *Space) MaxClasses() int { return t.maxClasses }
+
+// Usage reports bytes and blocks held in slots (quarantined slots count).
 func (t *Space) Usage() (usedBytes, blocks uint64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.mu.usedBytes, t.mu.blocks
 }
 
+// Classes counts the slot sizes the space serves now.
+func (t *Space) Classes() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.mu.classes)
+}
+
 // PolicyKey is the 64-bit key the policy tracks for k: the index's hash.
 func (t *Space) PolicyKey(k *index.Key) uint64 { return index.HashKey(k) }
 
+// slotLocked finds slot s in its chunk. The chunk has a slot size.
+func (t *Space) slotLocked(s SlotID) (pins *uint32, state *uint8) {
+	ch := uint64(s) / t.slotsPer
+	c := t.mu.slotClass[ch]
+	if c == nil {
+		panic(fmt.Sprintf("slots: slot %d lies in a free chunk of the %s tier", s, t.cfg.Name))
+	}
+	i := (uint64(s) - ch*t.slotsPer) / (c.slotBytes / layout.SlotAlign)
+	cs := &t.mu.slots[ch]
+	return &cs.pins[i], &cs.state[i]
+}
+
 // Class returns the class for slots of slotBytes (a multiple of
-// layout.SlotAlign), creating it on first use.
+// layout.SlotAlign), creating it on first use, and takes a reference to it:
+// call Drop when done with it. It refuses a new size past MaxClasses.
 func (t *Space) Class(slotBytes uint64) (*Class, error) {
 	if slotBytes == 0 || slotBytes%layout.SlotAlign != 0 {
 		return nil, fmt.Errorf("slot size %d is not a positive multiple of %d", slotBytes, layout.SlotAlign)
@@ -187,33 +267,43 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.mu.closed {
+		return nil, ErrClosed
+	}
 	if c, ok := t.mu.classes[slotBytes]; ok {
+		c.refs++
 		return c, nil
 	}
+	if len(t.mu.classes) >= t.maxClasses {
+		return nil, fmt.Errorf("%w: the %s tier serves %d block sizes already, as many as it has chunks for", ErrTooManyClasses, t.cfg.Name, len(t.mu.classes))
+	}
+	counters := countersPerSlot * int64(t.capacity/slotBytes)
+	counters = max(min(counters, t.counterBudget-t.mu.counters), minCounters)
+	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, counters: counters, refs: 1}
 	// ristretto refuses a zero capacity; the first grow sets the real one.
-	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, maxCost: 1}
-	maxSlots := int64(t.capacity / slotBytes)
 	p, err := ristretto.NewCache(&ristretto.Config[uint64, index.Key]{
-		// TinyLFU's frequency window: ten times the blocks the class can
-		// hold, and never so small that a burst of one-off keys ages the
-		// hot set away.
-		NumCounters: max(10*maxSlots, 1<<14),
+		// TinyLFU's frequency window: about ten times the blocks the
+		// class can hold, and never so small that a burst of one-off
+		// keys ages the hot set away.
+		NumCounters: counters,
 		MaxCost:     1,
 		// ristretto gathers accesses in pooled buffers of this many
-		// before they reach its sketch; the toucher pads each batch to
+		// before they reach its sketch; the worker pads each batch to
 		// whole buffers (see record) so a block looked up just before
 		// its store does not look colder than the blocks looked up
 		// before it. The frequency stays an estimate: ristretto drops a
 		// buffer when its policy goroutine lags.
 		BufferItems:        touchBuffer,
 		IgnoreInternalCost: true,
+		// Closing a policy clears it, which "evicts" every key: those
+		// are not evictions the owner must act on.
 		OnEvict: func(it *ristretto.Item[index.Key]) {
-			if t.cfg.Evict != nil {
+			if t.cfg.Evict != nil && !c.retired.Load() && !t.closing.Load() {
 				t.cfg.Evict(it.Value)
 			}
 		},
 		OnReject: func(it *ristretto.Item[index.Key]) {
-			if t.cfg.Reject != nil {
+			if t.cfg.Reject != nil && !c.retired.Load() && !t.closing.Load() {
 				t.cfg.Reject(it.Value)
 			}
 		},
@@ -222,6 +312,7 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 		return nil, fmt.Errorf("admission policy: %w", err)
 	}
 	c.policy = p
+	t.mu.counters += counters
 	t.mu.classes[slotBytes] = c
 	return c, nil
 }
@@ -229,9 +320,46 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 // SlotBytes is the slot size of the class.
 func (c *Class) SlotBytes() uint64 { return c.slotBytes }
 
+// Drop gives back a reference Class returned. The class goes (its chunks
+// back to the space, its policy and its goroutines stopped) once no
+// reference is left and none of its slots is in use.
+func (c *Class) Drop() {
+	t := c.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if c.refs <= 0 {
+		panic(fmt.Sprintf("slots: drop of a %d-byte class with no reference", c.slotBytes))
+	}
+	c.refs--
+	t.maybeRetireLocked(c)
+}
+
+// maybeRetireLocked removes c when nothing holds it: its chunks go back to
+// the free list and the worker closes its policy.
+func (t *Space) maybeRetireLocked(c *Class) {
+	if c.refs > 0 || c.live > 0 || c.removed || t.mu.closed {
+		return
+	}
+	c.removed = true
+	c.retired.Store(true)
+	delete(t.mu.classes, c.slotBytes)
+	for ch, o := range t.mu.chunkOwner {
+		if o == c {
+			t.freeChunkLocked(uint32(ch))
+		}
+	}
+	c.free, c.chunks, c.held = nil, 0, 0
+	t.mu.counters -= c.counters
+	t.mu.retired = append(t.mu.retired, c)
+	select {
+	case t.retire <- struct{}{}:
+	default:
+	}
+}
+
 // Touch records accesses (lookups, hit or miss) to the keys whose
 // PolicyKeys are hs, for the policy's frequency estimate. It does not wait:
-// the accesses reach the policy from the space's toucher goroutine, and are
+// the accesses reach the policy from the space's worker goroutine, and are
 // dropped (and counted) if it falls behind. Recording accesses is lossy in
 // ristretto too; this keeps its cost off the Lookup's latency. Touch takes
 // ownership of hs.
@@ -254,17 +382,20 @@ type touchBatch struct {
 // touchBuffer is ristretto's BufferItems for every class.
 const touchBuffer = 16
 
-// touchPad is the policy key the toucher pads batches with. It is never a
+// touchPad is the policy key the worker pads batches with. It is never a
 // block's (a block key hashing to it only shares a frequency counter).
 const touchPad = 0x9e3779b97f4a7c15
 
-// toucher feeds accesses to the policies until the space closes.
-func (t *Space) toucher() {
+// worker feeds accesses to the policies and closes the policies of removed
+// classes, until the space closes.
+func (t *Space) worker() {
 	defer t.wg.Done()
 	for {
 		select {
 		case b := <-t.touches:
-			b.record()
+			t.record(b)
+		case <-t.retire:
+			t.closeRetired()
 		case <-t.stop:
 			return
 		}
@@ -274,7 +405,12 @@ func (t *Space) toucher() {
 // record hands a batch's accesses to the class's policy, padded to a whole
 // number of ristretto's buffers so the last ones are not left waiting in a
 // half-full buffer (they would miss the next admission decision).
-func (b touchBatch) record() {
+func (t *Space) record(b touchBatch) {
+	b.c.pmu.RLock()
+	defer b.c.pmu.RUnlock()
+	if b.c.retired.Load() {
+		return
+	}
 	for _, h := range b.hs {
 		b.c.policy.Get(h)
 	}
@@ -283,24 +419,45 @@ func (b touchBatch) record() {
 	}
 }
 
+// closeRetired closes the policies of removed classes (their goroutines
+// stop).
+func (t *Space) closeRetired() {
+	t.mu.Lock()
+	rs := t.mu.retired
+	t.mu.retired = nil
+	t.mu.Unlock()
+	for _, c := range rs {
+		c.closePolicy()
+	}
+}
+
+// closePolicy stops the class's policy and its goroutines, once no one
+// uses it.
+func (c *Class) closePolicy() {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	c.retired.Store(true)
+	c.policy.Close()
+}
+
 // drainTouches records the queued accesses on the caller's goroutine.
 func (t *Space) drainTouches() {
 	for {
 		select {
 		case b := <-t.touches:
-			b.record()
+			t.record(b)
 		default:
 			return
 		}
 	}
 }
 
-// TouchesDropped counts accesses not recorded because the toucher lagged.
+// TouchesDropped counts accesses not recorded because the worker lagged.
 func (t *Space) TouchesDropped() uint64 { return t.touchesDropped.Load() }
 
 // Admit offers new keys to the policy, which may evict others (Evict) or
-// decline some (Reject) before Admit returns. Call it without holding any
-// index lock.
+// decline some (Reject) before Admit returns. A key given twice is offered
+// once. Call it without holding any index lock.
 func (c *Class) Admit(keys []index.Key) {
 	if len(keys) == 0 {
 		return
@@ -308,6 +465,25 @@ func (c *Class) Admit(keys []index.Key) {
 	// Accesses still queued count before the admission decision: a
 	// block looked up just before its store must not look colder than it is.
 	c.t.drainTouches()
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if c.retired.Load() {
+		return
+	}
+	if len(keys) > 1 {
+		// ristretto would take the second offer of a key for an update
+		// of one it has not yet added, and reject it.
+		seen := make(map[uint64]struct{}, len(keys))
+		uniq := make([]index.Key, 0, len(keys))
+		for i := range keys {
+			h := c.t.PolicyKey(&keys[i])
+			if _, dup := seen[h]; !dup {
+				seen[h] = struct{}{}
+				uniq = append(uniq, keys[i])
+			}
+		}
+		keys = uniq
+	}
 	c.grow(len(keys))
 	for i := range keys {
 		if !c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1) && c.t.cfg.Reject != nil {
@@ -319,7 +495,25 @@ func (c *Class) Admit(keys []index.Key) {
 
 // Forget removes k from the policy after its owner dropped it for a reason
 // of its own (failure, invalidation). Call it without holding any index lock.
-func (c *Class) Forget(k *index.Key) { c.policy.Del(c.t.PolicyKey(k)) }
+func (c *Class) Forget(k *index.Key) {
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if !c.retired.Load() {
+		c.policy.Del(c.t.PolicyKey(k))
+	}
+}
+
+// Holds reports whether the policy counts k among the blocks it keeps. It
+// records no access; it is for invariant checks.
+func (c *Class) Holds(k *index.Key) bool {
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
+	if c.retired.Load() {
+		return false
+	}
+	_, ok := c.policy.GetTTL(c.t.PolicyKey(k))
+	return ok
+}
 
 // Alloc takes a free slot for a block being written. The slot starts with
 // one pin, the writer's; Unpin it when the write has drained.
@@ -328,21 +522,27 @@ func (c *Class) Alloc() (SlotID, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var s SlotID
+	if c.removed {
+		return 0, false
+	}
 	for {
 		n := len(c.free)
 		if n == 0 {
-			return index.NoSlot, false
+			return 0, false
 		}
 		s = c.free[n-1]
 		c.free = c.free[:n-1]
 		// Restore may have taken a slot still on the free list.
-		if *t.slotLocked(s).state == slotFree {
+		if _, st := t.slotLocked(s); *st == slotFree {
 			break
 		}
 	}
-	*t.slotLocked(s).state = slotUsed
-	*t.slotLocked(s).pins = 1
+	pins, st := t.slotLocked(s)
+	*st = slotUsed
+	*pins = 1
+	t.mu.pinned++
 	t.mu.chunkLive[uint64(s)/t.slotsPer]++
+	c.live++
 	t.mu.usedBytes += c.slotBytes
 	t.mu.blocks++
 	return s, true
@@ -353,55 +553,91 @@ func (c *Class) Alloc() (SlotID, bool) {
 func (c *Class) grow(n int) {
 	t := c.t
 	t.mu.Lock()
-	before := c.maxCost
 	for len(c.free) < n && len(t.mu.freeChunks) > 0 {
-		k := len(t.mu.freeChunks) - 1
-		ch := t.mu.freeChunks[k]
-		t.mu.freeChunks = t.mu.freeChunks[:k]
-		c.addChunkLocked(ch)
+		c.addChunkLocked(t.popFreeChunkLocked())
 	}
 	var steal = -1
 	if c.chunks == 0 {
 		steal = t.pickDonorLocked(c)
 	}
-	after := c.maxCost
 	t.mu.Unlock()
-	if after != before {
-		c.policy.UpdateMaxCost(after)
-	}
 	if steal >= 0 {
 		t.drainChunk(uint32(steal))
 		t.mu.Lock()
-		if len(t.mu.freeChunks) > 0 && c.chunks == 0 {
-			k := len(t.mu.freeChunks) - 1
-			ch := t.mu.freeChunks[k]
-			t.mu.freeChunks = t.mu.freeChunks[:k]
-			c.addChunkLocked(ch)
+		if len(t.mu.freeChunks) > 0 && c.chunks == 0 && !c.removed {
+			c.addChunkLocked(t.popFreeChunkLocked())
 		}
-		after = c.maxCost
 		t.mu.Unlock()
-		c.policy.UpdateMaxCost(after)
 	}
 }
 
+func (t *Space) popFreeChunkLocked() uint32 {
+	k := len(t.mu.freeChunks) - 1
+	ch := t.mu.freeChunks[k]
+	t.mu.freeChunks = t.mu.freeChunks[:k]
+	return ch
+}
+
+// addChunkLocked cuts chunk ch into c's slots. A slot over a byte range
+// quarantined under an earlier slot size starts quarantined.
 func (c *Class) addChunkLocked(ch uint32) {
 	t := c.t
 	t.mu.chunkOwner[ch] = c
 	t.mu.slotClass[ch] = c
-	t.mu.slots[ch] = chunkSlots{pins: make([]uint16, c.perChunk), state: make([]uint8, c.perChunk)}
+	cs := chunkSlots{pins: make([]uint32, c.perChunk), state: make([]uint8, c.perChunk)}
+	t.mu.slots[ch] = cs
 	base := uint64(ch) * t.slotsPer
 	step := c.slotBytes / layout.SlotAlign
 	for i := int(c.perChunk) - 1; i >= 0; i-- {
+		lo := uint64(i) * c.slotBytes
+		if overlaps(t.mu.bad[ch], lo, lo+c.slotBytes) {
+			cs.state[i] = slotQuarantined
+			t.mu.quarantined++
+			t.mu.usedBytes += c.slotBytes
+			t.mu.blocks++
+			t.mu.chunkHeld[ch]++
+			continue
+		}
 		c.free = append(c.free, SlotID(base+uint64(i)*step))
 	}
 	c.chunks++
+	c.held += int(t.mu.chunkHeld[ch])
 	c.setMaxCostLocked()
 }
 
+func overlaps(bad []span, lo, hi uint64) bool {
+	for _, b := range bad {
+		if lo < b.hi && b.lo < hi {
+			return true
+		}
+	}
+	return false
+}
+
+// setMaxCostLocked tells the policy how many blocks the class can keep:
+// its slots less those taken without a block the policy knows of (released
+// while pinned, quarantined) and less the reserve. Counting the taken ones
+// is what keeps the policy evicting while a pinned block it evicted still
+// holds its slot: otherwise it would admit into room that does not exist,
+// and every store would find no slot until the pin dropped.
 func (c *Class) setMaxCostLocked() {
-	slots := int64(uint64(c.chunks) * c.perChunk)
-	reserve := int64(float64(slots) * c.t.cfg.Reserve)
-	c.maxCost = max(slots-reserve, min(slots, 1))
+	usable := int64(uint64(c.chunks)*c.perChunk) - int64(c.held)
+	usable = max(usable, 0)
+	reserve := int64(math.Ceil(float64(usable) * c.t.cfg.Reserve))
+	c.maxCost = max(usable-reserve, min(usable, 1))
+	if c.policy != nil {
+		// An atomic store in ristretto; it takes effect at the next Admit.
+		c.policy.UpdateMaxCost(c.maxCost)
+	}
+}
+
+// heldLocked changes the count of held slots in chunk ch by d.
+func (t *Space) heldLocked(ch uint64, d int) {
+	t.mu.chunkHeld[ch] = uint32(int(t.mu.chunkHeld[ch]) + d)
+	if c := t.mu.chunkOwner[ch]; c != nil {
+		c.held += d
+		c.setMaxCostLocked()
+	}
 }
 
 // pickDonorLocked chooses a chunk to take from the class with the most
@@ -428,6 +664,7 @@ func (t *Space) pickDonorLocked(needy *Class) int {
 	t.mu.draining[best] = true
 	t.mu.chunkOwner[best] = nil
 	donor.chunks--
+	donor.held -= int(t.mu.chunkHeld[best])
 	donor.setMaxCostLocked()
 	lo, hi := SlotID(uint64(best)*t.slotsPer), SlotID(uint64(best+1)*t.slotsPer)
 	kept := donor.free[:0]
@@ -442,10 +679,6 @@ func (t *Space) pickDonorLocked(needy *Class) int {
 }
 
 func (t *Space) drainChunk(ch uint32) {
-	t.mu.Lock()
-	donor := t.mu.slotClass[ch]
-	t.mu.Unlock()
-	donor.policy.UpdateMaxCost(donor.maxCostSnapshot())
 	lo, hi := SlotID(uint64(ch)*t.slotsPer), SlotID(uint64(ch+1)*t.slotsPer)
 	if t.cfg.EvictRange != nil {
 		t.cfg.EvictRange(lo, hi)
@@ -455,19 +688,29 @@ func (t *Space) drainChunk(ch uint32) {
 	t.mu.Unlock()
 }
 
-func (c *Class) maxCostSnapshot() int64 {
-	c.t.mu.Lock()
-	defer c.t.mu.Unlock()
-	return c.maxCost
-}
-
 func (t *Space) maybeFreeChunkLocked(ch uint32) {
 	if t.mu.draining[ch] && t.mu.chunkLive[ch] == 0 {
-		t.mu.draining[ch] = false
-		t.mu.slotClass[ch] = nil
-		t.mu.slots[ch] = chunkSlots{}
-		t.mu.freeChunks = append(t.mu.freeChunks, ch)
+		t.freeChunkLocked(ch)
 	}
+}
+
+// freeChunkLocked returns chunk ch, whose slots nobody names, to the free
+// list. Its quarantined slots stop counting; their byte ranges stay bad.
+func (t *Space) freeChunkLocked(ch uint32) {
+	c := t.mu.slotClass[ch]
+	for _, st := range t.mu.slots[ch].state {
+		if st == slotQuarantined {
+			t.mu.quarantined--
+			t.mu.usedBytes -= c.slotBytes
+			t.mu.blocks--
+		}
+	}
+	t.mu.draining[ch] = false
+	t.mu.chunkOwner[ch] = nil
+	t.mu.slotClass[ch] = nil
+	t.mu.slots[ch] = chunkSlots{}
+	t.mu.chunkHeld[ch] = 0
+	t.mu.freeChunks = append(t.mu.freeChunks, ch)
 }
 
 // Restore marks slot s, found holding key k when the tier's storage was
@@ -488,7 +731,7 @@ func (c *Class) Restore(s SlotID, k index.Key) error {
 		return fmt.Errorf("restore: slot %d is not a %d-byte slot boundary", s, c.slotBytes)
 	}
 	switch owner := t.mu.chunkOwner[ch]; {
-	case owner == nil:
+	case owner == nil && !t.mu.draining[ch]:
 		for i, f := range t.mu.freeChunks {
 			if uint64(f) == ch {
 				t.mu.freeChunks = append(t.mu.freeChunks[:i], t.mu.freeChunks[i+1:]...)
@@ -498,19 +741,21 @@ func (c *Class) Restore(s SlotID, k index.Key) error {
 		c.addChunkLocked(uint32(ch))
 	case owner != c:
 		t.mu.Unlock()
-		return fmt.Errorf("restore: slot %d lies in a chunk of %d-byte slots, not %d", s, owner.slotBytes, c.slotBytes)
+		return fmt.Errorf("restore: slot %d lies in a chunk of %d-byte slots, not %d", s, t.mu.slotClass[ch].slotBytes, c.slotBytes)
 	}
-	if *t.slotLocked(s).state != slotFree {
+	if _, st := t.slotLocked(s); *st != slotFree {
 		t.mu.Unlock()
 		return fmt.Errorf("restore: slot %d restored twice", s)
 	}
-	*t.slotLocked(s).state = slotUsed
+	_, st := t.slotLocked(s)
+	*st = slotUsed
 	t.mu.chunkLive[ch]++
+	c.live++
 	t.mu.usedBytes += c.slotBytes
 	t.mu.blocks++
-	maxCost := c.maxCost
 	t.mu.Unlock()
-	c.policy.UpdateMaxCost(maxCost)
+	c.pmu.RLock()
+	defer c.pmu.RUnlock()
 	c.policy.Set(t.PolicyKey(&k), k, 1)
 	c.policy.Wait()
 	return nil
@@ -522,23 +767,58 @@ func (t *Space) ChunkOf(s SlotID) (chunk uint32, slotBytes uint64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	ch := uint64(s) / t.slotsPer
+	if ch >= uint64(len(t.mu.slotClass)) {
+		return uint32(ch), 0
+	}
 	if c := t.mu.slotClass[ch]; c != nil {
 		return uint32(ch), c.slotBytes
 	}
 	return uint32(ch), 0
 }
 
-// Quarantine takes slot s out of use for good (its storage returned an I/O
-// error). The caller removed the index entry naming s; the slot's pins
-// still drop as usual but it never returns to a free list.
+// Quarantine takes slot s out of use (its storage returned an I/O error):
+// its bytes are never handed out again, under this slot size or any later
+// one the chunk serves. The caller removed the index entry naming s (or
+// released s, and holds a pin on it); the slot's pins still drop as usual,
+// and the chunk can move to another slot size once they have.
 func (t *Space) Quarantine(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if *t.slotLocked(s).state != slotUsed {
-		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, *t.slotLocked(s).state))
+	pins, st := t.slotLocked(s)
+	ch := uint64(s) / t.slotsPer
+	switch *st {
+	case slotUsed:
+		t.heldLocked(ch, 1)
+	case slotReleased: // held already, and pinned
+	default:
+		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, *st))
 	}
-	*t.slotLocked(s).state = slotQuarantined
+	*st = slotQuarantined
 	t.mu.quarantined++
+	c := t.mu.slotClass[ch]
+	lo := (uint64(s) - ch*t.slotsPer) * layout.SlotAlign
+	t.mu.bad[ch] = append(t.mu.bad[ch], span{lo, lo + c.slotBytes})
+	if *pins == 0 {
+		t.unliveLocked(ch, c)
+	}
+}
+
+// unliveLocked notes that a slot of chunk ch (class c) can no longer be
+// named: a draining chunk may be free now, an unreferenced class gone.
+func (t *Space) unliveLocked(ch uint64, c *Class) {
+	t.mu.chunkLive[ch]--
+	c.live--
+	t.maybeFreeChunkLocked(uint32(ch))
+	t.maybeRetireLocked(c)
+}
+
+// Draining reports whether slot s lies in a chunk moving to another slot
+// size: a block written there is not to be kept.
+func (t *Space) Draining(s SlotID) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ch := uint64(s) / t.slotsPer
+	return ch < uint64(len(t.mu.draining)) && t.mu.draining[ch]
 }
 
 // Quarantined counts slots taken out of use.
@@ -549,27 +829,45 @@ func (t *Space) Quarantined() int {
 }
 
 // Pin keeps slot s from being reused until Unpin. The caller holds the
-// index entry that names s, so s is in use.
-func (t *Space) Pin(s SlotID) {
+// index entry that names s, so s is in use. It reports false, and takes no
+// pin, when s already has MaxPins.
+func (t *Space) Pin(s SlotID) bool {
 	t.mu.Lock()
-	if *t.slotLocked(s).state != slotUsed {
-		t.mu.Unlock()
-		panic(fmt.Sprintf("slots: pin of slot %d in state %d", s, *t.slotLocked(s).state))
+	defer t.mu.Unlock()
+	pins, st := t.slotLocked(s)
+	if *st != slotUsed {
+		panic(fmt.Sprintf("slots: pin of slot %d in state %d", s, *st))
 	}
-	*t.slotLocked(s).pins++
-	t.mu.Unlock()
+	if *pins == MaxPins {
+		return false
+	}
+	if *pins == 0 {
+		t.mu.pinned++
+	}
+	*pins++
+	return true
 }
 
 // Unpin drops a pin; the slot is freed if its owner already released it.
 func (t *Space) Unpin(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if *t.slotLocked(s).pins == 0 {
+	pins, st := t.slotLocked(s)
+	if *pins == 0 {
 		panic(fmt.Sprintf("slots: unpin of unpinned slot %d", s))
 	}
-	*t.slotLocked(s).pins--
-	if *t.slotLocked(s).pins == 0 && *t.slotLocked(s).state == slotReleased {
+	*pins--
+	if *pins > 0 {
+		return
+	}
+	t.mu.pinned--
+	ch := uint64(s) / t.slotsPer
+	switch *st {
+	case slotReleased:
+		t.heldLocked(ch, -1)
 		t.freeLocked(s)
+	case slotQuarantined:
+		t.unliveLocked(ch, t.mu.slotClass[ch])
 	}
 }
 
@@ -578,11 +876,13 @@ func (t *Space) Unpin(s SlotID) {
 func (t *Space) Release(s SlotID) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if *t.slotLocked(s).state != slotUsed {
-		panic(fmt.Sprintf("slots: release of slot %d in state %d", s, *t.slotLocked(s).state))
+	pins, st := t.slotLocked(s)
+	if *st != slotUsed {
+		panic(fmt.Sprintf("slots: release of slot %d in state %d", s, *st))
 	}
-	if *t.slotLocked(s).pins > 0 {
-		*t.slotLocked(s).state = slotReleased
+	if *pins > 0 {
+		*st = slotReleased
+		t.heldLocked(uint64(s)/t.slotsPer, 1)
 		return
 	}
 	t.freeLocked(s)
@@ -591,46 +891,42 @@ func (t *Space) Release(s SlotID) {
 func (t *Space) freeLocked(s SlotID) {
 	ch := uint64(s) / t.slotsPer
 	c := t.mu.slotClass[ch]
-	*t.slotLocked(s).state = slotFree
-	t.mu.chunkLive[ch]--
+	_, st := t.slotLocked(s)
+	*st = slotFree
 	t.mu.usedBytes -= c.slotBytes
 	t.mu.blocks--
-	if t.mu.draining[ch] {
-		t.maybeFreeChunkLocked(uint32(ch))
-		return
+	if !t.mu.draining[ch] {
+		c.free = append(c.free, s)
 	}
-	c.free = append(c.free, s)
+	t.unliveLocked(ch, c)
 }
 
 // Pinned counts slots with pins, for leak checks and metrics.
 func (t *Space) Pinned() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n := 0
-	for _, cs := range t.mu.slots {
-		for _, p := range cs.pins {
-			if p > 0 {
-				n++
-			}
-		}
-	}
-	return n
+	return t.mu.pinned
 }
 
-// Close stops the toucher and the policies. No copy may be in flight.
+// Close stops the worker and the policies; no callback reaches the owner
+// from then on (closing a policy would report every key it holds as
+// evicted). No copy may be in flight.
 func (t *Space) Close() {
-	select {
-	case <-t.stop:
+	if !t.closing.CompareAndSwap(false, true) {
 		return
-	default:
 	}
 	close(t.stop)
 	t.wg.Wait()
 	t.mu.Lock()
-	classes := t.mu.classes
-	t.mu.classes = nil
+	t.mu.closed = true
+	policies := make([]*Class, 0, len(t.mu.classes)+len(t.mu.retired))
+	for _, c := range t.mu.classes {
+		policies = append(policies, c)
+	}
+	policies = append(policies, t.mu.retired...)
+	t.mu.retired = nil
 	t.mu.Unlock()
-	for _, c := range classes {
-		c.policy.Close()
+	for _, c := range policies {
+		c.closePolicy()
 	}
 }

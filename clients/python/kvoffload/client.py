@@ -18,6 +18,7 @@ A registration belongs to the connection that made it: closing the client
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Iterable, Sequence
 
@@ -185,6 +186,10 @@ class Client:
             ("grpc.max_reconnect_backoff_ms", 1000),
             *options,
         ]
+        # Per registration, the seq of the last result completions()
+        # returned: the next call acknowledges it (docs/api.md, the cursor).
+        self._acked: dict[int, int] = {}
+        self._acked_lock = threading.Lock()
         self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.KVOffloadStub(self._channel)
         self._health = self._channel.unary_unary(_HEALTH_CHECK)
@@ -299,6 +304,8 @@ class Client:
         """Waits for the registration's jobs to drain, unmaps its regions and
         drops its unread completions. Cached blocks stay."""
         self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
+        with self._acked_lock:
+            self._acked.pop(registration_id, None)
 
     def lookup(
         self,
@@ -353,12 +360,24 @@ class Client:
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
-        that long for one when none is ready (it caps the wait at 10 s)."""
+        that long for one when none is ready (it caps the wait at 10 s).
+
+        Each call acknowledges the results the previous one returned for the
+        registration (``ack_seq``, docs/api.md): the daemon keeps a result
+        until then, so a reply lost with the connection comes again on the
+        next call instead of being lost. A reply carries at most a few MB;
+        results beyond it come with the next call. Read one registration's
+        completions from one thread."""
+        with self._acked_lock:
+            ack = self._acked.get(registration_id, 0)
         r = self._call(
             "Completions",
-            pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs),
+            pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs, ack_seq=ack),
             extra_s=wait_ms / 1000.0,
         )
+        if r.results:
+            with self._acked_lock:
+                self._acked[registration_id] = max(self._acked.get(registration_id, 0), r.results[-1].seq)
         return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending)
 
     def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:

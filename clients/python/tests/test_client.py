@@ -237,3 +237,40 @@ def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint,
     # The CPU copies from the first run are gone with it; the bytes in the
     # engine's blocks 0..3 are untouched.
     assert [block_bytes(r, b) for b in range(4)] == want
+
+
+def test_completions_stay_until_the_next_call_acknowledges_them(client, shm, fingerprint):
+    """The cursor (docs/api.md): the daemon keeps each result until the
+    client's next call acknowledges it, so a reply lost with its connection
+    comes again; results of one call are never returned twice."""
+    from kvoffload._proto.kvoffload.v1 import kvoffload_pb2 as pb
+
+    r, layout, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout, regions)
+    hs = keys(3, fingerprint)
+    for b in range(3):
+        fill(r, b, 30 + b)
+    client.store(reg.registration_id, [kv.Job(i + 1, [hs[i]], [i]) for i in range(3)])
+    seen: list[int] = []
+    last: tuple = ()
+    while len(seen) < 3:
+        c = client.completions(reg.registration_id, wait_ms=2000)
+        assert not set(x.job_id for x in c.results) & set(seen), "a result came twice"
+        seen += [x.job_id for x in c.results]
+        last = c.results or last
+    assert sorted(seen) == [1, 2, 3]
+
+    def raw(ack):
+        req = pb.CompletionsRequest(registration_id=reg.registration_id)
+        if ack is not None:
+            req.ack_seq = ack
+        return client._stub.Completions(req, timeout=10)
+
+    # The last reply is not acknowledged yet: had it been lost, asking again
+    # from the same point sends it again.
+    again = raw(client._acked[reg.registration_id] - len(last))
+    assert [x.job_id for x in again.results] == [x.job_id for x in last]
+    assert [x.seq for x in again.results] == sorted(x.seq for x in again.results)
+    # The client's next call acknowledges it: nothing is left.
+    assert client.completions(reg.registration_id).results == ()
+    assert list(raw(0).results) == []

@@ -850,8 +850,11 @@ type LookupRequest struct {
 	NamespaceIds []uint32 `protobuf:"varint,1,rep,packed,name=namespace_ids,json=namespaceIds,proto3" json:"namespace_ids,omitempty"`
 	// Ordered keys (a request's chained block hashes).
 	Keys *KeyList `protobuf:"bytes,2,opt,name=keys,proto3" json:"keys,omitempty"`
-	// When > 0, the ready prefix is pinned in the CPU tier for this long, so
-	// it cannot be evicted before the Load that names the lease comes.
+	// When > 0, the ready prefix is pinned where it is for this long, so it
+	// cannot be evicted before the Loads that name the lease come. The lease
+	// belongs to this connection: only its Loads use it, and it ends when
+	// the connection closes. Leases are bounded per connection and in total
+	// (RESOURCE_EXHAUSTED past them).
 	LeaseMs uint32 `protobuf:"varint,3,opt,name=lease_ms,json=leaseMs,proto3" json:"lease_ms,omitempty"`
 	// Do not count this lookup as an access for the admission policy (a
 	// scheduler asking again for a request that is still waiting).
@@ -991,7 +994,10 @@ type Job struct {
 	RequestId string   `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	Keys      *KeyList `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
 	BlockIds  []uint32 `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
-	// A lease from Lookup to release once this job holds its own pins.
+	// A lease from a Lookup over this connection: the job loads the blocks
+	// the lease pinned in this registration's namespace (even if evicted
+	// since) and releases the rest of that namespace's pins. A lease of
+	// another connection is not used.
 	LeaseId       uint64 `protobuf:"varint,5,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1258,8 +1264,13 @@ type JobResult struct {
 	Ok       bool            `protobuf:"varint,4,opt,name=ok,proto3" json:"ok,omitempty"`
 	Failures []*BlockFailure `protobuf:"bytes,5,rep,name=failures,proto3" json:"failures,omitempty"`
 	// Blocks of the job and bytes moved by it.
-	Blocks        uint32 `protobuf:"varint,6,opt,name=blocks,proto3" json:"blocks,omitempty"`
-	Bytes         uint64 `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Blocks uint32 `protobuf:"varint,6,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	Bytes  uint64 `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Position of this result in its registration's queue of results: 1, 2,
+	// 3, ... in the order jobs finished. Acknowledge it with
+	// CompletionsRequest.ack_seq. 0 on results returned by a Store or Load
+	// with wait.
+	Seq           uint64 `protobuf:"varint,8,opt,name=seq,proto3" json:"seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1343,13 +1354,27 @@ func (x *JobResult) GetBytes() uint64 {
 	return 0
 }
 
+func (x *JobResult) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
 type CompletionsRequest struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	RegistrationId uint64                 `protobuf:"varint,1,opt,name=registration_id,json=registrationId,proto3" json:"registration_id,omitempty"`
 	// Wait up to this long for at least one completion when none is ready.
 	WaitMs uint32 `protobuf:"varint,2,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
-	// Return at most this many (0: all).
-	MaxJobs       uint32 `protobuf:"varint,3,opt,name=max_jobs,json=maxJobs,proto3" json:"max_jobs,omitempty"`
+	// Return at most this many (0: as many as fit in one reply).
+	MaxJobs uint32 `protobuf:"varint,3,opt,name=max_jobs,json=maxJobs,proto3" json:"max_jobs,omitempty"`
+	// The cursor. When set, the results with seq <= ack_seq have been
+	// processed and leave the daemon; the reply carries the results after
+	// them, which stay queued until a later call acknowledges them (send 0
+	// when nothing has been processed yet). When absent, the results in the
+	// reply leave the daemon as they are sent: a reply lost with its
+	// connection loses them.
+	AckSeq        *uint64 `protobuf:"varint,4,opt,name=ack_seq,json=ackSeq,proto3,oneof" json:"ack_seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1405,11 +1430,22 @@ func (x *CompletionsRequest) GetMaxJobs() uint32 {
 	return 0
 }
 
+func (x *CompletionsRequest) GetAckSeq() uint64 {
+	if x != nil && x.AckSeq != nil {
+		return *x.AckSeq
+	}
+	return 0
+}
+
 type CompletionsResponse struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Results []*JobResult           `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// In seq order, at most max_jobs and at most what one reply can carry.
+	Results []*JobResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
 	// Jobs of this registration accepted and not yet finished.
-	Pending       uint32 `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	Pending uint32 `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	// More finished results are queued than this reply carries: call again
+	// without waiting.
+	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1456,6 +1492,13 @@ func (x *CompletionsResponse) GetPending() uint32 {
 		return x.Pending
 	}
 	return 0
+}
+
+func (x *CompletionsResponse) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
 }
 
 type InvalidateRequest struct {
@@ -1909,7 +1952,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x19\n" +
 	"\bblock_id\x18\x02 \x01(\rR\ablockId\x12\x12\n" +
 	"\x04hash\x18\x03 \x01(\fR\x04hash\x121\n" +
-	"\x06status\x18\x04 \x01(\x0e2\x19.kvoffload.v1.BlockStatusR\x06status\"\xd9\x01\n" +
+	"\x06status\x18\x04 \x01(\x0e2\x19.kvoffload.v1.BlockStatusR\x06status\"\xeb\x01\n" +
 	"\tJobResult\x12\x15\n" +
 	"\x06job_id\x18\x01 \x01(\x04R\x05jobId\x12\x1d\n" +
 	"\n" +
@@ -1918,14 +1961,19 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x02ok\x18\x04 \x01(\bR\x02ok\x126\n" +
 	"\bfailures\x18\x05 \x03(\v2\x1a.kvoffload.v1.BlockFailureR\bfailures\x12\x16\n" +
 	"\x06blocks\x18\x06 \x01(\rR\x06blocks\x12\x14\n" +
-	"\x05bytes\x18\a \x01(\x04R\x05bytes\"q\n" +
+	"\x05bytes\x18\a \x01(\x04R\x05bytes\x12\x10\n" +
+	"\x03seq\x18\b \x01(\x04R\x03seq\"\x9b\x01\n" +
 	"\x12CompletionsRequest\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\x12\x17\n" +
 	"\await_ms\x18\x02 \x01(\rR\x06waitMs\x12\x19\n" +
-	"\bmax_jobs\x18\x03 \x01(\rR\amaxJobs\"b\n" +
+	"\bmax_jobs\x18\x03 \x01(\rR\amaxJobs\x12\x1c\n" +
+	"\aack_seq\x18\x04 \x01(\x04H\x00R\x06ackSeq\x88\x01\x01B\n" +
+	"\n" +
+	"\b_ack_seq\"v\n" +
 	"\x13CompletionsResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.kvoffload.v1.JobResultR\aresults\x12\x18\n" +
-	"\apending\x18\x02 \x01(\rR\apending\"c\n" +
+	"\apending\x18\x02 \x01(\rR\apending\x12\x12\n" +
+	"\x04more\x18\x03 \x01(\bR\x04more\"c\n" +
 	"\x11InvalidateRequest\x12#\n" +
 	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\x12)\n" +
 	"\x04keys\x18\x02 \x01(\v2\x15.kvoffload.v1.KeyListR\x04keys\".\n" +
@@ -2084,6 +2132,7 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[18].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

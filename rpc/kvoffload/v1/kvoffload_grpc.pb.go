@@ -54,7 +54,8 @@ type KVOffloadClient interface {
 	Store(ctx context.Context, in *TransferRequest, opts ...grpc.CallOption) (*TransferResponse, error)
 	// Load copies cached blocks into engine blocks.
 	Load(ctx context.Context, in *TransferRequest, opts ...grpc.CallOption) (*TransferResponse, error)
-	// Completions returns jobs finished since the last call.
+	// Completions returns finished jobs. With ack_seq, results stay queued
+	// until acknowledged, so a reply lost with its connection is sent again.
 	Completions(ctx context.Context, in *CompletionsRequest, opts ...grpc.CallOption) (*CompletionsResponse, error)
 	// Invalidate drops cached blocks.
 	Invalidate(ctx context.Context, in *InvalidateRequest, opts ...grpc.CallOption) (*InvalidateResponse, error)
@@ -180,7 +181,8 @@ type KVOffloadServer interface {
 	Store(context.Context, *TransferRequest) (*TransferResponse, error)
 	// Load copies cached blocks into engine blocks.
 	Load(context.Context, *TransferRequest) (*TransferResponse, error)
-	// Completions returns jobs finished since the last call.
+	// Completions returns finished jobs. With ack_seq, results stay queued
+	// until acknowledged, so a reply lost with its connection is sent again.
 	Completions(context.Context, *CompletionsRequest) (*CompletionsResponse, error)
 	// Invalidate drops cached blocks.
 	Invalidate(context.Context, *InvalidateRequest) (*InvalidateResponse, error)

@@ -111,7 +111,8 @@ class KVOffloadServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Completions(self, request, context):
-        """Completions returns jobs finished since the last call.
+        """Completions returns finished jobs. With ack_seq, results stay queued
+        until acknowledged, so a reply lost with its connection is sent again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,230 @@
+package offload
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// The results of a registration's jobs wait in its queue until the client
+// has them. Each result gets a sequence number (Seq, from 1, one counter per
+// registration). A client that passes an acknowledgement (the Seq of the
+// last result it processed) is answered with every result after it, and
+// results leave the queue only when acknowledged: a reply lost with its
+// connection is sent again. A client that passes none gets each result
+// once, as before the cursor existed. Either way one reply carries at most
+// MaxReplyBytes; the rest wait for the next call (More says so).
+
+// Bytes a result can take on the wire, at most: protobuf's encoding of a
+// JobResult in a repeated field with every varint at its longest, and of a
+// BlockFailure with a 32-byte hash.
+const (
+	resultOverhead = 64
+	failureBytes   = 50
+	replyOverhead  = 32
+)
+
+// resultBytes bounds the encoded size of a result.
+func resultBytes(requestID, failures int) int {
+	return resultOverhead + requestID + failures*failureBytes
+}
+
+func (r *Result) wireBytes() int { return resultBytes(len(r.RequestID), len(r.Failures)) }
+
+// worstBytes bounds the result a job can produce: every block failed.
+func (j *Job) worstBytes() int { return resultBytes(len(j.RequestID), len(j.BlockIDs)) }
+
+// MaxReplyBytes is the most a reply carrying results takes: every job of
+// the largest request failing every block, with the longest request ids. A
+// Transfer reply with wait never exceeds it; Completions replies are cut
+// to it. The server's send limit must allow it.
+func (l Limits) MaxReplyBytes() int {
+	return replyOverhead + l.MaxJobsPerRequest*(resultOverhead+l.MaxRequestID) + l.MaxBlocksPerRequest*failureBytes
+}
+
+// Completed is one Completions answer.
+type Completed struct {
+	Results []Result
+	// Pending is the registration's jobs accepted and not yet finished.
+	Pending int
+	// More is set when finished results did not fit in this answer.
+	More bool
+}
+
+// Completions returns the registration's finished results, waiting up to
+// wait for one when there is none, at most max of them (0: no count limit)
+// and at most MaxReplyBytes. With ack (the Seq of the last result the
+// client processed) the results up to it leave the queue and the others
+// stay until acknowledged; without, the results returned leave the queue.
+func (r *Registration) Completions(ctx context.Context, wait time.Duration, max int, ack *uint64) (Completed, error) {
+	var timer <-chan time.Time
+	if wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		timer = t.C
+	}
+	budget := r.s.lim.MaxReplyBytes() - replyOverhead
+	for {
+		r.mu.Lock()
+		if ack != nil {
+			r.ackLocked(*ack)
+		}
+		if r.mu.closed && len(r.mu.pending) == 0 {
+			r.mu.Unlock()
+			return Completed{}, fmt.Errorf("%w: registration_id %d was unregistered", ErrUnknownRegistration, r.ID)
+		}
+		if n := len(r.mu.done); n > 0 || timer == nil {
+			if max > 0 && n > max {
+				n = max
+			}
+			size := 0
+			for i := 0; i < n; i++ {
+				size += r.mu.done[i].wireBytes()
+				if size > budget && i > 0 {
+					n = i
+					break
+				}
+			}
+			out := make([]Result, n)
+			copy(out, r.mu.done)
+			res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n}
+			if ack == nil {
+				r.dropLocked(n)
+			}
+			r.mu.Unlock()
+			return res, nil
+		}
+		notify := r.mu.notify
+		r.mu.Unlock()
+		select {
+		case <-notify:
+		case <-timer:
+			timer = nil
+		case <-ctx.Done():
+			return Completed{}, ctx.Err()
+		case <-r.s.closing:
+			timer = nil
+		}
+	}
+}
+
+// ackLocked drops the results up to seq.
+func (r *Registration) ackLocked(seq uint64) {
+	n := 0
+	for n < len(r.mu.done) && r.mu.done[n].Seq <= seq {
+		n++
+	}
+	r.dropLocked(n)
+}
+
+// dropLocked takes the first n results off the queue.
+func (r *Registration) dropLocked(n int) {
+	if n == 0 {
+		return
+	}
+	for i := 0; i < n; i++ {
+		r.mu.doneBytes -= r.mu.done[i].wireBytes()
+	}
+	rest := copy(r.mu.done, r.mu.done[n:])
+	clear(r.mu.done[rest:])
+	r.mu.done = r.mu.done[:rest]
+}
+
+// queueLocked gives res its sequence number and queues it.
+func (r *Registration) queueLocked(res Result) {
+	r.mu.seq++
+	res.Seq = r.mu.seq
+	r.mu.done = append(r.mu.done, res)
+	r.mu.doneBytes += res.wireBytes()
+}
+
+// waiter collects the results of a Transfer with wait set. If the caller
+// gives up, results still to come go to Completions instead: no job's
+// result is ever lost.
+type waiter struct {
+	mu        sync.Mutex
+	results   []Result
+	left      int
+	done      chan struct{}
+	abandoned bool
+}
+
+func (r *Registration) deliver(w *waiter, slot int, res Result, worst int) {
+	if w != nil {
+		w.mu.Lock()
+		if !w.abandoned {
+			// Out of pending before the waiter has it: a caller holding
+			// every result finds nothing of them left. The job's
+			// reserved bytes stay until Transfer returns.
+			r.finish(res, false, 0)
+			w.results[slot] = res
+			w.left--
+			if w.left == 0 {
+				close(w.done)
+			}
+			w.mu.Unlock()
+			return
+		}
+		w.mu.Unlock()
+	}
+	r.finish(res, true, worst)
+}
+
+// finish retires a job: it leaves pending and, when queue is set, joins the
+// completions in place of the bytes reserved for it.
+func (r *Registration) finish(res Result, queue bool, worst int) {
+	r.mu.Lock()
+	delete(r.mu.pending, res.JobID)
+	if queue {
+		r.mu.reserved -= worst
+		// Kept while the registration drains, so a client that lost its
+		// connection can still read them; close drops what is left.
+		r.queueLocked(res)
+	}
+	close(r.mu.notify)
+	r.mu.notify = make(chan struct{})
+	r.mu.Unlock()
+}
+
+// waitResults waits for a Transfer's results. If ctx ends first, the
+// results already in go to Completions and those to come follow them.
+func (r *Registration) waitResults(ctx context.Context, w *waiter, jobs []Job) ([]Result, error) {
+	select {
+	case <-w.done:
+		r.unreserve(jobs)
+		return w.results, nil
+	case <-ctx.Done():
+	}
+	w.mu.Lock()
+	if w.left == 0 {
+		w.mu.Unlock()
+		r.unreserve(jobs)
+		return w.results, nil
+	}
+	w.abandoned = true
+	r.mu.Lock()
+	for i, res := range w.results {
+		if res.Op != 0 {
+			r.mu.reserved -= jobs[i].worstBytes()
+			if !r.mu.closed {
+				r.queueLocked(res)
+			}
+		}
+	}
+	r.mu.Unlock()
+	w.mu.Unlock()
+	return nil, ctx.Err()
+}
+
+// unreserve gives back the bytes reserved for the results of jobs returned
+// to a waiting caller.
+func (r *Registration) unreserve(jobs []Job) {
+	n := 0
+	for i := range jobs {
+		n += jobs[i].worstBytes()
+	}
+	r.mu.Lock()
+	r.mu.reserved -= n
+	r.mu.Unlock()
+}
