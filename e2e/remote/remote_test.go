@@ -23,6 +23,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	rediscluster.QuietLogs()
 	code := m.Run()
 	if err := rediscluster.CloseShared(); err != nil {
 		fmt.Fprintln(os.Stderr, "stopping the redis cluster:", err)

@@ -5,6 +5,8 @@ import (
 	"os"
 	"sync"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // RequireEnv names the environment variable that makes a missing
@@ -56,6 +58,14 @@ func CloseShared() error {
 	shared.c = nil
 	return err
 }
+
+// QuietLogs drops go-redis's own log lines (a refused dial while a test
+// has a node down is expected) for the rest of the process.
+func QuietLogs() { redis.SetLogger(quiet{}) }
+
+type quiet struct{}
+
+func (quiet) Printf(context.Context, string, ...any) {}
 
 // Required reports whether tests must fail rather than skip without Redis.
 func Required() bool { return os.Getenv(RequireEnv) != "" }

@@ -27,7 +27,9 @@ type RedisConfig struct {
 	// Timeout bounds one operation on one node: dial, write, read. The
 	// caller's context bounds a whole batch.
 	Timeout time.Duration
-	// PoolSize is the connections kept per node (0: 8).
+	// PoolSize is the connections kept per node (0: 16): a batch holds
+	// one per node it touches for its round trip, and Lookups, loads and
+	// publishes run side by side.
 	PoolSize int
 }
 
@@ -58,7 +60,7 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		return nil, errors.New("timeout must be positive")
 	}
 	if cfg.PoolSize == 0 {
-		cfg.PoolSize = 8
+		cfg.PoolSize = 16
 	}
 	cc := redis.NewClusterClient(&redis.ClusterOptions{
 		Addrs:     cfg.Addrs,

@@ -33,12 +33,6 @@ const (
 	remoteJobBlocks  = 8
 )
 
-// quietRedis drops go-redis's own log lines (a refused dial while the
-// cluster starts): kvbench reports what failed through its errors.
-type quietRedis struct{}
-
-func (quietRedis) Printf(context.Context, string, ...any) {}
-
 // remoteSkip says why the remote scenario cannot run, "" when it can.
 func (b *bench) remoteSkip() string {
 	switch {
@@ -61,7 +55,9 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	if err != nil {
 		return err
 	}
-	redis.SetLogger(quietRedis{})
+	// go-redis's own log lines (a refused dial while the cluster starts)
+	// would garble the progress; kvbench reports failures as errors.
+	rediscluster.QuietLogs()
 	cluster, err := rediscluster.Start(ctx, rediscluster.Options{Dir: filepath.Join(dir, "cluster")})
 	if err != nil {
 		return fmt.Errorf("redis cluster: %w", err)
