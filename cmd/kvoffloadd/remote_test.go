@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
 
 func TestHelpExplainsRemoteFlags(t *testing.T) {
@@ -161,15 +162,33 @@ func TestRemoteFlagsEndToEnd(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	cc := c.ClusterClient()
-	defer cc.Close()
-	keys, err := cc.Keys(ctx, "kvo:1:*").Result() // one node's keys; enough to see the keyspace
+	// Every value is in the keyed keyspace and carries the MAC.
+	mac, err := remote.LoadMAC(key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range keys {
-		if strings.HasPrefix(k, "kvo:1:open:") {
-			t.Fatalf("a keyed fleet wrote an open value: %s", k)
+	var keyed, open int
+	for _, n := range c.Nodes() {
+		cl := n.Client()
+		for pattern, count := range map[string]*int{remote.KeyPrefix + mac.ID() + ":*": &keyed, remote.KeyPrefix + "open:*": &open} {
+			ks, err := cl.Keys(ctx, pattern).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			*count += len(ks)
+			for _, k := range ks {
+				v, err := cl.Get(ctx, k).Bytes()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(v) < remote.HeaderSize || v[10] != 1 {
+					t.Errorf("value %s carries no MAC", k)
+				}
+			}
 		}
+		cl.Close()
+	}
+	if keyed != 3 || open != 0 {
+		t.Fatalf("%d values in the fleet's keyspace, %d open ones; want 3 and 0", keyed, open)
 	}
 }

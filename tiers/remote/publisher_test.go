@@ -178,6 +178,7 @@ func TestPublisherCloseReleasesQueued(t *testing.T) {
 	}
 	var wg sync.WaitGroup
 	wg.Go(p.Close)
+	<-p.stop // Close has begun: from here stopping wins over the queue
 	close(gate)
 	wg.Wait()
 	for i, s := range append(queued, held) {
