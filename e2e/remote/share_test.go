@@ -162,3 +162,36 @@ func TestMACKeyedFleet(t *testing.T) {
 		t.Errorf("after the forged values were deleted: %d ready, want 1", lr.Ready)
 	}
 }
+
+// TestRemoteBlockGoneAtLoad: a Lookup with a lease does not pin remote
+// blocks (there is nothing local to pin); a block deleted from the cluster
+// between the Lookup and the Load is MISSING, its engine block untouched,
+// and the others load.
+func TestRemoteBlockGoneAtLoad(t *testing.T) {
+	c := testenv.RedisCluster(t)
+	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
+	fp := fingerprint(t)
+	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
+	hs := ea.hashes(11, 6)
+	ea.store(t, hs, seq(0, 6))
+	flush(t, a)
+	lr, err := eb.c.Lookup(ctx(t), []uint32{eb.reg.NamespaceId}, testenv.Keys(hs...), 5000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lr.Ready != 6 || lr.LeaseId != 0 {
+		t.Fatalf("lookup with a lease: %d ready, lease %d; want 6 remote blocks and no lease", lr.Ready, lr.LeaseId)
+	}
+	cc := c.ClusterClient()
+	defer cc.Close()
+	gone, _ := b.Svc.RemoteKey(eb.reg.NamespaceId, 0, hs[3])
+	if err := cc.Unlink(ctx(t), gone).Err(); err != nil {
+		t.Fatal(err)
+	}
+	st := eb.load(t, hs, seq(20, 6))
+	for i, s := range st {
+		if want := map[bool]pb.BlockStatus{true: missingSt, false: okSt}[i == 3]; s != want {
+			t.Errorf("block %d: %v, want %v", i, s, want)
+		}
+	}
+}

@@ -364,11 +364,11 @@ func TestRedisEvictionIsAbsence(t *testing.T) {
 	if err := c.ConfigSet(ctx, "maxmemory-policy", "allkeys-lru"); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.ConfigSet(ctx, "maxmemory", "24mb"); err != nil {
+	if err := c.ConfigSet(ctx, "maxmemory", "8mb"); err != nil {
 		t.Fatal(err)
 	}
 	r := newRedis(t, c, 5*time.Second)
-	ids, keys, vals := testBlocks(t, 120, 1<<20, nil) // ~120 MiB into 3 x 24 MiB
+	ids, keys, vals := testBlocks(t, 80, 512<<10, nil) // 40 MiB into 3 x 8 MiB
 	for i := 0; i < len(keys); i += 10 {
 		setAll(t, r, keys[i:i+10], vals[i:i+10])
 	}

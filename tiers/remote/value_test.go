@@ -31,10 +31,9 @@ func testIdent(hashLen int) Ident {
 func makeValue(t testing.TB, id Ident, n int, mac *MAC) []byte {
 	t.Helper()
 	v := make([]byte, HeaderSize+n)
-	r := rand.New(rand.NewPCG(uint64(n), 7))
-	for i := HeaderSize; i < len(v); i++ {
-		v[i] = byte(r.Uint32())
-	}
+	var seed [32]byte
+	seed[0], seed[1], seed[2] = byte(n), byte(n>>8), byte(n>>16)
+	rand.NewChaCha8(seed).Read(v[HeaderSize:])
 	if err := EncodeHeader(v, id, mac); err != nil {
 		t.Fatal(err)
 	}
