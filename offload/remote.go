@@ -73,6 +73,10 @@ type RemoteConfig struct {
 	// BatchBytes bounds the payload of one fetch round trip (default
 	// 64 MiB): a large load is fetched in several.
 	BatchBytes uint64
+	// MaxLookupKeys bounds the keys one Lookup asks the store about, over
+	// all its namespaces (default 8192: 8192 blocks of 16 tokens is a
+	// 128k-token prompt); the prefix stops there.
+	MaxLookupKeys int
 }
 
 // remoteTier is the service's side of the remote tier.
@@ -84,6 +88,7 @@ type remoteTier struct {
 	timeout time.Duration
 	write   WriteMode
 	batch   uint64
+	maxAsks int
 	pub     *remote.Publisher
 	m       *remote.Metrics
 	log     *slog.Logger
@@ -113,6 +118,7 @@ type remoteRead struct {
 
 const fetchQueue = 4096
 
+
 // healthEvery is how often the remote tier checks that every store node
 // answers (for the kvoffload_remote_up metric and the log).
 const healthEvery = 2 * time.Second
@@ -135,10 +141,13 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 	if cfg.BatchBytes == 0 {
 		cfg.BatchBytes = 64 << 20
 	}
+	if cfg.MaxLookupKeys <= 0 {
+		cfg.MaxLookupKeys = 8192
+	}
 	m := remote.NewMetrics(reg)
 	rt := &remoteTier{
 		s: s, mac: cfg.MAC, ks: remote.NewKeyspace(cfg.MAC), timeout: cfg.Timeout, write: cfg.Write,
-		batch: cfg.BatchBytes, m: m, log: s.log, store: remote.Instrument(cfg.Store, m),
+		batch: cfg.BatchBytes, maxAsks: cfg.MaxLookupKeys, m: m, log: s.log, store: remote.Instrument(cfg.Store, m),
 		fetches: make(chan fetchReq, fetchQueue), stop: make(chan struct{}),
 	}
 	if cfg.Write != WriteNone {
@@ -252,6 +261,10 @@ func (rt *remoteTier) ident(ns *Namespace, k *index.Key) remote.Ident {
 // store could not answer for ends the prefix, as a miss would.
 func (rt *remoteTier) extendLookup(nss []*Namespace, keys Keys, n int, res *LookupResult) {
 	from := res.Ready
+	// One Lookup asks about at most MaxLookupKeys keys (over all its
+	// namespaces): the prefix a remote check can add is bounded, and so
+	// is the batch a client can make the daemon send.
+	n = min(n, from+max(1, rt.maxAsks/len(nss)))
 	if from >= n {
 		return
 	}

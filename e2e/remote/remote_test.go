@@ -51,6 +51,7 @@ type nodeOpts struct {
 	write   offload.WriteMode
 	queue   int
 	disk    bool
+	asks    int // MaxLookupKeys
 }
 
 // startNode starts a daemon whose remote tier is the shared cluster.
@@ -68,7 +69,7 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 	// than a store asks for, so several chunks would make stores near a
 	// chunk's end REJECTED while the arena is mostly free.
 	opts := testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
-		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue,
+		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks,
 	}}
 	if o.disk {
 		opts.DiskDirs = []string{t.TempDir()}

@@ -195,3 +195,37 @@ func TestRemoteBlockGoneAtLoad(t *testing.T) {
 		}
 	}
 }
+
+// TestLookupAsksBounded: one Lookup asks the cluster about at most
+// MaxLookupKeys keys past its local prefix (over all its namespaces), so
+// the remote part of a prefix stops there.
+func TestLookupAsksBounded(t *testing.T) {
+	c := testenv.RedisCluster(t)
+	a := startNode(t, c, nodeOpts{})
+	b := startNode(t, c, nodeOpts{asks: 10})
+	fp := fingerprint(t)
+	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
+	hs := ea.hashes(12, 16)
+	ea.store(t, hs, seq(0, 16))
+	flush(t, a)
+	if lr := eb.lookup(t, hs); lr.Ready != 10 {
+		t.Fatalf("one namespace: %d ready, want the bound, 10", lr.Ready)
+	}
+	// B holds the first 4 locally now: the bound counts from there.
+	eb.store(t, hs[:4], seq(0, 4))
+	if lr := eb.lookup(t, hs); lr.Ready != 14 {
+		t.Fatalf("after a local prefix of 4: %d ready, want 14", lr.Ready)
+	}
+	// Two namespaces (two ranks) share the bound: 5 keys each.
+	eb2 := register(t, b, model, fp+"-rank1")
+	ea2 := register(t, a, model, fp+"-rank1")
+	ea2.store(t, hs, seq(20, 16))
+	flush(t, a)
+	lr, err := eb.c.Lookup(ctx(t), []uint32{eb.reg.NamespaceId, eb2.reg.NamespaceId}, testenv.Keys(hs...), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lr.Ready != 5 {
+		t.Fatalf("two namespaces: %d ready, want 5", lr.Ready)
+	}
+}
