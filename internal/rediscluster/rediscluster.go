@@ -250,7 +250,10 @@ func (n *Node) writeConfig() error {
 		"cluster-enabled yes",
 		"cluster-port " + strconv.Itoa(n.BusPort),
 		"cluster-config-file nodes.conf",
-		"cluster-node-timeout 2000",
+		// Redis's default. A node starved of CPU for seconds (a loaded
+		// test machine, a 2 MiB value's page faults) must not be voted
+		// failed: the survivors would answer CLUSTERDOWN to everyone.
+		"cluster-node-timeout 15000",
 		// A dead master costs its own slots only; the others keep serving.
 		"cluster-require-full-coverage no",
 		"save \"\"",

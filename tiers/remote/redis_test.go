@@ -279,7 +279,7 @@ func TestRedisHungMaster(t *testing.T) {
 	for _, i := range byNode(t, c, keys)[victim] {
 		onVictim[i] = true
 	}
-	// Shorter than cluster-node-timeout (2 s): the others do not mark it
+	// Shorter than cluster-node-timeout (15 s): the others do not mark it
 	// failed, it is only slow.
 	awake, err := victim.Hang(1500 * time.Millisecond)
 	if err != nil {

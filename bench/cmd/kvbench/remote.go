@@ -138,6 +138,15 @@ func (b *bench) remoteNode(ctx context.Context, dir, name string, sc scenario, e
 	if err != nil {
 		return nil, nil, err
 	}
+	if b.flags["cpu-chunk-bytes"] {
+		// One chunk for the arena: a class's policy holds what its
+		// chunks hold, and a class takes another chunk only when a
+		// store finds fewer free slots than it asks for, so with
+		// several chunks node A's policy rejects stores while most of
+		// the arena is free, and node B misses what A never kept. The
+		// scenario measures the remote tier, not that.
+		extra = append(extra, "--cpu-chunk-bytes", strconv.FormatUint(sc.cpuBytes, 10))
+	}
 	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: ndir, CPUBytes: sc.cpuBytes, IOWorkers: b.o.ioWorkers, Extra: extra})
 	if err != nil {
 		return nil, nil, err
