@@ -9,7 +9,7 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check
+.PHONY: all build kvbench run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle
 
 all: build
 
@@ -58,13 +58,23 @@ bench:
 build-cuda:
 	$(CUDA_ENV) && $(GO) build -tags cuda -ldflags "$(LDFLAGS)" -o bin/kvoffloadd ./cmd/kvoffloadd
 
-# On a machine without a GPU: the cuda-tagged tree builds and vets.
+# On a machine without a GPU: the cuda-tagged tree builds and vets, and the
+# GPU check's Python scripts compile. (The engine itself is tested over a
+# fake driver by test-go, with or without the tag.)
 cuda-check:
 	$(CUDA_ENV) && $(GO) build -tags cuda ./... && $(GO) vet -tags cuda ./dma/cuda/ ./scripts/gpucheck/ ./cmd/kvoffloadd/
+	$(PYTHON) -m py_compile scripts/gpucheck/run.py scripts/gpucheck/torch_check.py
 
-# By hand, on a machine with an NVIDIA GPU.
+# On a machine with an NVIDIA GPU and Go: builds, then runs the GPU check
+# (docs/cuda.md). Without Go there: copy the bundle over and run its script.
 gpu-check:
 	./scripts/gpu-check.sh
 
+# The GPU check, prebuilt, for a GPU machine without Go or network:
+# dist/kvoffloadd-gpu-bundle/ and dist/kvoffloadd-gpu-bundle.tar.gz.
+GPU_BUNDLE ?= dist/kvoffloadd-gpu-bundle
+gpu-bundle:
+	./scripts/gpucheck/bundle.sh $(GPU_BUNDLE)
+
 clean:
-	rm -rf bin
+	rm -rf bin dist

@@ -10,19 +10,31 @@ import (
 	"fmt"
 )
 
-// Peer is the identity of the connecting client, taken from SO_PEERCRED.
-// A backend uses it to refuse memory the peer could not itself read and write.
+// Peer is the identity of the connecting client, as the kernel recorded it
+// when the client connected: SO_PEERCRED (pid, uid, gid) and SO_PEERGROUPS
+// (supplementary groups). A backend uses it to refuse memory the peer could
+// not itself read and write.
 type Peer struct {
-	PID int32
-	UID uint32
-	GID uint32
+	PID    int32 // 0 when the peer's pid is not visible in the daemon's pid namespace
+	UID    uint32
+	GID    uint32
+	Groups []uint32
 }
 
 // IPCMemory is a CUDA IPC memory handle as PyTorch exports it.
 type IPCMemory struct {
-	Handle    []byte // 64 bytes, cudaIpcMemHandle_t
-	Device    int
-	AllocSize uint64
+	// Handle is the 64-byte cudaIpcMemHandle_t, or PyTorch's shareable
+	// form of it as UntypedStorage._share_cuda_() returns it: a version
+	// byte, a type byte ('c' for cudaMalloc memory) and the 64 bytes.
+	Handle []byte
+	// Device is the device ordinal as the client's process numbers it.
+	// Under per-process CUDA_VISIBLE_DEVICES it need not be the daemon's
+	// ordinal: DeviceUUID, when set, is what names the device.
+	Device int
+	// DeviceUUID is the device's 16-byte UUID (cuDeviceGetUuid_v2, torch's
+	// get_device_properties(d).uuid), or empty.
+	DeviceUUID []byte
+	AllocSize  uint64
 }
 
 // RegionSpec describes one region a client registers. Exactly one of
@@ -81,8 +93,11 @@ type Copy struct {
 type Batch struct {
 	ToArena bool // true: engine -> arena (store); false: arena -> engine (load)
 	Copies  []Copy
-	// ReadyEvent is an opaque event handle the copies must wait for before
-	// reading engine memory (CUDA stores). The host backend ignores it.
+	// ReadyEvent is an opaque event handle (CUDA: an IPC event handle) the
+	// batch's copies must wait for, in either direction: a store must not
+	// read blocks the engine's kernels are still writing, and a load must
+	// not overwrite blocks its kernels are still reading. The host backend
+	// ignores it.
 	ReadyEvent []byte
 	Done       func(error)
 }
@@ -92,7 +107,9 @@ type Engine interface {
 	// Name names the backend for logs ("host", "cuda").
 	Name() string
 	// SetArena tells the engine the host arena every Copy.ArenaOff refers to.
-	// Called once, before any Open or Submit.
+	// Called once, before any Open or Submit; SetArena(nil) is called once
+	// more after the last batch, before the arena is unmapped, so that the
+	// engine lets go of it (the CUDA engine unregisters the pinned pages).
 	SetArena(arena []byte) error
 	// Open maps a region on behalf of peer.
 	Open(spec RegionSpec, peer Peer) (Region, error)
@@ -105,11 +122,25 @@ type Engine interface {
 	Close() error
 }
 
+// Failer is implemented by an engine that can fail as a whole, beyond one
+// batch: the CUDA engine after a sticky error (an illegal address, an
+// uncorrectable ECC error) has lost its context, and every later batch would
+// fail. Failed is closed then and Err says why; the daemon stops serving and
+// exits, so that a supervisor restarts it with a fresh context.
+type Failer interface {
+	Failed() <-chan struct{}
+	Err() error
+}
+
 // ErrNoCUDA is returned by a backend asked for memory kind it was not built for.
 var ErrNoCUDA = errors.New("CUDA IPC region refused: this kvoffloadd was built without CUDA (build with `make build-cuda`)")
 
 // ErrBadRegion wraps every reason a region is refused at Open.
 var ErrBadRegion = errors.New("bad region")
+
+// ErrLimit wraps a refusal because the backend maps as much as its bounds
+// allow (host: Config.MaxMappedBytes).
+var ErrLimit = errors.New("mapping limit reached")
 
 // ErrCopy wraps a copy failure (a fault in engine memory, a driver error).
 var ErrCopy = errors.New("copy failed")

@@ -25,7 +25,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	testenv.RunHelperIfAsked() // the adversarial tests' other-user clients
 	code := m.Run()
+	testenv.RemoveHelperBinary()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)

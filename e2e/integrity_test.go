@@ -529,9 +529,11 @@ func TestFieldsAreBounded(t *testing.T) {
 	lim := d.Svc.Limits()
 	hs := e.hashes(1, 1)
 	job := testenv.Job(1, hs, seq(0, 1))
+	// A request this large is refused from its header, before its body is
+	// read (the request limit, computed from the field bounds).
 	job.RequestId = strings.Repeat("x", 10<<20)
 	_, err := e.c.Store(ctx(t), e.reg.RegistrationId, []*pb.Job{job}, false)
-	wantCode(t, err, codes.InvalidArgument, "request_id")
+	wantCode(t, err, codes.ResourceExhausted, "larger than max")
 	job.RequestId = strings.Repeat("x", lim.MaxRequestID+1)
 	_, err = e.c.Store(ctx(t), e.reg.RegistrationId, []*pb.Job{job}, false)
 	wantCode(t, err, codes.InvalidArgument, "request_id")

@@ -19,8 +19,9 @@ var (
 	// read Completions before submitting more.
 	ErrBacklog = errors.New("too many pending jobs")
 	// ErrLimit: a bound on what clients may make the daemon hold was
-	// reached (leases, pinned blocks, namespaces, block sizes); the
-	// message names it. Retry once some is given back.
+	// reached (registrations, mapped regions, leases, pinned blocks,
+	// namespaces, block sizes); the message names it and, where there is
+	// one, its flag. Retry once some is given back, or raise the bound.
 	ErrLimit = errors.New("limit reached")
 	// ErrShuttingDown: the daemon is stopping and takes no new work.
 	ErrShuttingDown = errors.New("daemon is shutting down")

@@ -201,7 +201,7 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 		r.startStores(jobs, w, readyEvent)
 	} else {
 		for i := range jobs {
-			r.startLoad(&jobs[i], owner, w, i)
+			r.startLoad(&jobs[i], owner, w, i, readyEvent)
 		}
 	}
 	if w == nil {
@@ -320,9 +320,9 @@ func (r *Registration) failure(job *Job, i int, st Status) Failure {
 // memory. Blocks only on disk are first read into CPU slots and verified.
 // A lease the job names serves only if owner holds it, and only with its
 // pins in this registration's namespace.
-func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int) {
+func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int, readyEvent []byte) {
 	s := r.s
-	lj := &loadJob{r: r, job: *job, w: w, wslot: slot, start: time.Now()}
+	lj := &loadJob{r: r, job: *job, w: w, wslot: slot, start: time.Now(), readyEvent: readyEvent}
 	hb := r.ns.Layout.HashBytes
 	g := job.Keys.Group
 	n := len(job.BlockIDs)
@@ -415,6 +415,10 @@ type loadJob struct {
 	wslot int
 	start time.Time
 
+	// readyEvent orders the copies after the engine's work still reading
+	// the destination blocks (CUDA: an IPC event; see dma.Batch).
+	readyEvent []byte
+
 	mu   sync.Mutex
 	res  Result
 	refs []blockRef
@@ -430,7 +434,7 @@ type diskRead struct {
 }
 
 func (lj *loadJob) copy() {
-	lj.r.runCopies(&lj.job, lj.refs, false, nil, lj.res, lj.start, lj.w, lj.wslot)
+	lj.r.runCopies(&lj.job, lj.refs, false, lj.readyEvent, lj.res, lj.start, lj.w, lj.wslot)
 }
 
 // promote reads disk-only blocks into CPU slots. Each block is offered to

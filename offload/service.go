@@ -53,6 +53,15 @@ type Limits struct {
 	// MaxNamespacesTotal bounds the namespaces the daemon keeps (those
 	// with a registration or a cached block).
 	MaxNamespacesTotal int
+
+	// Registrations and the regions they map, in total and per peer uid.
+	// Each mapped region costs the daemon at least one entry of its
+	// memory map (vm.max_map_count, 65530 by default, shared with the Go
+	// runtime and the arena): MaxRegions keeps the regions well under it.
+	MaxRegistrations       int
+	MaxRegistrationsPerUID int
+	MaxRegions             int
+	MaxRegionsPerUID       int
 }
 
 // DefaultLimits are generous for an engine and small enough to refuse abuse.
@@ -67,13 +76,21 @@ var DefaultLimits = Limits{
 	MaxRequestID:         512,
 	MaxClientName:        256,
 	MaxReadyEvent:        256,
-	MaxRegionName:        4096,
+	MaxRegionName:        512,
 	MaxUnreadBytes:       64 << 20,
 	MaxLeasesPerOwner:    8192,
 	MaxLeasePinsPerOwner: 1 << 20,
 	MaxLeases:            1 << 16,
 	MaxLeasePins:         1 << 21,
 	MaxNamespacesTotal:   1024,
+
+	// An engine registers once per worker (one per GPU rank), a region
+	// per layer or per layer and K/V: 8 ranks of a 96-layer model map
+	// 1536 regions.
+	MaxRegistrations:       1024,
+	MaxRegistrationsPerUID: 256,
+	MaxRegions:             16384,
+	MaxRegionsPerUID:       8192,
 }
 
 // withDefaults fills the zero fields of l from DefaultLimits.
@@ -103,6 +120,10 @@ func (l Limits) withDefaults() Limits {
 	fill(&l.MaxLeases, d.MaxLeases)
 	fill(&l.MaxLeasePins, d.MaxLeasePins)
 	fill(&l.MaxNamespacesTotal, d.MaxNamespacesTotal)
+	fill(&l.MaxRegistrations, d.MaxRegistrations)
+	fill(&l.MaxRegistrationsPerUID, d.MaxRegistrationsPerUID)
+	fill(&l.MaxRegions, d.MaxRegions)
+	fill(&l.MaxRegionsPerUID, d.MaxRegionsPerUID)
 	return l
 }
 
@@ -183,6 +204,12 @@ type Service struct {
 		started   bool // New has returned: the namespace bound applies
 		closing   bool
 		closed    bool
+
+		// Booked by Register before it maps anything, returned when the
+		// registration is gone (Limits.MaxRegistrations...).
+		regCount, regionCount int
+		byUID                 map[uint32]*use
+		lastRefusalLog        time.Time
 	}
 }
 
@@ -220,6 +247,7 @@ func New(cfg Config) (*Service, error) {
 	s.mu.byPrint = map[string]*Namespace{}
 	s.mu.byID = map[uint32]*Namespace{}
 	s.mu.regs = map[uint64]*Registration{}
+	s.mu.byUID = map[uint32]*use{}
 	s.mu.leases = map[uint64]*lease{}
 	s.mu.owners = map[Owner]*ownerUse{}
 	s.writing.byKey = map[index.Key]*demotion{}
@@ -247,6 +275,7 @@ func New(cfg Config) (*Service, error) {
 	s.registerGauges(cfg.Registerer)
 	if cfg.Disk != nil {
 		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
+			s.dma.SetArena(nil)
 			t.Close()
 			return nil, fmt.Errorf("disk tier: %w", err)
 		}
@@ -283,9 +312,6 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 	)
 }
 
-// Limits are the bounds the service enforces.
-func (s *Service) Limits() Limits { return s.lim }
-
 // CPU exposes the CPU tier (for stats and tests).
 func (s *Service) CPU() *cpu.Tier { return s.cpu }
 
@@ -311,6 +337,17 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 			return nil, false, fmt.Errorf("%w: regions[%d] names its memory in more than %d bytes", ErrInvalid, i, s.lim.MaxRegionName)
 		}
 	}
+	if err := s.reserve(peer, len(specs)); err != nil {
+		return nil, false, err
+	}
+	registered := false
+	defer func() {
+		if !registered {
+			s.mu.Lock()
+			s.unreserveLocked(peer.UID, len(specs))
+			s.mu.Unlock()
+		}
+	}()
 	opened := make([]dma.Region, 0, len(specs))
 	closeAll := func() {
 		for _, r := range opened {
@@ -379,6 +416,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 	s.m.regs.Inc()
 	s.log.Info("registered", "registration", r.ID, "namespace", ns.ID, "joined", joined, "client", name,
 		"peer_pid", peer.PID, "peer_uid", peer.UID, "regions", len(specs), "groups", l.NumGroups())
+	registered = true
 	return r, joined, nil
 }
 
@@ -530,6 +568,7 @@ func (s *Service) Unregister(id uint64) error {
 		r.ns.idleSince = time.Now()
 	}
 	s.m.regs.Dec()
+	s.unreserveLocked(r.peer.UID, len(r.reg.Opened))
 	s.mu.Unlock()
 	s.log.Info("unregistered", "registration", id, "namespace", r.ns.ID)
 	return nil
@@ -1005,5 +1044,8 @@ func (s *Service) Close() error {
 		// arena and the index), syncs and closes the files.
 		diskErr = s.disk.Close()
 	}
-	return errors.Join(remErr, diskErr, s.cpu.Close())
+	// The copy engine lets go of the arena (CUDA: unregisters the pinned
+	// pages) while it is still mapped.
+	arenaErr := s.dma.SetArena(nil)
+	return errors.Join(remErr, diskErr, arenaErr, s.cpu.Close())
 }

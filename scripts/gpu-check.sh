@@ -1,65 +1,87 @@
 #!/usr/bin/env bash
-# Proves the CUDA path on a machine with an NVIDIA GPU, by hand (CI has no
-# GPU): builds kvoffloadd and scripts/gpucheck with -tags cuda, starts the
-# daemon on a private socket, runs gpucheck against it (store behind a ready
-# event, overwrite, load into other blocks, byte-for-byte compare; then
-# daemon throughput against plain pinned cuMemcpy*Async), stops the daemon.
-# gpucheck prints one line per figure; the script exits non-zero on any
-# mismatch or failure. It takes well under five minutes.
+# The GPU check of kvoffloadd: one prepared run, under 5 minutes, that proves
+# the CUDA path on a machine with an NVIDIA GPU and writes one JSON and one
+# short text summary (results.json, summary.txt in the output folder).
 #
-#   scripts/gpu-check.sh [gpucheck flags]      e.g. --min-ratio 0.9 --device 1
+# Two ways to run it:
+#   - from a bundle (`make gpu-bundle` on any Linux machine with Go, then
+#     copy dist/kvoffloadd-gpu-bundle.tar.gz over): ./gpu-check.sh
+#     The GPU machine needs the NVIDIA driver and python3 with torch (CUDA),
+#     grpcio and protobuf; no Go, no network, no CUDA toolkit (any toolkit
+#     it has is ignored).
+#   - from the source tree, with Go: scripts/gpu-check.sh (builds the same
+#     binaries first, with scripts/gpucheck/build.sh).
 #
-# Headers and link stub, in this order: CGO_CFLAGS/CGO_LDFLAGS if set; a
-# toolkit under /usr/local/cuda; else scripts/cuda-sdk.sh (apt and network;
-# set KVOFFLOADD_CUDA_SDK_DIR to a cache copied along to an offline machine).
-# At run time the binaries load the driver's libcuda.so.1. See docs/cuda.md.
+# What runs (scripts/gpucheck/run.py): preflight (GPUs, the driver's
+# libcuda.so.1 and every symbol the binaries import), a two-process CUDA IPC
+# probe, the daemon bench (consecutive and scattered blocks, byte-exact,
+# throughput beside plain pinned copies; fails below --min-ratio, default
+# 0.9), real torch tensors through the connector's exporter with IPC events
+# and an engine killed mid-store, a clean SIGTERM, and a device fault on
+# purpose in a second daemon. See docs/cuda.md.
+#
+#   gpu-check.sh [--out DIR] [--device N] [--min-ratio R] [--skip-sticky] [--cpu-bytes 4GiB] [--budget 285]
+#
+# Environment: PYTHON (default python3), KVOFFLOADD_LIBCUDA (the driver's
+# libcuda.so.1, when it cannot be found).
+# Exit status: 0 pass, 1 a failure, 2 only a throughput ratio below target.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+here=$(cd "$(dirname "$0")" && pwd)
+PYTHON=${PYTHON:-python3}
 
 log() { echo "gpu-check.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
 
-if command -v nvidia-smi >/dev/null; then
-  nvidia-smi -L >&2 || true
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found (set PYTHON)"
+
+if [ -f "$here/BUNDLE" ]; then
+  # Prebuilt: never builds anything.
+  bundle=$here
+  bin=$here/bin
+  gcdir=$here/gpucheck
+  pypath=$here/python
+  log "prebuilt bundle: $(head -n1 "$here/BUNDLE")"
 else
-  log "nvidia-smi not found; trying anyway"
+  root=$(cd "$here/.." && pwd)
+  command -v go >/dev/null || die "no Go on this machine: build the bundle elsewhere (make gpu-bundle) and run its gpu-check.sh here"
+  bundle=$root
+  bin=$root/bin/gpu-check
+  gcdir=$root/scripts/gpucheck
+  pypath=$root/clients/python
+  "$root/scripts/gpucheck/build.sh" "$bin"
 fi
+for f in "$bin/kvoffloadd" "$bin/gpucheck" "$bin/cuda-symbols.txt" "$gcdir/run.py" "$gcdir/torch_check.py" "$pypath/kvoffload/__init__.py"; do
+  [ -e "$f" ] || die "missing $f"
+done
 
-if [ -z "${CGO_CFLAGS:-}" ]; then
-  if [ -f /usr/local/cuda/include/cuda.h ] && [ -f /usr/local/cuda/lib64/stubs/libcuda.so ]; then
-    export CGO_CFLAGS="-O2 -g -I/usr/local/cuda/include" CGO_LDFLAGS="-L/usr/local/cuda/lib64/stubs"
-  else
-    eval "$(scripts/cuda-sdk.sh)"
-  fi
-fi
-
-mkdir -p bin
-log "building bin/kvoffloadd and bin/gpucheck with -tags cuda"
-go build -tags cuda -o bin/kvoffloadd ./cmd/kvoffloadd
-go build -tags cuda -o bin/gpucheck ./scripts/gpucheck
-
-work=$(mktemp -d) # mode 0700: the daemon wants a private socket directory
-sock="$work/kvoffloadd.sock"
-bin/kvoffloadd --socket "$sock" --cpu-bytes 2GiB --metrics-addr "" >"$work/daemon.log" 2>&1 &
-daemon=$!
-stop_daemon() {
-  if kill -0 "$daemon" 2>/dev/null; then
-    kill -TERM "$daemon"
-    wait "$daemon" || true
-  fi
+# The driver's libcuda.so.1, never a toolkit's link stub or its
+# forward-compatibility copy: the loader's cache first, then the places
+# drivers and container runtimes put it, then wherever torch loaded it from.
+find_libcuda() {
+  local p d
+  if [ -n "${KVOFFLOADD_LIBCUDA:-}" ]; then echo "$KVOFFLOADD_LIBCUDA"; return; fi
+  p=$(ldconfig -p 2>/dev/null | awk '$1 == "libcuda.so.1" && $NF !~ /stubs|compat/ {print $NF; exit}')
+  if [ -n "$p" ] && [ -e "$p" ]; then echo "$p"; return; fi
+  for d in /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/aarch64-linux-gnu /usr/local/nvidia/lib64 /usr/local/nvidia/lib \
+    /run/nvidia/driver/usr/lib/x86_64-linux-gnu /usr/lib/wsl/lib; do
+    if [ -e "$d/libcuda.so.1" ]; then echo "$d/libcuda.so.1"; return; fi
+  done
+  "$PYTHON" - <<'PY' 2>/dev/null || true
+import torch
+torch.cuda.init()
+for line in open("/proc/self/maps"):
+    f = line.split()[-1]
+    if "libcuda.so" in f and "stubs" not in f:
+        print(f)
+        break
+PY
 }
-trap 'stop_daemon; rm -rf "$work"' EXIT
+libcuda=$(find_libcuda | head -n1)
+[ -n "$libcuda" ] && [ -e "$libcuda" ] || die "cannot find the NVIDIA driver's libcuda.so.1 (set KVOFFLOADD_LIBCUDA)"
+case "$libcuda" in */stubs/*) die "$libcuda is the toolkit's link stub, not the driver's library (set KVOFFLOADD_LIBCUDA)" ;; esac
+# Make the binaries load exactly that one, whatever LD_LIBRARY_PATH said.
+export LD_LIBRARY_PATH="$(dirname "$libcuda")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+log "driver library: $libcuda"
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L >&2 || true; fi
 
-# gpucheck waits (up to 30 s) for the daemon's health service itself.
-rc=0
-timeout 270 bin/gpucheck --socket "$sock" "$@" || rc=$?
-stop_daemon
-if [ "$rc" -ne 0 ] || grep -q 'level=ERROR' "$work/daemon.log"; then
-  log "daemon log (last 40 lines):"
-  tail -n 40 "$work/daemon.log" >&2
-fi
-if ! grep -q 'copy_engine=cuda' "$work/daemon.log"; then
-  log "the daemon did not run the cuda copy engine (is it wired in cmd/kvoffloadd for -tags cuda?)"
-  [ "$rc" -ne 0 ] || rc=1
-fi
-if [ "$rc" -eq 0 ]; then log "PASS"; else log "FAIL (exit $rc)"; fi
-exit "$rc"
+exec "$PYTHON" "$gcdir/run.py" --bin "$bin" --bundle "$bundle" --pythonpath "$pypath" --libcuda "$libcuda" --python "$PYTHON" "$@"

@@ -14,6 +14,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/dma/host"
+	"github.com/kvoffloadd/kvoffloadd/offload"
+	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
 )
 
@@ -40,6 +43,18 @@ type config struct {
 	writeThrough   bool
 	faultSpec      string
 	faultPlan      errorfs.Plan
+
+	// Bounds on what clients may make the daemon hold (docs/operations.md, Limits).
+	maxRegistrations        int
+	maxRegistrationsPerUID  int
+	maxRegions              int
+	maxRegionsPerUID        int
+	maxMappedBytes          uint64
+	maxConnections          int
+	maxConnectionsPerUID    int
+	maxInflightRequestBytes uint64
+
+	cuda cudaConfig // the CUDA build's flags (copier_cuda.go); empty otherwise
 
 	remote remoteFlags
 }
@@ -132,6 +147,15 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		diskBytes:       8 << 30,
 		diskQueueDepth:  8,
 		diskDirect:      "require",
+
+		maxRegistrations:        offload.DefaultLimits.MaxRegistrations,
+		maxRegistrationsPerUID:  offload.DefaultLimits.MaxRegistrationsPerUID,
+		maxRegions:              offload.DefaultLimits.MaxRegions,
+		maxRegionsPerUID:        offload.DefaultLimits.MaxRegionsPerUID,
+		maxMappedBytes:          host.DefaultMaxMappedBytes,
+		maxConnections:          server.DefaultConfig.MaxConnections,
+		maxConnectionsPerUID:    server.DefaultConfig.MaxConnectionsPerUID,
+		maxInflightRequestBytes: uint64(server.DefaultConfig.MaxInflightRequestBytes),
 	}
 	fs := flag.NewFlagSet("kvoffloadd", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -144,7 +168,15 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.metricsAddr, "metrics-addr", c.metricsAddr, "loopback host:port serving Prometheus metrics on /metrics; empty disables.")
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
 	fs.StringVar(&c.logFormat, "log-format", c.logFormat, "log format on stderr: text or json.")
-	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM/SIGINT, how long to let in-flight jobs and calls finish before closing connections.")
+	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM, SIGINT or SIGHUP, the longest the daemon takes to exit: in-flight jobs and calls may finish until then; past it connections are closed and the daemon exits even with copies still running (their jobs are never reported done, so the engine recomputes those blocks).")
+	fs.IntVar(&c.maxRegistrations, "max-registrations", c.maxRegistrations, "registrations live at once, over all clients; past it Register gets RESOURCE_EXHAUSTED.")
+	fs.IntVar(&c.maxRegistrationsPerUID, "max-registrations-per-uid", c.maxRegistrationsPerUID, "registrations live at once per client uid; past it Register gets RESOURCE_EXHAUSTED.")
+	fs.IntVar(&c.maxRegions, "max-regions", c.maxRegions, "regions mapped at once, over all clients (each costs at least one entry of the daemon's memory map, vm.max_map_count); past it Register gets RESOURCE_EXHAUSTED.")
+	fs.IntVar(&c.maxRegionsPerUID, "max-regions-per-uid", c.maxRegionsPerUID, "regions mapped at once per client uid; past it Register gets RESOURCE_EXHAUSTED.")
+	fs.Var(byteSize{&c.maxMappedBytes}, "max-mapped-bytes", "bytes of region files mapped at once (host build; a region file is mapped whole and may be sparse); past it Register gets RESOURCE_EXHAUSTED.")
+	fs.IntVar(&c.maxConnections, "max-connections", c.maxConnections, "client connections open at once; a connection past it is closed at accept (the client sees UNAVAILABLE).")
+	fs.IntVar(&c.maxConnectionsPerUID, "max-connections-per-uid", c.maxConnectionsPerUID, "client connections open at once per client uid; a connection past it is closed at accept.")
+	fs.Var(byteSize{&c.maxInflightRequestBytes}, "max-inflight-request-bytes", "request bytes being received or handled at once over all connections (each request books the largest request size until it is decoded; one client uid may hold a quarter); a request that finds none free waits up to 30s, then gets RESOURCE_EXHAUSTED.")
 	fs.Func("disk-dir", "directory of a disk-tier slot file; repeat to stripe across NVMe devices. Without it the daemon has no disk tier.", func(v string) error {
 		c.diskDirs = append(c.diskDirs, v)
 		return nil
@@ -156,6 +188,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
+	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
@@ -236,6 +269,21 @@ func (c *config) validate() error {
 	if len(c.diskDirs) == 0 && (c.diskReset || c.writeThrough || c.faultSpec != "") {
 		bad("--disk-reset, --write-through and --fault-spec need a disk tier: add --disk-dir")
 	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"max-registrations", c.maxRegistrations}, {"max-registrations-per-uid", c.maxRegistrationsPerUID}, {"max-regions", c.maxRegions},
+		{"max-regions-per-uid", c.maxRegionsPerUID}, {"max-connections", c.maxConnections}, {"max-connections-per-uid", c.maxConnectionsPerUID}} {
+		if f.v < 1 {
+			bad("--%s %d: want at least 1", f.name, f.v)
+		}
+	}
+	if c.maxMappedBytes < 1<<20 {
+		bad("--max-mapped-bytes %s: want at least 1MiB", formatBytes(c.maxMappedBytes))
+	}
+	if need := uint64(server.MaxRequestBytes(c.limits())); c.maxInflightRequestBytes < need || c.maxInflightRequestBytes > 1<<40 {
+		bad("--max-inflight-request-bytes %s: want at least the largest request, %s, and at most 1TiB", formatBytes(c.maxInflightRequestBytes), formatBytes(need))
+	}
 	c.remote.validate(bad)
 	if c.faultSpec != "" {
 		p, err := errorfs.ParsePlan(c.faultSpec)
@@ -244,5 +292,16 @@ func (c *config) validate() error {
 		}
 		c.faultPlan = p
 	}
+	if err := c.cuda.validate(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// limits are the service's request bounds, with the flags' values.
+func (c *config) limits() offload.Limits {
+	l := offload.DefaultLimits
+	l.MaxRegistrations, l.MaxRegistrationsPerUID = c.maxRegistrations, c.maxRegistrationsPerUID
+	l.MaxRegions, l.MaxRegionsPerUID = c.maxRegions, c.maxRegionsPerUID
+	return l
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
@@ -28,9 +29,26 @@ import (
 
 var version = "dev"
 
+// wrapCopier, when set (by tests), wraps the copy engine.
+var wrapCopier func(dma.Engine) dma.Engine
+
+// failedShutdownTimeout bounds the shutdown after the copy engine failed: a
+// sticky CUDA error fails every batch at once, so jobs end quickly; one
+// whose copies cannot be known to have stopped never ends, and shutdown
+// abandons it (the process exit stops the copies).
+const failedShutdownTimeout = 10 * time.Second
+
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	// SIGHUP stops the daemon like SIGTERM: it has no configuration to
+	// reload and logs to stderr, with no file to reopen, and a hangup
+	// (its terminal gone, a supervisor's stop) is best met with a drain
+	// and a clean exit. SIGQUIT keeps Go's default: a goroutine dump and
+	// exit 2, no drain (docs/operations.md, Signals).
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer stop()
+	// A write to a broken stderr (journald restarted, the terminal gone)
+	// fails rather than kills the daemon with SIGPIPE.
+	signal.Ignore(syscall.SIGPIPE)
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(0)
@@ -66,6 +84,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("copy engine: %w", err)
 	}
+	if wrapCopier != nil {
+		copier = wrapCopier(copier)
+	}
+	// A copy engine that fails as a whole (a CUDA context lost to a sticky
+	// error) cannot serve again: the daemon stops and exits for a
+	// supervisor to restart it.
+	var copierFailed <-chan struct{}
+	failer, _ := copier.(dma.Failer)
+	if failer != nil {
+		copierFailed = failer.Failed()
+	}
 	diskCfg, startFaults, err := diskConfig(cfg, log, reg)
 	if err != nil {
 		copier.Close()
@@ -81,6 +110,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Disk:         diskCfg,
 		WriteThrough: cfg.writeThrough,
 		DMA:          copier,
+		Limits:       cfg.limits(),
 		Logger:       log,
 		Registerer:   reg,
 		Remote:       remoteCfg,
@@ -123,39 +153,86 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		go func() { metricsErr <- metricsSrv.Serve(ml) }()
 	}
 
-	srv := server.New(svc, log)
+	srv := server.New(svc, log, server.Config{
+		MaxConnections:          cfg.maxConnections,
+		MaxConnectionsPerUID:    cfg.maxConnectionsPerUID,
+		MaxInflightRequestBytes: int64(cfg.maxInflightRequestBytes),
+		Registerer:              reg,
+	})
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- srv.GRPC().Serve(lis) }()
+	go func() { serveErr <- srv.Serve(lis) }()
 	used, _ := svc.CPU().Usage()
 	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
+		"max_request_bytes", srv.MaxRequestBytes(),
 		"remote_seeds", strings.Join(cfg.remote.addrs, ","), "remote_write", cfg.remote.write, "remote_mac", cfg.remote.keyFile != "")
 
 	var runErr error
+	timeout := cfg.shutdownTimeout
 	select {
 	case <-ctx.Done():
 		log.Info("shutting down: health NOT_SERVING, refusing new work, draining jobs", "timeout", cfg.shutdownTimeout)
+	case <-copierFailed:
+		runErr = fmt.Errorf("the %s copy engine failed, restart the daemon: %w", copier.Name(), failer.Err())
+		timeout = min(timeout, failedShutdownTimeout)
+		log.Error("the copy engine failed: health NOT_SERVING, refusing new work, failing jobs in flight, then exiting; a supervisor should restart the daemon",
+			"copy_engine", copier.Name(), "err", failer.Err())
 	case err := <-serveErr:
 		runErr = fmt.Errorf("grpc server: %w", err)
 	case err := <-metricsErr:
 		runErr = fmt.Errorf("metrics server: %w", err)
 	}
+	return errors.Join(runErr, shutdown(log, timeout, srv, svc, func() error {
+		if metricsSrv != nil {
+			metricsSrv.Close()
+		}
+		return closeAll()
+	}))
+}
+
+// errAbandoned: the shutdown timeout passed with work still running.
+var errAbandoned = errors.New("shutdown timeout passed: exited with work still running")
+
+// shutdown stops the daemon within timeout, a promise a supervisor can
+// count on (systemd kills at TimeoutStopSec): health goes NOT_SERVING, new
+// work is refused, accepted jobs drain and calls finish until a share of
+// the timeout is left; then every connection is closed and the service
+// torn down in the rest. If work is still running at the end, it returns
+// errAbandoned without waiting: a copy cut short is never reported done,
+// so the engine recomputes its blocks, and a disk write cut short leaves a
+// slot the next start's checksums refuse, exactly as after kill -9. The
+// teardown goroutine is then left to the process's exit.
+func shutdown(log *slog.Logger, timeout time.Duration, srv *server.Server, svc *offload.Service, closeAll func() error) error {
+	start := time.Now()
+	end := start.Add(timeout)
+	// Unmapping regions and the arena and closing the disk tier take
+	// milliseconds once the jobs have drained: keep them a quarter of the
+	// timeout, at most a second.
+	drainBy := end.Add(-min(timeout/4, time.Second))
 	srv.SetNotServing()
 	svc.BeginShutdown()
-	dctx, cancel := context.WithTimeout(context.Background(), cfg.shutdownTimeout)
+	dctx, cancel := context.WithDeadline(context.Background(), drainBy)
 	if err := svc.Drain(dctx); err != nil {
-		log.Warn("shutdown timeout passed with jobs still running; waiting for them anyway (copies cannot be abandoned)", "err", err)
+		log.Warn("shutdown: jobs still running at the drain deadline; closing connections", "err", err)
 	}
 	cancel()
-	srv.Stop(cfg.shutdownTimeout)
-	if metricsSrv != nil {
-		metricsSrv.Close()
+	done := make(chan error, 1)
+	go func() {
+		srv.Stop(drainBy)
+		done <- closeAll()
+	}()
+	t := time.NewTimer(time.Until(end))
+	defer t.Stop()
+	select {
+	case err := <-done:
+		log.Info("stopped", "err", err, "took", time.Since(start).Round(time.Millisecond))
+		return err
+	case <-t.C:
+		log.Error("shutdown timeout passed with work still running: exiting without waiting for it; jobs cut short are never reported done, so the engine recomputes their blocks", "timeout", timeout)
+		return errAbandoned
 	}
-	err = closeAll()
-	log.Info("stopped", "err", err)
-	return errors.Join(runErr, err)
 }
 
 // listenUnix creates the socket with mode in a directory the daemon owns.

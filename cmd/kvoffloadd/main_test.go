@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -32,7 +33,9 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 		t.Fatalf("--help: %v", err)
 	}
 	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version",
-		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec"} {
+		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
+		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
+		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -67,6 +70,11 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--disk-dir", "/tmp", "--fault-spec", "gremlins=0.1"}, "gremlins"},
 		{[]string{"--write-through"}, "need a disk tier"},
 		{[]string{"--fault-spec", "read-eio=0.1"}, "need a disk tier"},
+		{[]string{"--max-registrations", "0"}, "--max-registrations 0"},
+		{[]string{"--max-regions-per-uid", "-1"}, "--max-regions-per-uid -1"},
+		{[]string{"--max-connections", "0"}, "--max-connections 0"},
+		{[]string{"--max-mapped-bytes", "4096"}, "--max-mapped-bytes 4KiB"},
+		{[]string{"--max-inflight-request-bytes", "1MiB"}, "want at least the largest request"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
@@ -139,14 +147,43 @@ func freePort(t *testing.T) string {
 	return l.Addr().String()
 }
 
+// built is the daemon binary, built once for the package's tests.
+var built struct {
+	once sync.Once
+	dir  string
+	bin  string
+	out  []byte
+	err  error
+}
+
+func TestMain(m *testing.M) {
+	testenv.RunHelperIfAsked() // clients running as another user
+	code := m.Run()
+	testenv.RemoveHelperBinary()
+	if built.dir != "" {
+		os.RemoveAll(built.dir)
+	}
+	os.Exit(code)
+}
+
+// buildDaemon builds the daemon once; KVOFFLOADD_TEST_BIN names another
+// binary to test instead (an older build, to see a test fail against it).
 func buildDaemon(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "kvoffloadd")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	if bin := os.Getenv("KVOFFLOADD_TEST_BIN"); bin != "" {
+		return bin
 	}
-	return bin
+	built.once.Do(func() {
+		if built.dir, built.err = os.MkdirTemp("", "kvoffloadd-bin"); built.err != nil {
+			return
+		}
+		built.bin = filepath.Join(built.dir, "kvoffloadd")
+		built.out, built.err = exec.Command("go", "build", "-o", built.bin, ".").CombinedOutput()
+	})
+	if built.err != nil {
+		t.Fatalf("go build: %v\n%s", built.err, built.out)
+	}
+	return built.bin
 }
 
 func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd) {

@@ -19,18 +19,24 @@ func New(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e.log.Info("cuda copy engine started", "devices", e.numDevices, "driver_version", cu.Version())
+	batch, berr := haveMemcpyBatch()
+	e.log.Info("cuda copy engine started", "devices", len(e.uuids), "driver_version", cu.Version(),
+		"memcpy_batch", batch, "memcpy_batch_err", berr)
 	return e, nil
 }
 
-// cuDriver is the real driver: gorgonia.org/cu for contexts, streams, events
-// and copies, driver.go for what cu lacks.
+// cuDriver is the real driver: gorgonia.org/cu for contexts, streams and
+// copies, driver.go for what cu lacks.
 type cuDriver struct{}
 
 func (cuDriver) numDevices() (int, error) {
 	n, err := cu.NumDevices()
 	return n, fromCU("cuDeviceGetCount", -1, err)
 }
+
+func (cuDriver) deviceUUID(ord int) ([UUIDBytes]byte, error) { return deviceUUID(ord) }
+
+func (cuDriver) pciBusID(ord int) (string, error) { return pciBusID(ord) }
 
 func (cuDriver) openDevice(ord, streamsPerDirection int) (gpu, error) {
 	dev, err := cu.GetDevice(ord)
@@ -42,6 +48,7 @@ func (cuDriver) openDevice(ord, streamsPerDirection int) (gpu, error) {
 		return nil, fromCU("cuDevicePrimaryCtxRetain", ord, err)
 	}
 	g := &cuGPU{ord: ord, dev: dev, ctx: ctx}
+	g.batch, _ = haveMemcpyBatch()
 	err = g.do(func() error {
 		p, err := dev.Attribute(cu.MaxPitch)
 		if err != nil {
@@ -70,6 +77,7 @@ type cuGPU struct {
 	dev     cu.Device
 	ctx     cu.CUContext
 	pitch   uint64
+	batch   bool
 	streams []cu.Stream
 }
 
@@ -87,7 +95,9 @@ func (g *cuGPU) do(f func() error) error {
 
 func (g *cuGPU) maxPitch() uint64 { return g.pitch }
 
-func (g *cuGPU) ipcOpen(h *[IPCHandleBytes]byte) (addr, size uint64, err error) {
+func (g *cuGPU) batchCopies() bool { return g.batch }
+
+func (g *cuGPU) ipcOpen(h *[IPCHandleBytes]byte) (m ipcMapping, err error) {
 	err = g.do(func() error {
 		p, err := ipcOpenMem(g.ord, h)
 		if err != nil {
@@ -99,13 +109,17 @@ func (g *cuGPU) ipcOpen(h *[IPCHandleBytes]byte) (addr, size uint64, err error) 
 		} else if base > p || uint64(n) <= uint64(p-base) {
 			err = fmt.Errorf("the driver mapped the handle at %v, outside the allocation it reports (%v, %d bytes)", p, base, n)
 		}
+		var ord int
+		if err == nil {
+			ord, err = pointerDevice(g.ord, p)
+		}
 		if err != nil {
 			return errors.Join(err, ipcCloseMem(g.ord, p))
 		}
-		addr, size = uint64(p), uint64(n)-uint64(p-base)
+		m = ipcMapping{addr: uint64(p), size: uint64(n) - uint64(p-base), device: ord}
 		return nil
 	})
-	return addr, size, err
+	return m, err
 }
 
 func (g *cuGPU) ipcClose(addr uint64) error {
@@ -136,9 +150,11 @@ func (g *cuGPU) bind() error {
 	return fromCU("cuCtxSetCurrent", g.ord, cu.SetCurrentContext(g.ctx))
 }
 
-func (g *cuGPU) waitIPCEvent(stream int, h []byte) error {
-	return streamWaitIPCEvent(g.ord, g.streams[stream], h)
-}
+func (g *cuGPU) openEvent(h []byte) (event, error) { return ipcOpenEvent(g.ord, h) }
+
+func (g *cuGPU) query(ev event) (bool, error) { return ev.(*cEvent).query(g.ord) }
+
+func (g *cuGPU) destroy(ev event) error { return ev.(*cEvent).destroy(g.ord) }
 
 func (g *cuGPU) copy(stream int, r Run, addr uint64, host []byte, toArena bool) error {
 	s := g.streams[stream]
@@ -161,35 +177,16 @@ func (g *cuGPU) copy(stream int, r Run, addr uint64, host []byte, toArena bool) 
 	return fromCU("cuMemcpy2DAsync", g.ord, cu.Memcpy2DAsync(p, s))
 }
 
-func (g *cuGPU) record(stream int) (event, error) {
-	ev, err := cu.MakeEvent(cu.DisableTiming)
-	if err != nil {
-		return nil, fromCU("cuEventCreate", g.ord, err)
-	}
-	if err := ev.Record(g.streams[stream]); err != nil {
-		cu.DestroyEvent(&ev)
-		return nil, fromCU("cuEventRecord", g.ord, err)
-	}
-	return ev, nil
+func (g *cuGPU) copyBatch(stream int, spans []span, toArena bool) error {
+	return memcpyBatch(g.ord, g.streams[stream], spans, toArena)
 }
 
-func (g *cuGPU) query(ev event) (bool, error) {
-	err := ev.(cu.Event).Query()
-	switch {
-	case err == nil:
-		return true, nil
-	case errors.Is(err, cu.NotReady):
-		return false, nil
-	default:
-		return false, fromCU("cuEventQuery", g.ord, err)
-	}
-}
+func (g *cuGPU) record(stream int) (event, error) { return recordEvent(g.ord, g.streams[stream]) }
 
-func (g *cuGPU) destroy(ev event) error {
-	e := ev.(cu.Event)
-	return fromCU("cuEventDestroy", g.ord, cu.DestroyEvent(&e))
-}
+func (g *cuGPU) wait(ev event) error { return ev.(*cEvent).sync(g.ord) }
 
 func (g *cuGPU) sync(stream int) error {
 	return fromCU("cuStreamSynchronize", g.ord, g.streams[stream].Synchronize())
 }
+
+func (g *cuGPU) injectFault(stream int) error { return injectTrap(g.ord, g.streams[stream]) }

@@ -4,8 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
-	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +20,11 @@ import (
 // machines without a GPU.
 type driver interface {
 	numDevices() (int, error)
+	// deviceUUID returns device ord's UUID (cuDeviceGetUuid_v2; MIG
+	// instances have their own). It makes no context.
+	deviceUUID(ord int) ([UUIDBytes]byte, error)
+	// pciBusID returns device ord's PCI address, "0000:3b:00.0".
+	pciBusID(ord int) (string, error)
 	// openDevice retains device ord's primary context and makes its copy
 	// streams, streamsPerDirection for each direction.
 	openDevice(ord, streamsPerDirection int) (gpu, error)
@@ -34,9 +39,11 @@ type driver interface {
 // any goroutine and make their context current themselves.
 type gpu interface {
 	maxPitch() uint64
-	// ipcOpen maps the allocation behind an IPC memory handle and returns
-	// its device address and the size the driver knows it by.
-	ipcOpen(h *[IPCHandleBytes]byte) (addr, size uint64, err error)
+	// batchCopies reports whether the driver has cuMemcpyBatchAsync
+	// (CUDA 12.8 and later), so that copyBatch may be called.
+	batchCopies() bool
+	// ipcOpen maps the allocation behind an IPC memory handle.
+	ipcOpen(h *[IPCHandleBytes]byte) (ipcMapping, error)
 	ipcClose(addr uint64) error
 	// hostRegister page-locks mem for every context (portable).
 	hostRegister(mem []byte) error
@@ -45,24 +52,46 @@ type gpu interface {
 	release() error
 
 	bind() error
-	// waitIPCEvent makes the stream wait for the work another process
-	// recorded in the IPC event h, as of now.
-	waitIPCEvent(stream int, h []byte) error
+	// openEvent opens an IPC event handle another process exported.
+	openEvent(h []byte) (event, error)
+	// query reports whether ev has completed (cuEventQuery); it never
+	// blocks.
+	query(ev event) (bool, error)
+	destroy(ev event) error
 	// copy queues run r between device address addr (its first row) and
 	// host, the arena bytes from its first row to the end of its last.
 	copy(stream int, r Run, addr uint64, host []byte, toArena bool) error
-	// record queues an event after the stream's work so far.
+	// copyBatch queues plain copies between device addresses and arena
+	// bytes as one driver call (cuMemcpyBatchAsync).
+	copyBatch(stream int, spans []span, toArena bool) error
+	// record queues a completion event after the stream's work so far; a
+	// wait on it sleeps in the kernel rather than spinning.
 	record(stream int) (event, error)
-	// query reports whether ev has completed. An error means the device
-	// stopped running the stream's work: it will never complete.
-	query(ev event) (bool, error)
-	destroy(ev event) error
+	// wait blocks the calling thread until ev has completed. An error
+	// means the device stopped running the stream's work.
+	wait(ev event) error
 	// sync waits for the stream's work so far.
 	sync(stream int) error
+	// injectFault queues a kernel that traps on the stream: the context is
+	// lost, as after a real illegal address. Testing only.
+	injectFault(stream int) error
 }
 
-// event is a driver's completion event.
+// event is a driver's event: a completion event or an opened IPC event.
 type event any
+
+// ipcMapping is an IPC allocation mapped into the daemon: its address, its
+// size as the driver knows it, and the device its memory is on.
+type ipcMapping struct {
+	addr, size uint64
+	device     int
+}
+
+// span is one plain copy between device memory and arena bytes.
+type span struct {
+	dev  uint64
+	host []byte
+}
 
 // Config configures the engine. The zero value is usable.
 type Config struct {
@@ -73,19 +102,37 @@ type Config struct {
 	// QueueDepth is the number of batches Submit queues before it blocks
 	// (default 64).
 	QueueDepth int
-	// ArenaDevice is the device whose primary context registers the arena
-	// (default 0). The registration is portable: every device sees it pinned.
-	ArenaDevice int
-	// PollMin and PollMax bound the pause between two checks of the
-	// completion events of batches in flight (defaults 5µs and 200µs). The
-	// pause doubles while nothing completes and drops back to PollMin when
-	// something does, so a completion is noticed within about PollMax.
-	PollMin, PollMax time.Duration
-	Logger           *slog.Logger
+	// ArenaDevice names the device whose context registers the arena as
+	// pinned memory, at SetArena: an ordinal ("1") or a UUID ("GPU-…").
+	// Empty: device 0 when it is the only device visible, else the first
+	// device a client registers memory on, so that no context is made on a
+	// GPU nobody uses. The registration is portable: every device sees the
+	// arena pinned.
+	ArenaDevice string
+	// NoNUMA keeps the arena's pages where they are. By default they are
+	// moved, before the arena is pinned, to the NUMA node of the device
+	// that pins it (read from sysfs), where its copies are fastest.
+	NoNUMA bool
+	// ReadyTimeout bounds the wait for a batch's ready event (default 30s).
+	// An engine that died or faulted never completes its event; its batch
+	// fails after this long instead of holding anything up.
+	ReadyTimeout time.Duration
+	// ReadyPollMin and ReadyPollMax bound the pause between two checks of
+	// the ready events of waiting batches (defaults 2µs and 50µs).
+	ReadyPollMin, ReadyPollMax time.Duration
+	// NoBatchCopies issues scattered copies one driver call each even where
+	// the driver has cuMemcpyBatchAsync.
+	NoBatchCopies bool
+	// FaultAfterBatches, when positive, makes the device fault (a kernel
+	// that traps) before the copies of batch FaultAfterBatches+1: a sticky
+	// error on purpose, to prove the daemon's handling of one. Testing only.
+	FaultAfterBatches int
+	Logger            *slog.Logger
 	// OnError, when set, is called once for each batch the driver failed,
 	// with the driver call and its error name (for example
-	// "cuMemcpy2DAsync", "CUDA_ERROR_ILLEGAL_ADDRESS"), on the engine's
-	// goroutine, before the batch's Done. Meant for a labelled counter.
+	// "cuMemcpy2DAsync", "CUDA_ERROR_ILLEGAL_ADDRESS"), on one of the
+	// engine's goroutines, before the batch's Done. Meant for a labelled
+	// counter.
 	OnError func(op, name string)
 }
 
@@ -95,36 +142,36 @@ type Stats struct {
 	FailedBatches uint64 // batches done with an error
 	DriverErrors  uint64 // batches the CUDA driver failed (part of FailedBatches)
 	Copies        uint64 // copies of issued batches
-	DriverCopies  uint64 // driver copy calls those became after coalescing
+	DriverCopies  uint64 // driver copy calls those became (a batched call counts once)
+	BatchedCopies uint64 // copies that went through cuMemcpyBatchAsync
 	BytesToArena  uint64 // bytes of successful store batches
 	BytesToDevice uint64 // bytes of successful load batches
+	ReadyWaits    uint64 // batches whose ready event had not completed when they arrived
+	ReadyTimeouts uint64 // batches failed because their ready event never completed
 }
 
 // Engine is the CUDA copy engine. See the package documentation.
 type Engine struct {
-	cfg        Config
-	drv        driver
-	log        *slog.Logger
-	numDevices int
+	cfg   Config
+	drv   driver
+	log   *slog.Logger
+	uuids [][UUIDBytes]byte // by ordinal
 
-	arena atomic.Pointer[arena]
+	arena atomic.Pointer[arena] // the registered arena; nil until it is
 
-	queue chan *dma.Batch // Submit -> submitter
-	wg    sync.WaitGroup  // submitter and poller
+	queue chan *dma.Batch // Submit -> issuer
+	wg    sync.WaitGroup  // issuer, finisher, stream waiters
 	depth atomic.Int64
+	fin   *finisher
 
-	// issued hands batches from the submitter to the poller. It is a list,
-	// not a channel, so that the submitter never waits for the poller: a
-	// Done (run by the poller) may then call Submit without deadlocking.
-	issued struct {
-		sync.Mutex
-		list []*inflight
-		done bool // the submitter has stopped
+	fatal struct {
+		once sync.Once
+		ch   chan struct{}
+		err  error // set before ch is closed
 	}
-	wake chan struct{} // a token when issued changed
 
 	stats struct {
-		batches, failed, driverErrs, copies, driverCopies, toArena, toDevice atomic.Uint64
+		batches, failed, driverErrs, copies, driverCopies, batched, toArena, toDevice, readyWaits, readyTimeouts atomic.Uint64
 	}
 
 	// qmu orders Submit's sends on queue before Close closes it. It is kept
@@ -140,22 +187,32 @@ type Engine struct {
 		closed  bool
 		devices map[int]*device
 		maps    map[ipcKey]*mapping
+		mem     []byte // the arena as SetArena gave it; pinned once arena is set
 	}
+
+	// preferNode and sysfs are numa.go's, replaced by tests.
+	preferNode func(mem []byte, node int) error
+	sysfs      string
 }
 
-var _ dma.Engine = (*Engine)(nil)
+var (
+	_ dma.Engine = (*Engine)(nil)
+	_ dma.Failer = (*Engine)(nil)
+)
 
 type arena struct {
 	mem []byte
 	dev *device // whose context registered it
 }
 
-// device is a gpu and the engine's round-robin over its streams.
+// device is a gpu, the engine's round-robin over its streams, and one
+// waiter per stream.
 type device struct {
 	gpu
 	ord      int
 	nstreams int
-	next     [2]int // only the submitter touches it
+	next     [2]int // only the issuer touches it
+	waiters  []*waiter
 }
 
 func (d *device) stream(toArena bool) int {
@@ -207,19 +264,6 @@ func (r *region) Close() error {
 	return m.dev.ipcClose(m.addr)
 }
 
-// inflight is a batch whose copies are queued on the GPU.
-type inflight struct {
-	b      *dma.Batch
-	events []deviceEvent // recorded after the batch's last copy, one per device
-	bytes  uint64
-	err    error
-}
-
-type deviceEvent struct {
-	d  *device
-	ev event
-}
-
 func newEngine(drv driver, cfg Config) (*Engine, error) {
 	if cfg.StreamsPerDirection <= 0 {
 		cfg.StreamsPerDirection = 2
@@ -227,11 +271,14 @@ func newEngine(drv driver, cfg Config) (*Engine, error) {
 	if cfg.QueueDepth <= 0 {
 		cfg.QueueDepth = 64
 	}
-	if cfg.PollMin <= 0 {
-		cfg.PollMin = 5 * time.Microsecond
+	if cfg.ReadyTimeout <= 0 {
+		cfg.ReadyTimeout = 30 * time.Second
 	}
-	if cfg.PollMax < cfg.PollMin {
-		cfg.PollMax = max(cfg.PollMin, 200*time.Microsecond)
+	if cfg.ReadyPollMin <= 0 {
+		cfg.ReadyPollMin = 2 * time.Microsecond
+	}
+	if cfg.ReadyPollMax < cfg.ReadyPollMin {
+		cfg.ReadyPollMax = max(cfg.ReadyPollMin, 50*time.Microsecond)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -243,36 +290,114 @@ func newEngine(drv driver, cfg Config) (*Engine, error) {
 	if n == 0 {
 		return nil, errors.New("cuda: no CUDA device is visible to this process")
 	}
-	if cfg.ArenaDevice < 0 || cfg.ArenaDevice >= n {
-		return nil, fmt.Errorf("cuda: arena device %d: this process sees %d CUDA devices", cfg.ArenaDevice, n)
-	}
 	e := &Engine{
 		cfg:        cfg,
 		drv:        drv,
 		log:        cfg.Logger.With("dma", "cuda"),
-		numDevices: n,
 		queue:      make(chan *dma.Batch, cfg.QueueDepth),
-		wake:       make(chan struct{}, 1),
+		preferNode: preferNode,
+		sysfs:      "/sys",
 	}
+	for ord := range n {
+		u, err := drv.deviceUUID(ord)
+		if err != nil {
+			return nil, fmt.Errorf("cuda: UUID of device %d: %w", ord, err)
+		}
+		e.uuids = append(e.uuids, u)
+	}
+	if cfg.ArenaDevice != "" {
+		if _, err := e.arenaDevice(); err != nil {
+			return nil, err
+		}
+	}
+	e.fatal.ch = make(chan struct{})
 	e.mu.devices = map[int]*device{}
 	e.mu.maps = map[ipcKey]*mapping{}
+	e.fin = newFinisher(e)
+	if cfg.FaultAfterBatches > 0 {
+		e.log.Warn("FAULT INJECTION: the device will fault on purpose (a trapping kernel) before batch "+
+			strconv.Itoa(cfg.FaultAfterBatches+1)+"; the daemon will lose its CUDA context and exit", "fault_after_batches", cfg.FaultAfterBatches)
+	}
 	e.wg.Add(2)
-	go e.submitter()
-	go e.poller()
+	go e.issuer()
+	go e.fin.run()
 	return e, nil
 }
 
 // Name implements dma.Engine.
 func (e *Engine) Name() string { return "cuda" }
 
+// Devices returns the UUIDs of the devices this process sees, by ordinal.
+func (e *Engine) Devices() [][UUIDBytes]byte { return e.uuids }
+
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
 	s := &e.stats
 	return Stats{
 		Batches: s.batches.Load(), FailedBatches: s.failed.Load(), DriverErrors: s.driverErrs.Load(),
-		Copies: s.copies.Load(), DriverCopies: s.driverCopies.Load(),
+		Copies: s.copies.Load(), DriverCopies: s.driverCopies.Load(), BatchedCopies: s.batched.Load(),
 		BytesToArena: s.toArena.Load(), BytesToDevice: s.toDevice.Load(),
+		ReadyWaits: s.readyWaits.Load(), ReadyTimeouts: s.readyTimeouts.Load(),
 	}
+}
+
+// Failed implements dma.Failer: it is closed once the engine has lost a
+// device's context to a sticky error.
+func (e *Engine) Failed() <-chan struct{} { return e.fatal.ch }
+
+// Err implements dma.Failer: the sticky error, once Failed is closed.
+func (e *Engine) Err() error {
+	select {
+	case <-e.fatal.ch:
+		return e.fatal.err
+	default:
+		return nil
+	}
+}
+
+// fail puts the engine in its failed state, once: every batch from now on
+// fails without a driver call, and Failed is closed for the daemon.
+func (e *Engine) fail(err error) {
+	e.fatal.once.Do(func() {
+		e.fatal.err = err
+		close(e.fatal.ch)
+		e.log.Error("CUDA context lost: every copy fails from now on; the daemon must restart", "err", err)
+	})
+}
+
+// checkSticky fails the engine when err is a sticky driver error, and
+// returns err.
+func (e *Engine) checkSticky(err error) error {
+	var de *DriverError
+	if errors.As(err, &de) && de.Sticky() {
+		e.fail(err)
+	}
+	return err
+}
+
+// arenaDevice resolves Config.ArenaDevice to an ordinal: -1 when it is
+// empty and more than one device is visible (the arena is then pinned by
+// the first device a region is opened on).
+func (e *Engine) arenaDevice() (int, error) {
+	s := e.cfg.ArenaDevice
+	switch {
+	case s == "" && len(e.uuids) == 1:
+		return 0, nil
+	case s == "":
+		return -1, nil
+	case strings.HasPrefix(s, "GPU-") || strings.HasPrefix(s, "MIG-"):
+		for ord, u := range e.uuids {
+			if FormatUUID(u[:])[4:] == s[4:] {
+				return ord, nil
+			}
+		}
+		return 0, fmt.Errorf("cuda: arena device %s is not visible (this process sees %s)", s, formatUUIDs(e.uuids))
+	}
+	ord, err := strconv.Atoi(s)
+	if err != nil || ord < 0 || ord >= len(e.uuids) {
+		return 0, fmt.Errorf("cuda: arena device %q: want an ordinal 0..%d or a UUID (GPU-…)", s, len(e.uuids)-1)
+	}
+	return ord, nil
 }
 
 // deviceLocked returns device ord, setting it up on first use.
@@ -282,53 +407,85 @@ func (e *Engine) deviceLocked(ord int) (*device, error) {
 	}
 	g, err := e.drv.openDevice(ord, e.cfg.StreamsPerDirection)
 	if err != nil {
-		return nil, err
+		return nil, e.checkSticky(err)
 	}
 	d := &device{gpu: g, ord: ord, nstreams: e.cfg.StreamsPerDirection}
+	for s := range 2 * d.nstreams {
+		w := newWaiter(e, d, s)
+		d.waiters = append(d.waiters, w)
+		e.wg.Add(1)
+		go w.run()
+	}
 	e.mu.devices[ord] = d
-	e.log.Info("cuda device ready", "device", ord, "streams_per_direction", d.nstreams, "max_pitch", d.maxPitch())
+	e.log.Info("cuda device ready", "device", ord, "uuid", FormatUUID(e.uuids[ord][:]), "streams_per_direction", d.nstreams,
+		"max_pitch", d.maxPitch(), "batch_copies", d.batchCopies() && !e.cfg.NoBatchCopies)
 	return d, nil
 }
 
 // SetArena implements dma.Engine: it registers the arena as pinned, portable
-// host memory. The arena must not be Go heap memory (the daemon maps it with
-// mmap): the driver keeps its address.
+// host memory, now or (with several devices visible and no ArenaDevice) when
+// the first region is opened. The arena must not be Go heap memory (the
+// daemon maps it with mmap): the driver keeps its address. SetArena(nil)
+// unregisters it; the daemon calls it before it unmaps the arena.
 func (e *Engine) SetArena(mem []byte) error {
-	if len(mem) == 0 {
-		return errors.New("cuda: the arena is empty")
-	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if old := e.arena.Swap(nil); old != nil {
+		if err := old.dev.hostUnregister(old.mem); err != nil {
+			return fmt.Errorf("cuda: unregister the arena: %w", e.checkSticky(err))
+		}
+		e.log.Info("arena unregistered", "bytes", len(old.mem))
+	}
+	e.mu.mem = mem
+	if mem == nil {
+		return nil
+	}
 	if e.mu.closed {
 		return errors.New("cuda: copy engine is closed")
 	}
-	d, err := e.deviceLocked(e.cfg.ArenaDevice)
-	if err != nil {
-		return fmt.Errorf("cuda: set up device %d for the arena: %w", e.cfg.ArenaDevice, err)
-	}
-	if old := e.arena.Swap(nil); old != nil {
-		if err := old.dev.hostUnregister(old.mem); err != nil {
-			return fmt.Errorf("cuda: unregister the previous arena: %w", err)
+	ord, err := e.arenaDevice()
+	if err != nil || ord < 0 {
+		if ord < 0 {
+			e.log.Info("the arena is pinned when the first region is opened, by that region's device", "devices", len(e.uuids))
 		}
+		return err
+	}
+	d, err := e.deviceLocked(ord)
+	if err != nil {
+		return fmt.Errorf("cuda: set up device %d for the arena: %w", ord, err)
+	}
+	return e.pinArenaLocked(d)
+}
+
+// pinArenaLocked registers the arena in d's context, after moving its pages
+// to d's NUMA node.
+func (e *Engine) pinArenaLocked(d *device) error {
+	mem := e.mu.mem
+	if !e.cfg.NoNUMA {
+		e.followDevice(mem, d)
 	}
 	start := time.Now()
 	if err := d.hostRegister(mem); err != nil {
-		return fmt.Errorf("cuda: register the %d-byte arena as pinned memory: %w", len(mem), err)
+		return fmt.Errorf("cuda: register the %d-byte arena as pinned memory on device %d: %w", len(mem), d.ord, e.checkSticky(err))
 	}
 	e.arena.Store(&arena{mem: mem, dev: d})
-	e.log.Info("arena registered as pinned memory", "bytes", len(mem), "took", time.Since(start))
+	e.log.Info("arena registered as pinned memory", "bytes", len(mem), "device", d.ord, "took", time.Since(start))
 	return nil
 }
 
 // Open implements dma.Engine: it maps the allocation behind spec's IPC
 // handle, once per device and handle however many regions are carved from
 // it, and checks that the allocation as the driver knows it covers the
-// client's alloc_size. The driver cannot say which process exported a
-// handle, so peer is only logged (see the package documentation).
+// client's alloc_size and is on the device the region names. The driver
+// cannot say which process exported a handle, so peer is only logged (see
+// the package documentation).
 func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
-	key, err := parseRegion(spec, e.numDevices)
+	key, err := parseRegion(spec, e.uuids)
 	if err != nil {
 		return nil, err
+	}
+	if err := e.Err(); err != nil {
+		return nil, fmt.Errorf("cuda: the copy engine has failed: %w", err)
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -337,17 +494,28 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	}
 	d, err := e.deviceLocked(key.device)
 	if err != nil {
-		return nil, fmt.Errorf("%w: set up CUDA device %d: %w", dma.ErrBadRegion, key.device, err)
+		return nil, fmt.Errorf("cuda: set up device %d: %w", key.device, err)
+	}
+	if e.mu.mem != nil && e.arena.Load() == nil {
+		if err := e.pinArenaLocked(d); err != nil {
+			return nil, err
+		}
 	}
 	m := e.mu.maps[key]
 	if m == nil {
-		addr, size, err := d.ipcOpen(&key.handle)
+		im, err := d.ipcOpen(&key.handle)
 		if err != nil {
-			return nil, fmt.Errorf("%w: open the CUDA IPC memory handle of pid %d on device %d: %w", dma.ErrBadRegion, peer.PID, d.ord, err)
+			return nil, fmt.Errorf("%w: open the CUDA IPC memory handle of pid %d on device %d: %w", dma.ErrBadRegion, peer.PID, d.ord, e.checkSticky(err))
 		}
-		m = &mapping{key: key, dev: d, addr: addr, size: size}
+		if im.device != d.ord {
+			cerr := d.ipcClose(im.addr)
+			return nil, errors.Join(fmt.Errorf("%w: the memory behind the handle is on device %d (%s), the region names device %d (%s): "+
+				"send the device's UUID (device_uuid), not an ordinal of another process",
+				dma.ErrBadRegion, im.device, e.uuidOf(im.device), d.ord, FormatUUID(e.uuids[d.ord][:])), cerr)
+		}
+		m = &mapping{key: key, dev: d, addr: im.addr, size: im.size}
 		e.mu.maps[key] = m
-		e.log.Debug("CUDA IPC memory opened", "device", d.ord, "bytes", size, "pid", peer.PID)
+		e.log.Debug("CUDA IPC memory opened", "device", d.ord, "bytes", im.size, "pid", peer.PID)
 	}
 	if spec.CUDA.AllocSize > m.size {
 		if m.refs == 0 {
@@ -363,11 +531,18 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	return &region{e: e, m: m, size: spec.CUDA.AllocSize}, nil
 }
 
+func (e *Engine) uuidOf(ord int) string {
+	if ord < 0 || ord >= len(e.uuids) {
+		return "not visible to this process"
+	}
+	return FormatUUID(e.uuids[ord][:])
+}
+
 // Submit implements dma.Engine. The batch is checked and issued on the
 // engine's goroutine, and Done runs on another of the engine's goroutines,
 // once the event recorded after the batch's last copy has completed. Done
 // may call Submit; it should return quickly, as it holds up the completion
-// of other batches.
+// of the batches behind it on its stream.
 func (e *Engine) Submit(b *dma.Batch) {
 	e.depth.Add(1)
 	e.qmu.RLock()
@@ -386,210 +561,8 @@ func (e *Engine) Submit(b *dma.Batch) {
 // QueueDepth implements dma.Engine.
 func (e *Engine) QueueDepth() int { return int(e.depth.Load()) }
 
-// submitter issues queued batches. It keeps one OS thread so that a device's
-// context stays current between driver calls.
-func (e *Engine) submitter() {
-	defer e.wg.Done()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	var p planner
-	var cur *device
-	for b := range e.queue {
-		f := e.issue(b, &p, &cur)
-		e.issued.Lock()
-		e.issued.list = append(e.issued.list, f)
-		e.issued.Unlock()
-		e.notify()
-	}
-	e.issued.Lock()
-	e.issued.done = true
-	e.issued.Unlock()
-	e.notify()
-}
-
-func (e *Engine) notify() {
-	select {
-	case e.wake <- struct{}{}:
-	default:
-	}
-}
-
-// bind makes d's context current on the calling engine goroutine's thread,
-// where *cur is the device last bound there.
-func bind(d *device, cur **device) error {
-	if *cur == d {
-		return nil
-	}
-	*cur = nil
-	if err := d.bind(); err != nil {
-		return err
-	}
-	*cur = d
-	return nil
-}
-
-// issue checks a batch and queues its copies, and after them an event, on
-// one stream of each device it touches. A batch that fails a check touches
-// no memory. One that fails partway still records its event (or waits for
-// its stream) so that its Done never comes while one of its copies could
-// still be running.
-func (e *Engine) issue(b *dma.Batch, p *planner, cur **device) *inflight {
-	f := &inflight{b: b}
-	if len(b.Copies) == 0 {
-		return f
-	}
-	a := e.arena.Load()
-	if a == nil {
-		f.err = fmt.Errorf("%w: the arena is not set (SetArena)", dma.ErrCopy)
-		return f
-	}
-	if b.ToArena {
-		if err := ValidateEventHandle(b.ReadyEvent); err != nil {
-			f.err = fmt.Errorf("%w: %v", dma.ErrCopy, err)
-			return f
-		}
-	}
-	maxPitch := ^uint64(0)
-	var devs []*device // in order of first use; one in practice
-	for i, c := range b.Copies {
-		r, ok := c.Region.(*region)
-		if !ok || r.e != e {
-			f.err = fmt.Errorf("%w: copy %d: the region was not opened by this copy engine", dma.ErrCopy, i)
-			return f
-		}
-		if r.closed.Load() {
-			f.err = fmt.Errorf("%w: copy %d: the region is closed", dma.ErrCopy, i)
-			return f
-		}
-		if err := checkCopy(c, r.size, uint64(len(a.mem))); err != nil {
-			f.err = fmt.Errorf("%w: copy %d: %v", dma.ErrCopy, i, err)
-			return f
-		}
-		d := r.m.dev
-		maxPitch = min(maxPitch, d.maxPitch())
-		if !slices.Contains(devs, d) {
-			devs = append(devs, d)
-		}
-		f.bytes += c.Len
-	}
-	runs := p.plan(b.Copies, maxPitch)
-	e.stats.copies.Add(uint64(len(b.Copies)))
-	e.stats.driverCopies.Add(uint64(len(runs)))
-	for _, d := range devs {
-		if err := bind(d, cur); err != nil {
-			f.err = err
-			break
-		}
-		s := d.stream(b.ToArena)
-		var err error
-		if b.ToArena && len(b.ReadyEvent) > 0 {
-			err = d.waitIPCEvent(s, b.ReadyEvent)
-		}
-		for i := 0; err == nil && i < len(runs); i++ {
-			r := runs[i]
-			m := r.Region.(*region).m
-			if m.dev != d {
-				continue
-			}
-			last := r.ArenaOff + (r.Rows-1)*r.ArenaPitch + r.Width
-			err = d.copy(s, r, m.addr+r.RegionOff, a.mem[r.ArenaOff:last:last], b.ToArena)
-		}
-		f.err = err
-		// Whether or not every copy went in, mark the end of those that did.
-		ev, rerr := d.record(s)
-		if rerr == nil {
-			f.events = append(f.events, deviceEvent{d: d, ev: ev})
-		} else {
-			// Without an event, wait here rather than report early.
-			f.err = errors.Join(f.err, rerr, d.sync(s))
-		}
-		if f.err != nil {
-			break
-		}
-	}
-	if f.err != nil {
-		f.err = fmt.Errorf("%w: %w", dma.ErrCopy, f.err)
-	}
-	return f
-}
-
-// poller watches the completion events of batches in flight and finishes a
-// batch once its events have completed. It stops when the submitter has
-// stopped and every batch is finished.
-func (e *Engine) poller() {
-	defer e.wg.Done()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	var (
-		waiting []*inflight
-		cur     *device
-		pause   = e.cfg.PollMin
-		timer   = time.NewTimer(time.Hour)
-	)
-	timer.Stop()
-	for {
-		e.issued.Lock()
-		waiting = append(waiting, e.issued.list...)
-		clear(e.issued.list)
-		e.issued.list = e.issued.list[:0]
-		stopped := e.issued.done
-		e.issued.Unlock()
-		if len(waiting) == 0 {
-			if stopped {
-				return
-			}
-			<-e.wake
-			continue
-		}
-		kept := waiting[:0]
-		for _, f := range waiting {
-			if e.drained(f, &cur) {
-				e.finish(f)
-			} else {
-				kept = append(kept, f)
-			}
-		}
-		progressed := len(kept) < len(waiting)
-		clear(waiting[len(kept):])
-		waiting = kept
-		if progressed || len(waiting) == 0 {
-			pause = e.cfg.PollMin
-			continue
-		}
-		timer.Reset(pause)
-		select {
-		case <-e.wake:
-			timer.Stop()
-		case <-timer.C:
-			pause = min(2*pause, e.cfg.PollMax)
-		}
-	}
-}
-
-// drained reports whether every event of f has completed, or failed (the
-// device stopped running f's copies, and will run nothing more).
-func (e *Engine) drained(f *inflight, cur **device) bool {
-	for len(f.events) > 0 {
-		de := f.events[0]
-		err := bind(de.d, cur)
-		if err == nil {
-			var done bool
-			done, err = de.d.query(de.ev)
-			if !done && err == nil {
-				return false
-			}
-		}
-		if err != nil && f.err == nil {
-			f.err = fmt.Errorf("%w: %w", dma.ErrCopy, err)
-		}
-		if derr := de.d.destroy(de.ev); derr != nil {
-			e.log.Warn("destroying a completion event failed", "device", de.d.ord, "err", derr)
-		}
-		f.events = f.events[1:]
-	}
-	return true
-}
-
+// finish counts a batch and runs its Done, on an engine goroutine other than
+// the issuer (which Done's Submit may be waiting for).
 func (e *Engine) finish(f *inflight) {
 	e.stats.batches.Add(1)
 	switch {
@@ -614,11 +587,15 @@ func (e *Engine) finish(f *inflight) {
 	f.b.Done(f.err)
 }
 
-// Close implements dma.Engine: queued batches are issued and drain, the
-// engine's goroutines stop, then the arena is unregistered, regions still
-// open are unmapped, and the devices' streams and contexts are released. A
-// second Close does nothing.
+// Close implements dma.Engine: queued batches are issued and drain (a batch
+// waiting for its ready event waits at most ReadyTimeout), the engine's
+// goroutines stop, then regions still open are unmapped, the arena is
+// unregistered if SetArena(nil) has not done it, and the devices' streams
+// and contexts are released. A second Close does nothing.
 func (e *Engine) Close() error {
+	e.mu.Lock()
+	e.mu.closed = true // no new device, so no new waiter goroutine
+	e.mu.Unlock()
 	e.qmu.Lock()
 	if e.qmu.closed {
 		e.qmu.Unlock()
@@ -631,7 +608,6 @@ func (e *Engine) Close() error {
 
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.mu.closed = true
 	var errs []error
 	for k, m := range e.mu.maps {
 		e.log.Warn("CUDA IPC memory still mapped at Close", "device", m.dev.ord, "regions", m.refs)
@@ -647,5 +623,10 @@ func (e *Engine) Close() error {
 		delete(e.mu.devices, ord)
 	}
 	e.log.Info("cuda copy engine stopped", "batches", e.stats.batches.Load(), "failed", e.stats.failed.Load())
+	if err := e.Err(); err != nil {
+		// The context is gone: the driver refuses every release. Say so
+		// once rather than as a pile of secondary errors.
+		return fmt.Errorf("cuda: the copy engine had failed: %w", err)
+	}
 	return errors.Join(errs...)
 }

@@ -54,7 +54,8 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	}
 	h.e = e
 	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
+		h.drv.releaseAll() // a failed test must not leave Close waiting
+		if err := e.Close(); err != nil && e.Err() == nil {
 			t.Errorf("Close: %v", err)
 		}
 		goleak.VerifyNone(t)
@@ -65,7 +66,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	}
 	// One allocation holding two tensors, as PyTorch exports them; V sits
 	// at an offset inside it.
-	h.handle, h.dev = h.drv.export(0, 1024+2*nBlocks*segBytes)
+	h.handle, h.dev = h.drv.export(1, 0, 1024+2*nBlocks*segBytes)
 	for i := range h.dev {
 		h.dev[i] = byte(i*7 + i/251)
 	}
@@ -197,6 +198,11 @@ func TestEngineStoreThenLoad(t *testing.T) {
 		if h.drv.recorded != 2 || h.drv.destroyed != 2 {
 			t.Errorf("%d events recorded, %d destroyed, want 2 and 2", h.drv.recorded, h.drv.destroyed)
 		}
+		// Completion is a blocking wait per event, in the kernel: no
+		// polling, no timer.
+		if h.drv.waits != 2 || h.drv.polls != 0 {
+			t.Errorf("%d waits and %d polls of completion events, want 2 waits and no poll", h.drv.waits, h.drv.polls)
+		}
 	})
 	want2 := Stats{Batches: 2, Copies: 32, DriverCopies: 4, BytesToArena: 8 * slotSize, BytesToDevice: 8 * slotSize}
 	if s := h.e.Stats(); s != want2 {
@@ -212,7 +218,7 @@ func TestEngineDoneWaitsForCompletionEvent(t *testing.T) {
 	h.drv.setHold(true) // the GPU is busy: copies queued, not run
 	want := h.block(3)
 	done := h.submit(true, h.copies([]uint64{3}, []uint64{0}), nil)
-	h.polled(3)
+	h.polled(1)
 	notDone(t, done)
 	if !bytes.Equal(h.slot(0), make([]byte, slotSize)) {
 		t.Fatal("the slot changed while the copies were held")
@@ -245,11 +251,31 @@ func TestEngineStoreWaitsForReadyEvent(t *testing.T) {
 	}
 }
 
-func TestEngineLoadIgnoresReadyEvent(t *testing.T) {
+// TestEngineLoadWaitsForReadyEvent: a load must not overwrite engine blocks
+// before the engine's kernels that still read them (a request preempted
+// while its forward runs) have finished.
+func TestEngineLoadWaitsForReadyEvent(t *testing.T) {
 	h := newHarness(t, Config{})
-	ready := h.drv.exportEvent() // never signalled
-	if err := wait(t, h.submit(false, h.copies([]uint64{5}, []uint64{1}), ready)); err != nil {
+	for i := range h.arena {
+		h.arena[i] = byte(i*13 + 5)
+	}
+	ready := h.drv.exportEvent()
+	before := h.block(7)
+	done := h.submit(false, h.copies([]uint64{7}, []uint64{2}), ready)
+	h.polled(3)
+	notDone(t, done)
+	if !bytes.Equal(h.block(7), before) {
+		t.Fatal("the load wrote block 7 before the engine's ready event")
+	}
+	h.drv.signal(ready)
+	if err := wait(t, done); err != nil {
 		t.Fatal(err)
+	}
+	if !bytes.Equal(h.block(7), h.slot(2)) {
+		t.Fatal("block 7 does not hold slot 2 after the load")
+	}
+	if s := h.e.Stats(); s.ReadyWaits != 1 || s.ReadyTimeouts != 0 {
+		t.Errorf("stats %+v, want one ready wait and no timeout", s)
 	}
 }
 
@@ -259,21 +285,24 @@ func TestEngineDriverErrors(t *testing.T) {
 		inject func(*fakeDriver)
 		ready  bool
 		want   string // the DriverError
+		syncs  int    // streams synchronized to make sure the copies stopped
 	}{
 		{
 			name:   "second copy call fails: the first drains before Done",
-			inject: func(d *fakeDriver) { d.failCopyAt = 2 },
+			inject: func(d *fakeDriver) { d.failCopyAt, d.noBatch = 2, true },
 			want:   "cuMemcpy2DAsync CUDA_ERROR_INVALID_VALUE",
 		},
 		{
-			name:   "device fault seen when polling",
-			inject: func(d *fakeDriver) { d.faultQuery = "CUDA_ERROR_ILLEGAL_ADDRESS" },
-			want:   "cuEventQuery CUDA_ERROR_ILLEGAL_ADDRESS",
+			name:   "the completion wait fails: the stream is synchronized before Done",
+			inject: func(d *fakeDriver) { d.faultWait, d.faultCode = "CUDA_ERROR_INVALID_HANDLE", 400 },
+			want:   "cuEventSynchronize CUDA_ERROR_INVALID_HANDLE",
+			syncs:  1,
 		},
 		{
 			name:   "no completion event: the engine waits for the stream",
 			inject: func(d *fakeDriver) { d.failRecord = true },
-			want:   "cuEventRecord CUDA_ERROR_LAUNCH_FAILED",
+			want:   "cuEventRecord CUDA_ERROR_INVALID_HANDLE",
+			syncs:  1,
 		},
 		{
 			name:  "ready event unknown to the driver",
@@ -313,12 +342,18 @@ func TestEngineDriverErrors(t *testing.T) {
 			h.drv.locked(func() {
 				for _, g := range h.drv.gpus {
 					for i, s := range g.streams {
-						if len(s) != 0 && tt.inject != nil && h.drv.faultQuery == "" {
+						if len(s) != 0 && tt.inject != nil {
 							t.Errorf("stream %d still has %d operations queued when Done came", i, len(s))
 						}
 					}
 				}
+				if h.drv.syncs != tt.syncs {
+					t.Errorf("%d stream synchronizations, want %d", h.drv.syncs, tt.syncs)
+				}
 			})
+			if err := h.e.Err(); err != nil {
+				t.Errorf("a non-sticky error failed the engine: %v", err)
+			}
 		})
 	}
 }
@@ -327,9 +362,9 @@ func TestEngineDriverErrors(t *testing.T) {
 // before a failed call, and checks that the failure waits for them.
 func TestEngineFailedCopyHeldUntilDrained(t *testing.T) {
 	h := newHarness(t, Config{})
-	h.drv.locked(func() { h.drv.hold, h.drv.failCopyAt = true, 2 })
+	h.drv.locked(func() { h.drv.hold, h.drv.failCopyAt, h.drv.noBatch = true, 2, true })
 	done := h.submit(true, h.copies(seq(0, 4), seq(0, 4)), nil)
-	h.polled(3)
+	h.polled(1)
 	notDone(t, done)
 	h.drv.setHold(false)
 	if err := wait(t, done); !errors.Is(err, dma.ErrCopy) {
@@ -382,6 +417,13 @@ func TestEngineRefusesBadBatches(t *testing.T) {
 			},
 			wantErr: "ready event handle is 3 bytes",
 		},
+		{
+			name: "a load's ready event of the wrong size",
+			batch: func(h *harness) *dma.Batch {
+				return &dma.Batch{ReadyEvent: make([]byte, IPCHandleBytes), Copies: h.copies([]uint64{0}, []uint64{0})}
+			},
+			wantErr: "ready event handle is all zeros",
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -415,7 +457,7 @@ func TestEngineNoArena(t *testing.T) {
 	}
 	defer goleak.VerifyNone(t)
 	defer e.Close()
-	h, _ := drv.export(1, 4096)
+	h, _ := drv.export(0, 1, 4096)
 	r, err := e.Open(dma.RegionSpec{CUDA: &dma.IPCMemory{Handle: h, AllocSize: 4096}, BlockStride: 4096, NumBlocks: 1, SegmentBytes: 4096}, dma.Peer{})
 	if err != nil {
 		t.Fatal(err)
@@ -539,7 +581,7 @@ func TestEngineClose(t *testing.T) {
 	}
 	closed := make(chan error, 1)
 	go func() { closed <- h.e.Close() }()
-	h.polled(3)
+	h.polled(1)
 	select {
 	case <-closed:
 		t.Fatal("Close returned with batches in flight")

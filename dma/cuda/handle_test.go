@@ -11,6 +11,18 @@ import (
 
 func handle(fill byte) []byte { return bytes.Repeat([]byte{fill}, IPCHandleBytes) }
 
+// torchHandle is h in the form PyTorch's UntypedStorage._share_cuda_()
+// returns it: version, type 'c', the cudaIpcMemHandle_t.
+func torchHandle(version byte, h []byte) []byte { return append([]byte{version, 'c'}, h...) }
+
+func uuids(n int) [][UUIDBytes]byte {
+	out := make([][UUIDBytes]byte, n)
+	for i := range out {
+		out[i] = fakeUUID(i)
+	}
+	return out
+}
+
 func TestParseRegion(t *testing.T) {
 	good := func() dma.RegionSpec {
 		return dma.RegionSpec{
@@ -22,19 +34,52 @@ func TestParseRegion(t *testing.T) {
 		}
 	}
 	tests := []struct {
-		name    string
-		edit    func(*dma.RegionSpec)
-		devices int
-		wantErr string // empty: accepted
+		name       string
+		edit       func(*dma.RegionSpec)
+		devices    int
+		wantErr    string // empty: accepted
+		wantDevice int
 	}{
-		{name: "good", edit: func(*dma.RegionSpec) {}, devices: 2},
-		{name: "blocks end exactly at the allocation", devices: 2, edit: func(s *dma.RegionSpec) {
+		{name: "good", edit: func(*dma.RegionSpec) {}, devices: 2, wantDevice: 1},
+		{name: "blocks end exactly at the allocation", devices: 2, wantDevice: 1, edit: func(s *dma.RegionSpec) {
 			s.CUDA.AllocSize = 4096 + 99*8192 + 8192
+		}},
+		{name: "PyTorch's handle, version 1", devices: 2, wantDevice: 1, edit: func(s *dma.RegionSpec) {
+			s.CUDA.Handle = torchHandle(1, s.CUDA.Handle)
+		}},
+		{name: "PyTorch's handle, version 2", devices: 2, wantDevice: 1, edit: func(s *dma.RegionSpec) {
+			s.CUDA.Handle = torchHandle(2, s.CUDA.Handle)
+		}},
+		{name: "PyTorch's handle, unknown version", devices: 2, wantErr: "version 3, this daemon knows versions 1..2", edit: func(s *dma.RegionSpec) {
+			s.CUDA.Handle = torchHandle(3, s.CUDA.Handle)
+		}},
+		{name: "PyTorch's handle of zeros", devices: 2, wantErr: "all zeros", edit: func(s *dma.RegionSpec) {
+			s.CUDA.Handle = torchHandle(2, handle(0))
+		}},
+		{name: "PyTorch's expandable segment", devices: 2, wantErr: "expandable_segments:False", edit: func(s *dma.RegionSpec) {
+			// 'e', then the segment's range and its POSIX fds or fabric
+			// handles: nothing cuIpcOpenMemHandle can open.
+			s.CUDA.Handle = append([]byte{2, 'e'}, bytes.Repeat([]byte{5}, 40)...)
+		}},
+		{name: "PyTorch's handle of an unknown type", devices: 2, wantErr: "type 'x'", edit: func(s *dma.RegionSpec) {
+			s.CUDA.Handle = append([]byte{2, 'x'}, handle(7)...)
+		}},
+		{name: "device named by UUID, its ordinal another process's", devices: 2, wantDevice: 1, edit: func(s *dma.RegionSpec) {
+			u := fakeUUID(1)
+			s.CUDA.Device = 0 // every worker under its own CUDA_VISIBLE_DEVICES says 0
+			s.CUDA.DeviceUUID = u[:]
+		}},
+		{name: "device UUID not visible", devices: 2, wantErr: "device GPU-aa05", edit: func(s *dma.RegionSpec) {
+			u := fakeUUID(5)
+			s.CUDA.DeviceUUID = u[:]
+		}},
+		{name: "device UUID of the wrong size", devices: 2, wantErr: "device_uuid is 3 bytes, want 16", edit: func(s *dma.RegionSpec) {
+			s.CUDA.DeviceUUID = []byte{1, 2, 3}
 		}},
 		{name: "handle too short", devices: 2, wantErr: "handle is 63 bytes, want 64", edit: func(s *dma.RegionSpec) {
 			s.CUDA.Handle = s.CUDA.Handle[:63]
 		}},
-		{name: "handle too long", devices: 2, wantErr: "handle is 65 bytes, want 64", edit: func(s *dma.RegionSpec) {
+		{name: "handle too long", devices: 2, wantErr: "handle is 65 bytes, want 64 (cudaIpcMemHandle_t) or 66", edit: func(s *dma.RegionSpec) {
 			s.CUDA.Handle = append(s.CUDA.Handle, 1)
 		}},
 		{name: "handle empty", devices: 2, wantErr: "handle is 0 bytes", edit: func(s *dma.RegionSpec) {
@@ -88,12 +133,12 @@ func TestParseRegion(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			spec := good()
 			tt.edit(&spec)
-			k, err := parseRegion(spec, tt.devices)
+			k, err := parseRegion(spec, uuids(tt.devices))
 			if tt.wantErr == "" {
 				if err != nil {
 					t.Fatalf("refused: %v", err)
 				}
-				if k.device != spec.CUDA.Device || !bytes.Equal(k.handle[:], spec.CUDA.Handle) {
+				if k.device != tt.wantDevice || !bytes.Equal(k.handle[:], handle(7)) {
 					t.Fatalf("key = %+v, want device %d and the handle", k, spec.CUDA.Device)
 				}
 				return
@@ -119,7 +164,7 @@ func TestParseRegionKeysByDeviceAndHandle(t *testing.T) {
 		}
 	}
 	k := func(s dma.RegionSpec) ipcKey {
-		key, err := parseRegion(s, 2)
+		key, err := parseRegion(s, uuids(2))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -136,6 +181,11 @@ func TestParseRegionKeysByDeviceAndHandle(t *testing.T) {
 	}
 	if k(a) == k(spec(0, 2)) {
 		t.Error("two handles got one key")
+	}
+	c := a
+	c.CUDA = &dma.IPCMemory{Handle: torchHandle(2, handle(1)), Device: 0, AllocSize: 1 << 20}
+	if k(a) != k(c) {
+		t.Error("PyTorch's form of a handle got another key than the raw handle: the allocation would be opened twice")
 	}
 }
 

@@ -4,9 +4,10 @@
 package host
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
+	"math"
+	"os"
 	"path/filepath"
 	"runtime/debug"
 	"strings"
@@ -24,8 +25,17 @@ type Config struct {
 	ShmDir string
 	// Workers is the number of copy workers (default 4).
 	Workers int
-	Logger  *slog.Logger
+	// MaxMappedBytes bounds the bytes of region files mapped at once
+	// (default DefaultMaxMappedBytes). A region file is mapped whole, and
+	// a sparse file can be huge: without a bound, clients could take the
+	// daemon's address space until the Go runtime cannot grow its heap.
+	MaxMappedBytes uint64
+	Logger         *slog.Logger
 }
+
+// DefaultMaxMappedBytes leaves most of a 47-bit user address space (128
+// TiB) to the runtime and the arena.
+const DefaultMaxMappedBytes = 32 << 40
 
 // Engine is the host copy engine.
 type Engine struct {
@@ -39,6 +49,7 @@ type Engine struct {
 		sync.Mutex
 		closed bool
 		maps   map[fileID]*mapping
+		mapped uint64 // bytes of every live mapping, stale ones included
 	}
 }
 
@@ -76,6 +87,7 @@ func (r *region) Close() error {
 	if e.mu.maps[m.id] == m {
 		delete(e.mu.maps, m.id)
 	}
+	e.mu.mapped -= mappedBytes(len(m.mem))
 	return unix.Munmap(m.mem)
 }
 
@@ -100,6 +112,9 @@ func New(cfg Config) *Engine {
 	if cfg.Workers <= 0 {
 		cfg.Workers = 4
 	}
+	if cfg.MaxMappedBytes == 0 {
+		cfg.MaxMappedBytes = DefaultMaxMappedBytes
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -122,7 +137,7 @@ func (e *Engine) SetArena(arena []byte) error {
 }
 
 // Open implements dma.Engine: it maps a regular file under ShmDir that peer
-// may read and write.
+// could itself open read-write by that path (see openAsPeer).
 func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	if spec.CUDA != nil {
 		return nil, dma.ErrNoCUDA
@@ -131,20 +146,9 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	if err != nil {
 		return nil, err
 	}
-	dir, err := unix.Open(e.cfg.ShmDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	fd, err := openAsPeer(e.cfg.ShmDir, rel, peer)
 	if err != nil {
-		return nil, fmt.Errorf("%w: open %s: %v", dma.ErrBadRegion, e.cfg.ShmDir, err)
-	}
-	defer unix.Close(dir)
-	fd, err := unix.Openat2(dir, rel, &unix.OpenHow{
-		Flags:   unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
-	if err != nil {
-		if errors.Is(err, unix.ELOOP) {
-			return nil, fmt.Errorf("%w: %s is or passes through a symlink", dma.ErrBadRegion, spec.ShmPath)
-		}
-		return nil, fmt.Errorf("%w: open %s: %v", dma.ErrBadRegion, spec.ShmPath, err)
+		return nil, err
 	}
 	defer unix.Close(fd)
 	var st unix.Stat_t
@@ -154,11 +158,11 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil, fmt.Errorf("%w: %s is not a regular file", dma.ErrBadRegion, spec.ShmPath)
 	}
-	if !peerMayReadWrite(&st, peer) {
-		return nil, fmt.Errorf("%w: %s is not readable and writable by the client (uid %d, gid %d)", dma.ErrBadRegion, spec.ShmPath, peer.UID, peer.GID)
-	}
 	if st.Size <= 0 {
 		return nil, fmt.Errorf("%w: %s is empty", dma.ErrBadRegion, spec.ShmPath)
+	}
+	if uint64(st.Size) > uint64(math.MaxInt) {
+		return nil, fmt.Errorf("%w: %s is %d bytes, too large to map", dma.ErrBadRegion, spec.ShmPath, st.Size)
 	}
 	id := fileID{dev: st.Dev, ino: st.Ino}
 	e.mu.Lock()
@@ -168,6 +172,10 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 	}
 	m, ok := e.mu.maps[id]
 	if !ok || int64(len(m.mem)) != st.Size {
+		cost := mappedBytes(int(st.Size))
+		if e.mu.mapped+cost > e.cfg.MaxMappedBytes {
+			return nil, fmt.Errorf("%w: mapping %s (%d bytes) would map %d bytes of region files, at most %d (--max-mapped-bytes)", dma.ErrLimit, spec.ShmPath, st.Size, e.mu.mapped+cost, e.cfg.MaxMappedBytes)
+		}
 		mem, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 		if err != nil {
 			return nil, fmt.Errorf("%w: mmap %s: %v", dma.ErrBadRegion, spec.ShmPath, err)
@@ -179,9 +187,23 @@ func (e *Engine) Open(spec dma.RegionSpec, peer dma.Peer) (dma.Region, error) {
 		}
 		m = &mapping{id: id, mem: mem}
 		e.mu.maps[id] = m
+		e.mu.mapped += cost
 	}
 	m.refs++
 	return &region{e: e, m: m, mem: m.mem}, nil
+}
+
+// mappedBytes is what a mapping of n bytes takes of the address space.
+func mappedBytes(n int) uint64 {
+	page := uint64(os.Getpagesize())
+	return (uint64(n) + page - 1) / page * page
+}
+
+// MappedBytes reports the bytes of region files mapped now.
+func (e *Engine) MappedBytes() uint64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.mu.mapped
 }
 
 // relPath returns p relative to ShmDir, refusing anything not plainly beneath it.
@@ -197,23 +219,6 @@ func (e *Engine) relPath(p string) (string, error) {
 		return "", fmt.Errorf("%w: shm_path %q is not under %s", dma.ErrBadRegion, p, e.cfg.ShmDir)
 	}
 	return rel, nil
-}
-
-// peerMayReadWrite applies the file's permission bits to the peer. Only the
-// peer's primary group is known, so a file shared through a supplementary
-// group is refused: stricter than the kernel, never looser.
-func peerMayReadWrite(st *unix.Stat_t, p dma.Peer) bool {
-	if p.UID == 0 {
-		return true
-	}
-	switch {
-	case st.Uid == p.UID:
-		return st.Mode&0o600 == 0o600
-	case st.Gid == p.GID:
-		return st.Mode&0o060 == 0o060
-	default:
-		return st.Mode&0o006 == 0o006
-	}
 }
 
 // splitBytes is the most one worker copies of a batch before the rest goes

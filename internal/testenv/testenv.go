@@ -39,6 +39,14 @@ type Options struct {
 	// NamespaceLinger is passed to offload.Config (negative: drop empty
 	// namespaces at the next sweep).
 	NamespaceLinger time.Duration
+	// Server bounds connections and in-flight requests (default
+	// server.DefaultConfig).
+	Server server.Config
+	// MaxMappedBytes bounds the host copy engine's mappings.
+	MaxMappedBytes uint64
+	// SharedSocket opens the socket to SocketGroup (mode 0660, as
+	// --socket-mode 0660 does), so that clients StartAs Nobody connect.
+	SharedSocket bool
 	// Wrap, when set, wraps the host copy engine (to gate or fail copies).
 	Wrap func(dma.Engine) dma.Engine
 	// Quiet drops logs below warnings.
@@ -61,6 +69,7 @@ type Daemon struct {
 	Socket   string
 	Svc      *offload.Service
 	Srv      *server.Server
+	Host     *host.Engine // the copy engine, under any Wrap
 	Registry *prometheus.Registry
 	copier   dma.Engine
 	serveErr chan error
@@ -89,7 +98,8 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		level = slog.LevelWarn
 	}
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: level}))
-	var copier dma.Engine = host.New(host.Config{Workers: o.Workers, Logger: log})
+	hostEngine := host.New(host.Config{Workers: o.Workers, MaxMappedBytes: o.MaxMappedBytes, Logger: log})
+	var copier dma.Engine = hostEngine
 	if o.Wrap != nil {
 		copier = o.Wrap(copier)
 	}
@@ -128,8 +138,20 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &Daemon{Socket: sock, Svc: svc, Srv: server.New(svc, log), Registry: reg, copier: copier, serveErr: make(chan error, 1), faulty: o.DiskFS != nil}
-	go func() { d.serveErr <- d.Srv.GRPC().Serve(lis) }()
+	if o.SharedSocket {
+		for path, mode := range map[string]os.FileMode{dir: 0o750, sock: 0o660} {
+			if err := os.Chown(path, os.Getuid(), SocketGroup); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chmod(path, mode); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	sc := o.Server
+	sc.Registerer = reg
+	d := &Daemon{Socket: sock, Svc: svc, Srv: server.New(svc, log, sc), Host: hostEngine, Registry: reg, copier: copier, serveErr: make(chan error, 1), faulty: o.DiskFS != nil}
+	go func() { d.serveErr <- d.Srv.Serve(lis) }()
 	t.Cleanup(func() {
 		d.Stop(t)
 		os.RemoveAll(dir)
@@ -150,7 +172,7 @@ func (d *Daemon) Stop(t testing.TB) {
 	if err := d.Svc.Drain(ctx); err != nil {
 		t.Errorf("drain: %v", err)
 	}
-	d.Srv.Stop(10 * time.Second)
+	d.Srv.Stop(time.Now().Add(10 * time.Second))
 	if err := d.Svc.Close(); err != nil {
 		if d.faulty {
 			t.Logf("close service on a faulty disk: %v", err)

@@ -8,10 +8,12 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"strconv"
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -26,15 +28,56 @@ import (
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
-// MaxMessageBytes bounds one request on the wire. A Store or Load of 65536
-// blocks with 32-byte hashes is about 2.5 MiB.
+// MaxMessageBytes bounds one reply on the wire. Requests have a limit of
+// their own, computed from the request bounds (MaxRequestBytes).
 const MaxMessageBytes = 16 << 20
 
 // MaxCompletionsWait bounds how long a Completions call may wait.
 const MaxCompletionsWait = 10 * time.Second
 
+// HandshakeTimeout bounds how long a new connection may take to finish its
+// HTTP/2 preface: grpc's default, 120 s, would let one connection that
+// never sends it hold the shutdown that long.
+const HandshakeTimeout = 10 * time.Second
+
+// Per connection: concurrent calls, and the bytes a call's unread request
+// may take in the transport's buffers (the HTTP/2 stream window; 64 KiB is
+// grpc's least). Together with Config.MaxConnections they bound what
+// requests not yet admitted by the budget can hold.
+const (
+	MaxStreamsPerConn = 16
+	streamWindowBytes = 64 << 10
+	maxHeaderBytes    = 16 << 10
+)
+
 // Version is reported by Stats; the daemon sets it from its build.
 var Version = "dev"
+
+// Config bounds what clients may make the server hold. Zero fields take
+// DefaultConfig's.
+type Config struct {
+	// Connections open at once, in total and per peer uid; one past
+	// either is closed at accept.
+	MaxConnections       int
+	MaxConnectionsPerUID int
+	// MaxInflightRequestBytes bounds the request bytes being received or
+	// handled at once over every connection (see budget).
+	MaxInflightRequestBytes int64
+	// ReceiveTimeout bounds a request's wait for that budget and the time
+	// its body may then take to arrive (default DefaultReceiveTimeout).
+	ReceiveTimeout time.Duration
+	// Registerer, when set, gets the server's metrics.
+	Registerer prometheus.Registerer
+}
+
+// DefaultConfig serves an engine per GPU and its scheduler with room to
+// spare.
+var DefaultConfig = Config{
+	MaxConnections:          128,
+	MaxConnectionsPerUID:    32,
+	MaxInflightRequestBytes: 64 << 20,
+	ReceiveTimeout:          DefaultReceiveTimeout,
+}
 
 // Server implements pb.KVOffloadServer.
 type Server struct {
@@ -43,64 +86,116 @@ type Server struct {
 	log    *slog.Logger
 	health *health.Server
 	grpc   *grpc.Server
+	conns  *connTable
+	budget *budget
+	maxReq int
 	reaper sync.WaitGroup
+	// foreign counts (and logs, rate-limited) calls naming another
+	// connection's registration.
+	foreign rateLog
 
-	mu struct {
-		sync.Mutex
-		byConn map[uint64][]uint64 // connection -> registrations it made
-	}
+	stopping     chan struct{} // closed by SetNotServing: waits for budget end
+	stoppingOnce sync.Once
 }
 
 var _ pb.KVOffloadServer = (*Server)(nil)
 
 // New builds the gRPC server with the API, health and reflection services.
-func New(svc *offload.Service, log *slog.Logger) *Server {
-	s := &Server{svc: svc, log: log, health: health.NewServer()}
-	s.mu.byConn = map[uint64][]uint64{}
-	creds := &peerCreds{onClose: s.connClosed}
+func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
+	d := DefaultConfig
+	if cfg.MaxConnections == 0 {
+		cfg.MaxConnections = d.MaxConnections
+	}
+	if cfg.MaxConnectionsPerUID == 0 {
+		cfg.MaxConnectionsPerUID = d.MaxConnectionsPerUID
+	}
+	if cfg.MaxInflightRequestBytes == 0 {
+		cfg.MaxInflightRequestBytes = d.MaxInflightRequestBytes
+	}
+	if cfg.ReceiveTimeout == 0 {
+		cfg.ReceiveTimeout = d.ReceiveTimeout
+	}
+	s := &Server{svc: svc, log: log, health: health.NewServer(), stopping: make(chan struct{})}
+	s.maxReq = MaxRequestBytes(svc.Limits())
+	s.budget = newBudget(max(cfg.MaxInflightRequestBytes, int64(s.maxReq)), int64(s.maxReq), cfg.ReceiveTimeout)
+	s.conns = newConnTable(cfg.MaxConnections, cfg.MaxConnectionsPerUID, log, s.connClosed)
+	s.registerMetrics(cfg.Registerer)
 	s.grpc = grpc.NewServer(
-		grpc.Creds(creds),
-		grpc.MaxRecvMsgSize(MaxMessageBytes),
+		grpc.Creds(peerCreds{}),
+		grpc.MaxRecvMsgSize(s.maxReq),
 		// Replies carrying results are bounded by the service (a
 		// Completions reply is cut to it): the send limit allows it.
 		grpc.MaxSendMsgSize(max(MaxMessageBytes, svc.Limits().MaxReplyBytes())),
+		grpc.ConnectionTimeout(HandshakeTimeout),
+		grpc.MaxConcurrentStreams(MaxStreamsPerConn),
+		grpc.StaticStreamWindowSize(streamWindowBytes),
+		grpc.MaxHeaderListSize(maxHeaderBytes),
+		grpc.StreamInterceptor(s.guardStream),
 	)
-	pb.RegisterKVOffloadServer(s.grpc, s)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.grpc.RegisterService(s.guardUnary(&pb.KVOffload_ServiceDesc), s)
+	s.grpc.RegisterService(s.guardUnary(&healthpb.Health_ServiceDesc), s.health)
 	reflection.Register(s.grpc)
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(pb.KVOffload_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	return s
 }
 
-// GRPC is the underlying server, to Serve on a listener.
-func (s *Server) GRPC() *grpc.Server { return s.grpc }
+// Serve serves on lis (a unix socket) until Stop. Every connection is
+// admitted within the connection bounds and known by the peer the kernel
+// recorded for it.
+func (s *Server) Serve(lis net.Listener) error {
+	return s.grpc.Serve(&listener{Listener: lis, t: s.conns})
+}
+
+// MaxRequestBytes is the largest request this server reads.
+func (s *Server) MaxRequestBytes() int { return s.maxReq }
+
+// InflightRequestBytes reports the request bytes booked now (see budget).
+func (s *Server) InflightRequestBytes() int64 {
+	s.budget.mu.Lock()
+	defer s.budget.mu.Unlock()
+	return s.budget.used
+}
+
+// Connections reports the connections open now.
+func (s *Server) Connections() int { return s.conns.count() }
 
 // SetNotServing flips health to NOT_SERVING: the first step of a shutdown.
-func (s *Server) SetNotServing() { s.health.Shutdown() }
+func (s *Server) SetNotServing() {
+	s.health.Shutdown()
+	s.stoppingOnce.Do(func() { close(s.stopping) })
+}
 
-// Stop stops gracefully, falling back to a hard stop after timeout, then
-// waits for the unregistrations of closed connections.
-func (s *Server) Stop(timeout time.Duration) {
+// Stop stops gracefully until deadline, then closes every connection,
+// those still in their handshake included, and waits for the
+// unregistrations of closed connections. It returns by the deadline unless
+// an unregistration waits for copies still running; ctx ending stops that
+// wait too.
+func (s *Server) Stop(deadline time.Time) {
+	s.SetNotServing()
 	done := make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(done) }()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
 	select {
 	case <-done:
-	case <-time.After(timeout):
-		s.log.Warn("graceful stop timed out; closing connections", "timeout", timeout)
+	case <-t.C:
+		s.log.Warn("graceful stop timed out; closing connections", "open", s.conns.count())
+		// grpc's Stop waits for connections still in their handshake:
+		// close them all first.
+		s.conns.closeAll()
 		s.grpc.Stop()
 		<-done
 	}
+	s.conns.closeAll()
 	s.reaper.Wait()
 }
 
-func (s *Server) connClosed(connID uint64) {
-	// Nobody else may use the connection's leases: their pins go now.
+// connClosed releases what a closed connection held: its leases' pins at
+// once (nobody else may use them), and its registrations once their jobs
+// drain, then their regions are unmapped.
+func (s *Server) connClosed(connID uint64, regs []uint64) {
 	s.svc.ReleaseOwner(offload.Owner(connID))
-	s.mu.Lock()
-	regs := s.mu.byConn[connID]
-	delete(s.mu.byConn, connID)
-	s.mu.Unlock()
 	if len(regs) == 0 {
 		return
 	}
@@ -109,8 +204,9 @@ func (s *Server) connClosed(connID uint64) {
 		defer s.reaper.Done()
 		for _, id := range regs {
 			if err := s.svc.Unregister(id); err == nil {
-				s.log.Info("connection closed; registration released", "registration", id)
+				s.log.Info("connection closed; registration released", "registration", id, "conn", connID)
 			}
+			s.conns.forget(id)
 		}
 	}()
 }
@@ -144,7 +240,7 @@ func toStatus(err error) error {
 		code = codes.NotFound
 	case errors.Is(err, offload.ErrLayoutMismatch):
 		code = codes.FailedPrecondition
-	case errors.Is(err, offload.ErrBacklog), errors.Is(err, offload.ErrLimit):
+	case errors.Is(err, offload.ErrBacklog), errors.Is(err, offload.ErrLimit), errors.Is(err, dma.ErrLimit):
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
@@ -183,9 +279,12 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		sp := dma.RegionSpec{Offset: r.GetOffset(), BlockStride: r.GetBlockStride(), NumBlocks: r.GetNumBlocks()}
 		switch m := r.GetMemory().(type) {
 		case *pb.Region_ShmPath:
+			if max := s.svc.Limits().MaxRegionName; len(m.ShmPath) > max {
+				return nil, invalid("regions[" + strconv.Itoa(i) + "].shm_path is longer than " + strconv.Itoa(max) + " bytes")
+			}
 			sp.ShmPath = m.ShmPath
 		case *pb.Region_Cuda:
-			sp.CUDA = &dma.IPCMemory{Handle: m.Cuda.GetHandle(), Device: int(m.Cuda.GetDevice()), AllocSize: m.Cuda.GetAllocSize()}
+			sp.CUDA = &dma.IPCMemory{Handle: m.Cuda.GetHandle(), Device: int(m.Cuda.GetDevice()), DeviceUUID: m.Cuda.GetDeviceUuid(), AllocSize: m.Cuda.GetAllocSize()}
 		default:
 			return nil, invalid("regions[" + strconv.Itoa(i) + "] names no memory: set shm_path or cuda")
 		}
@@ -195,17 +294,28 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	s.mu.Lock()
-	s.mu.byConn[info.ConnID] = append(s.mu.byConn[info.ConnID], reg.ID)
-	s.mu.Unlock()
+	if !s.conns.addRegistration(info, reg.ID) {
+		// The connection closed while the regions were being mapped:
+		// nobody can name this registration, and the connection's
+		// release has already run without it.
+		if err := s.svc.Unregister(reg.ID); err != nil {
+			s.log.Warn("releasing a registration whose connection closed during Register", "registration", reg.ID, "err", err)
+		}
+		return nil, status.Error(codes.Canceled, "the connection closed during Register")
+	}
 	return &pb.RegisterResponse{RegistrationId: reg.ID, NamespaceId: reg.Namespace().ID, JoinedExisting: joined}, nil
 }
 
 // Unregister implements pb.KVOffloadServer.
 func (s *Server) Unregister(ctx context.Context, req *pb.UnregisterRequest) (*pb.UnregisterResponse, error) {
-	if err := s.svc.Unregister(req.GetRegistrationId()); err != nil {
+	reg, err := s.registration(ctx, req.GetRegistrationId(), "Unregister")
+	if err != nil {
+		return nil, err
+	}
+	if err := s.svc.Unregister(reg.ID); err != nil {
 		return nil, toStatus(err)
 	}
+	s.conns.forget(reg.ID)
 	return &pb.UnregisterResponse{}, nil
 }
 
@@ -249,9 +359,9 @@ func (s *Server) Load(ctx context.Context, req *pb.TransferRequest) (*pb.Transfe
 }
 
 func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRequest) (*pb.TransferResponse, error) {
-	reg, err := s.svc.Registration(req.GetRegistrationId())
+	reg, err := s.registration(ctx, req.GetRegistrationId(), op.String())
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, err
 	}
 	jobs := make([]offload.Job, len(req.GetJobs()))
 	for i, j := range req.GetJobs() {
@@ -288,9 +398,9 @@ func toResults(rs []offload.Result) []*pb.JobResult {
 
 // Completions implements pb.KVOffloadServer.
 func (s *Server) Completions(ctx context.Context, req *pb.CompletionsRequest) (*pb.CompletionsResponse, error) {
-	reg, err := s.svc.Registration(req.GetRegistrationId())
+	reg, err := s.registration(ctx, req.GetRegistrationId(), "Completions")
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, err
 	}
 	wait := min(time.Duration(req.GetWaitMs())*time.Millisecond, MaxCompletionsWait)
 	var ack *uint64

@@ -2,9 +2,10 @@
 
 package main
 
-// What the check needs from the driver beyond gorgonia.org/cu: exporting
-// memory and an event by IPC handle (the engine's side of the protocol),
-// pinning host buffers, and a host function that stalls a stream.
+// What the check needs from the driver beyond gorgonia.org/cu: exporting and
+// opening memory and events by IPC handle (both sides of the protocol),
+// pinning host buffers, device UUIDs and pointer attributes, and a host
+// function that stalls a stream.
 
 /*
 #include <cuda.h>
@@ -19,6 +20,12 @@ static CUresult gcIpcGetMem(void *out, CUdeviceptr p) {
 	return r;
 }
 
+static CUresult gcIpcOpenMem(CUdeviceptr *p, const void *in) {
+	CUipcMemHandle h;
+	memcpy(h.reserved, in, CU_IPC_HANDLE_SIZE);
+	return cuIpcOpenMemHandle(p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+}
+
 static CUresult gcIpcEvent(CUevent *ev, void *out) {
 	CUresult r = cuEventCreate(ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
 	if (r != CUDA_SUCCESS) {
@@ -28,6 +35,28 @@ static CUresult gcIpcEvent(CUevent *ev, void *out) {
 	r = cuIpcGetEventHandle(&h, *ev);
 	memcpy(out, h.reserved, CU_IPC_HANDLE_SIZE);
 	return r;
+}
+
+static CUresult gcIpcOpenEvent(CUevent *ev, const void *in) {
+	CUipcEventHandle h;
+	memcpy(h.reserved, in, CU_IPC_HANDLE_SIZE);
+	return cuIpcOpenEventHandle(ev, h);
+}
+
+static CUresult gcUuid(void *out, int ord) {
+	CUdevice d;
+	CUresult r = cuDeviceGet(&d, ord);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	CUuuid u;
+	r = cuDeviceGetUuid_v2(&u, d);
+	memcpy(out, u.bytes, 16);
+	return r;
+}
+
+static CUresult gcPointerDevice(int *ord, CUdeviceptr p) {
+	return cuPointerGetAttribute(ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p);
 }
 
 static void CUDA_CB gcSleep(void *us) { usleep((useconds_t)(uintptr_t)us); }
@@ -44,6 +73,13 @@ static const char *gcErrorName(CUresult r) {
 		return NULL;
 	}
 	return s;
+}
+
+static CUresult gcHaveBatch(int *ok) {
+	void *p = NULL;
+	CUresult r = cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT);
+	*ok = (r == CUDA_SUCCESS && p != NULL);
+	return r;
 }
 */
 import "C"
@@ -75,6 +111,39 @@ func ipcMemHandle(p cu.DevicePtr) ([]byte, error) {
 	return h, check("cuIpcGetMemHandle", C.gcIpcGetMem(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
 }
 
+func ipcOpenMem(h []byte) (cu.DevicePtr, error) {
+	if len(h) != C.CU_IPC_HANDLE_SIZE {
+		return 0, fmt.Errorf("memory handle is %d bytes", len(h))
+	}
+	var p C.CUdeviceptr
+	err := check("cuIpcOpenMemHandle", C.gcIpcOpenMem(&p, unsafe.Pointer(&h[0])))
+	return cu.DevicePtr(p), err
+}
+
+func ipcCloseMem(p cu.DevicePtr) error {
+	return check("cuIpcCloseMemHandle", C.cuIpcCloseMemHandle(C.CUdeviceptr(p)))
+}
+
+func deviceUUID(ord int) ([]byte, error) {
+	u := make([]byte, 16)
+	return u, check("cuDeviceGetUuid_v2", C.gcUuid(unsafe.Pointer(&u[0]), C.int(ord)))
+}
+
+func pointerDevice(p cu.DevicePtr) (int, error) {
+	var ord C.int
+	err := check("cuPointerGetAttribute(DEVICE_ORDINAL)", C.gcPointerDevice(&ord, C.CUdeviceptr(p)))
+	return int(ord), err
+}
+
+func haveMemcpyBatch() (bool, error) {
+	if cu.Version() < 12080 {
+		return false, nil
+	}
+	var ok C.int
+	err := check("cuGetProcAddress(cuMemcpyBatchAsync, 12080)", C.gcHaveBatch(&ok))
+	return ok != 0, err
+}
+
 // ipcEvent is an interprocess event, as the engine would record on its
 // compute stream after the kernels that wrote the blocks.
 type ipcEvent struct {
@@ -87,8 +156,27 @@ func newIPCEvent() (*ipcEvent, error) {
 	return e, check("cuEventCreate/cuIpcGetEventHandle", C.gcIpcEvent(&e.ev, unsafe.Pointer(&e.handle[0])))
 }
 
+func openIPCEvent(h []byte) (*ipcEvent, error) {
+	if len(h) != C.CU_IPC_HANDLE_SIZE {
+		return nil, fmt.Errorf("event handle is %d bytes", len(h))
+	}
+	e := &ipcEvent{handle: h}
+	return e, check("cuIpcOpenEventHandle", C.gcIpcOpenEvent(&e.ev, unsafe.Pointer(&h[0])))
+}
+
 func (e *ipcEvent) record(s cu.Stream) error {
 	return check("cuEventRecord", C.cuEventRecord(e.ev, cStream(s)))
+}
+
+func (e *ipcEvent) done() (bool, error) {
+	switch r := C.cuEventQuery(e.ev); r {
+	case C.CUDA_SUCCESS:
+		return true, nil
+	case C.CUDA_ERROR_NOT_READY:
+		return false, nil
+	default:
+		return false, check("cuEventQuery", r)
+	}
 }
 
 func (e *ipcEvent) destroy() error { return check("cuEventDestroy", C.cuEventDestroy(e.ev)) }

@@ -154,7 +154,11 @@ def _region_pb(r: Region) -> pb.Region:
     if r.shm_path is not None:
         m.shm_path = r.shm_path
     elif r.cuda_handle is not None:
-        m.cuda.CopyFrom(pb.CudaIpcMemory(handle=r.cuda_handle, device=r.cuda_device, alloc_size=r.cuda_alloc_size))
+        m.cuda.CopyFrom(
+            pb.CudaIpcMemory(
+                handle=r.cuda_handle, device=r.cuda_device, alloc_size=r.cuda_alloc_size, device_uuid=r.cuda_device_uuid
+            )
+        )
     return m
 
 
@@ -353,10 +357,18 @@ class Client:
         return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
 
     def load(
-        self, registration_id: int, jobs: Sequence[Job], *, wait: bool = False, timeout: float | None = None
+        self,
+        registration_id: int,
+        jobs: Sequence[Job],
+        *,
+        wait: bool = False,
+        ready_event: bytes = b"",
+        timeout: float | None = None,
     ) -> list[JobResult] | None:
-        """Copies cached blocks into engine blocks; see :meth:`store`."""
-        return self._transfer("Load", registration_id, jobs, wait, b"", timeout)
+        """Copies cached blocks into engine blocks; see :meth:`store`. On CUDA,
+        ``ready_event`` (an IPC event handle recorded on the compute stream)
+        makes the copies wait for the kernels still reading those blocks."""
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits

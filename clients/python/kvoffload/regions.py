@@ -29,6 +29,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from .cuda_ipc import TorchCudaExporter
 from .shm import shm_location
 from .types import Layout, Region, Segment
 
@@ -130,21 +131,15 @@ def _blocks_overlap(d: int, nbytes: int, bstride: int, num_blocks: int) -> bool:
 
 
 # A CUDA exporter turns a CUDA tensor into (ipc handle, device, offset of the
-# tensor's first byte within the exported allocation, allocation size).
-CudaExporter = Callable[[Any], tuple[bytes, int, int, int]]
+# tensor's first byte within the exported allocation, allocation size), and
+# optionally the device's 16-byte UUID as a fifth item.
+CudaExporter = Callable[[Any], tuple]
 
 
-def torch_cuda_exporter(t: Any) -> tuple[bytes, int, int, int]:
-    """Exports a torch CUDA tensor's memory the way PyTorch shares it between
-    processes: ``UntypedStorage._share_cuda_()`` gives the cudaIpcMemHandle of
-    the caching allocator's block holding the storage and the storage's
-    offset in it. The allocation size reported is the end of the storage,
-    which is all the daemon needs for its bounds checks."""
-    storage = t.untyped_storage()
-    shared = storage._share_cuda_()
-    device, handle, size_bytes, offset_bytes = shared[0], shared[1], shared[2], shared[3]
-    tensor_off = int(t.data_ptr()) - int(storage.data_ptr())
-    return bytes(handle), int(device), int(offset_bytes) + tensor_off, int(offset_bytes) + int(size_bytes)
+def torch_cuda_exporter(t: Any) -> tuple[bytes, int, int, int, bytes]:
+    """Exports one torch CUDA tensor (see :class:`kvoffload.cuda_ipc.TorchCudaExporter`,
+    which regions_from_kv_caches uses, once per storage)."""
+    return TorchCudaExporter()(t)
 
 
 @dataclass
@@ -207,7 +202,8 @@ def regions_from_kv_caches(
     region_layers: list[str] = []
     seen: set[tuple] = set()
     device_kind = None
-    exported: dict[int, tuple[bytes, int, int, int]] = {}
+    exporter = cuda_exporter or TorchCudaExporter()
+    exported: dict[int, tuple] = {}
     for name in names:
         g = int(layer_groups[name])
         for ti, t in enumerate(_tensors_of(kv_caches[name])):
@@ -226,15 +222,17 @@ def regions_from_kv_caches(
                     continue
                 seen.add(key)
                 if kind == "cuda":
-                    exporter = cuda_exporter or torch_cuda_exporter
-                    handle, device, t_off, alloc = exported.setdefault(id(t), exporter(t))
+                    if id(t) not in exported:
+                        exported[id(t)] = tuple(exporter(t))
+                    handle, device, t_off, alloc = exported[id(t)][:4]
+                    uuid = exported[id(t)][4] if len(exported[id(t)]) > 4 else b""
                     off = t_off + geo.offset
                     span = off + (num_blocks - 1) * geo.block_stride + geo.nbytes
                     if span > alloc:
                         raise LayoutError(f"{label}: blocks reach byte {span} of an exported allocation of {alloc}")
                     region = Region.cuda(
                         handle, device=device, alloc_size=alloc, offset=off,
-                        block_stride=geo.block_stride, num_blocks=num_blocks,
+                        block_stride=geo.block_stride, num_blocks=num_blocks, device_uuid=uuid,
                     )
                 elif kind == "cpu":
                     loc = shm_locator(addr)

@@ -106,6 +106,7 @@ class Region:
     cuda_handle: bytes | None = None
     cuda_device: int = 0
     cuda_alloc_size: int = 0
+    cuda_device_uuid: bytes = b""
 
     @classmethod
     def shm(cls, path: str, *, offset: int = 0, block_stride: int, num_blocks: int) -> "Region":
@@ -114,10 +115,20 @@ class Region:
 
     @classmethod
     def cuda(
-        cls, handle: bytes, *, device: int, alloc_size: int, offset: int = 0, block_stride: int, num_blocks: int
+        cls,
+        handle: bytes,
+        *,
+        device: int,
+        alloc_size: int,
+        offset: int = 0,
+        block_stride: int,
+        num_blocks: int,
+        device_uuid: bytes = b"",
     ) -> "Region":
-        """Device memory exported as a 64-byte cudaIpcMemHandle_t; ``offset`` is
-        from the start of the exported allocation, ``alloc_size`` its size."""
+        """Device memory exported as a 64-byte cudaIpcMemHandle_t (or PyTorch's
+        66-byte form of it); ``offset`` is from the start of the exported
+        allocation, ``alloc_size`` its size; ``device_uuid`` (16 bytes) names
+        the device whatever this process's CUDA_VISIBLE_DEVICES."""
         return cls(
             offset=offset,
             block_stride=block_stride,
@@ -125,6 +136,7 @@ class Region:
             cuda_handle=bytes(handle),
             cuda_device=device,
             cuda_alloc_size=alloc_size,
+            cuda_device_uuid=bytes(device_uuid),
         )
 
 

@@ -318,11 +318,20 @@ func (x *Layout) GetSegments() []*Segment {
 // A CUDA IPC memory handle as PyTorch's caching allocator exports it.
 type CudaIpcMemory struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The 64-byte cudaIpcMemHandle_t.
+	// The 64-byte cudaIpcMemHandle_t, or PyTorch's shareable form of it as
+	// UntypedStorage._share_cuda_() returns it (66 bytes: a version byte, the
+	// type byte 'c', the handle). PyTorch's expandable segments cannot be
+	// opened and are refused.
 	Handle []byte `protobuf:"bytes,1,opt,name=handle,proto3" json:"handle,omitempty"`
-	Device int32  `protobuf:"varint,2,opt,name=device,proto3" json:"device,omitempty"`
+	// The device ordinal as the client's process numbers it. Ordinals differ
+	// between processes with different CUDA_VISIBLE_DEVICES: set device_uuid.
+	Device int32 `protobuf:"varint,2,opt,name=device,proto3" json:"device,omitempty"`
 	// Size in bytes of the exported allocation.
-	AllocSize     uint64 `protobuf:"varint,3,opt,name=alloc_size,json=allocSize,proto3" json:"alloc_size,omitempty"`
+	AllocSize uint64 `protobuf:"varint,3,opt,name=alloc_size,json=allocSize,proto3" json:"alloc_size,omitempty"`
+	// The device's 16-byte UUID (cuDeviceGetUuid_v2; torch:
+	// get_device_properties(d).uuid.bytes). When set it names the device and
+	// device is ignored; the daemon also checks the memory is on it.
+	DeviceUuid    []byte `protobuf:"bytes,4,opt,name=device_uuid,json=deviceUuid,proto3" json:"device_uuid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -376,6 +385,13 @@ func (x *CudaIpcMemory) GetAllocSize() uint64 {
 		return x.AllocSize
 	}
 	return 0
+}
+
+func (x *CudaIpcMemory) GetDeviceUuid() []byte {
+	if x != nil {
+		return x.DeviceUuid
+	}
+	return nil
 }
 
 // A piece of engine KV memory. Engine block b of this region starts at
@@ -1075,8 +1091,12 @@ type TransferRequest struct {
 	// Wait for every job to finish and return the results here instead of
 	// through Completions.
 	Wait bool `protobuf:"varint,3,opt,name=wait,proto3" json:"wait,omitempty"`
-	// CUDA build: an IPC event handle recorded by the engine after the kernels
-	// that wrote the blocks; store copies wait for it.
+	// CUDA build: a 64-byte IPC event handle the engine recorded on its
+	// compute stream before this call. The copies of the request wait until
+	// it has completed: a Store's until the kernels that wrote its blocks are
+	// done, a Load's until the kernels still reading its destination blocks
+	// (a preempted request's forward) are done. A job whose event does not
+	// complete within the daemon's --cuda-ready-timeout fails (DMA_ERROR).
 	ReadyEvent    []byte `protobuf:"bytes,4,opt,name=ready_event,json=readyEvent,proto3" json:"ready_event,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1890,12 +1910,14 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x06Layout\x12\x1d\n" +
 	"\n" +
 	"hash_bytes\x18\x01 \x01(\rR\thashBytes\x121\n" +
-	"\bsegments\x18\x02 \x03(\v2\x15.kvoffload.v1.SegmentR\bsegments\"^\n" +
+	"\bsegments\x18\x02 \x03(\v2\x15.kvoffload.v1.SegmentR\bsegments\"\x7f\n" +
 	"\rCudaIpcMemory\x12\x16\n" +
 	"\x06handle\x18\x01 \x01(\fR\x06handle\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\x05R\x06device\x12\x1d\n" +
 	"\n" +
-	"alloc_size\x18\x03 \x01(\x04R\tallocSize\"\xbc\x01\n" +
+	"alloc_size\x18\x03 \x01(\x04R\tallocSize\x12\x1f\n" +
+	"\vdevice_uuid\x18\x04 \x01(\fR\n" +
+	"deviceUuid\"\xbc\x01\n" +
 	"\x06Region\x12\x1b\n" +
 	"\bshm_path\x18\x01 \x01(\tH\x00R\ashmPath\x121\n" +
 	"\x04cuda\x18\x02 \x01(\v2\x1b.kvoffload.v1.CudaIpcMemoryH\x00R\x04cuda\x12\x16\n" +
