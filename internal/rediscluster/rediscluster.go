@@ -117,6 +117,7 @@ func Start(ctx context.Context, opt Options) (*Cluster, error) {
 		}
 		c.dir, c.ownDir = d, true
 	}
+	acquireSpawner() // released by Close
 	ok := false
 	defer func() {
 		if !ok {
@@ -284,7 +285,7 @@ func (n *Node) start() error {
 	cmd := exec.Command(n.c.opt.Server, filepath.Join(n.dir, "redis.conf"))
 	cmd.Dir = n.dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	if err := start(cmd); err != nil {
 		return fmt.Errorf("start %s: %w", n.c.opt.Server, err)
 	}
 	n.cmd = cmd
@@ -459,6 +460,7 @@ func (c *Cluster) Close() error {
 		return nil
 	}
 	c.closed = true
+	defer releaseSpawner()
 	for _, n := range c.nodes {
 		n.mu.Lock()
 		cmd, exited := n.cmd, n.exited

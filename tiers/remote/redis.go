@@ -108,6 +108,13 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 func (r *Redis) route(ctx context.Context, keys []string) (addrs []string, skip []bool) {
 	addrs = make([]string, len(keys))
 	skip = make([]bool, len(keys))
+	if r.br.open(anyNode) {
+		// No node answered moments ago, not even for the slot map.
+		for i := range keys {
+			addrs[i], skip[i] = anyNode, true
+		}
+		return addrs, skip
+	}
 	for i, k := range keys {
 		c, err := r.cc.MasterForKey(ctx, k)
 		if err != nil {
@@ -119,14 +126,22 @@ func (r *Redis) route(ctx context.Context, keys []string) (addrs []string, skip 
 	return addrs, skip
 }
 
+// anyNode stands in the breaker for the whole cluster when the client
+// could not even learn which node serves a key (every seed unreachable):
+// a network that drops packets must not cost every batch the timeout.
+const anyNode = "cluster"
+
 // settle trips the breaker of every node that timed out or refused, and
 // resets it for every node that answered.
 func (r *Redis) settle(addrs []string, skip []bool, errs func(i int) error) {
 	failed := map[string]bool{}
 	answered := map[string]bool{}
 	for i, a := range addrs {
-		if skip[i] || a == "" {
+		if skip[i] {
 			continue
+		}
+		if a == "" {
+			a = anyNode // unplaced: what happened says something of the cluster
 		}
 		err := errs(i)
 		switch k := ErrorKind(err); {
@@ -143,6 +158,9 @@ func (r *Redis) settle(addrs []string, skip []bool, errs func(i int) error) {
 		if !failed[a] {
 			r.br.reset(a)
 		}
+	}
+	if len(answered) > 0 {
+		r.br.reset(anyNode)
 	}
 }
 
@@ -315,6 +333,9 @@ func (r *Redis) Ping(ctx context.Context) error {
 		r.br.reset(addr)
 		return nil
 	})
+	if err == nil {
+		r.br.reset(anyNode)
+	}
 	return unavailable(err)
 }
 

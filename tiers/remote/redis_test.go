@@ -452,6 +452,11 @@ func TestRedisDownAtStart(t *testing.T) {
 			t.Fatalf("key %d with the cluster down: %v", i, h)
 		}
 	}
+	// No node answered, not even for the slot map: the next batch does
+	// not try again until the back-off ends or a ping gets through.
+	if err := r.Exists(ctx, keys, have); !errors.Is(err, ErrNodeBackoff) {
+		t.Fatalf("second exists with the cluster down: %v, want ErrNodeBackoff", err)
+	}
 	for _, n := range c.Nodes() {
 		if err := n.Start(ctx); err != nil {
 			t.Fatal(err)
