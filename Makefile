@@ -9,26 +9,38 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench run test test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image
 
 all: build
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o bin/kvoffloadd ./cmd/kvoffloadd
+	$(GO) build -o bin/kvoffload-health ./cmd/kvoffload-health
 	$(GO) build -o bin/kvbench ./bench/cmd/kvbench
 
 # The engine-shaped benchmark (docs/benchmarks.md); --quick is under a minute.
 kvbench: build
 	./bin/kvbench --quick
 
+# A restart on a full 4 GiB disk tier: start to SERVING and the background
+# recovery against a raw sequential read of the same file (docs/benchmarks.md).
+kvbench-restart: build
+	./bin/kvbench --scenarios restart --redis-server none
+
 run: build
 	./bin/kvoffloadd
 
-# Everything: go vet, every Go test under the race detector, the admission
-# policy's tests without it (the race detector drops the policy's pooled
-# access buffers on purpose; see e2e/race_test.go), the Python client and
-# connector against the real daemon, and the CUDA build's compile check.
-test: vet test-go test-policy test-python cuda-check
+# Everything: first the Debian packages the tests need (installed when
+# missing: scripts/test-deps.sh), then go vet, every Go test under the race
+# detector (deploy/ included: the systemd unit, Kubernetes manifests, image,
+# dashboard and alert rules), the admission policy's tests without it (the
+# race detector drops the policy's pooled access buffers on purpose; see
+# e2e/race_test.go), the Python client and connector against the real
+# daemon, and the CUDA build's compile check.
+test: deps vet test-go test-policy test-python cuda-check
+
+deps:
+	./scripts/test-deps.sh
 
 test-go:
 	$(GO) test -race -count=1 ./...
@@ -75,6 +87,15 @@ gpu-check:
 GPU_BUNDLE ?= dist/kvoffloadd-gpu-bundle
 gpu-bundle:
 	./scripts/gpucheck/bundle.sh $(GPU_BUNDLE)
+
+# An OCI image of the static daemon and its health probe, written without
+# pulling a base image (deploy/image): bin/kvoffloadd-image.tar, which
+# `docker load`, `podman load` and `skopeo copy oci-archive:` take.
+# IMAGE_ARCH cross-builds (amd64, arm64). See docs/operations.md, Deploying.
+IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
+IMAGE_TAG  ?= kvoffloadd:$(VERSION)
+image:
+	$(GO) run ./deploy/image --arch $(IMAGE_ARCH) --tag $(IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-image.tar
 
 clean:
 	rm -rf bin dist

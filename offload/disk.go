@@ -6,8 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sort"
-	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -103,9 +101,12 @@ func decodeMeta(b []byte) ([]byte, layout.Layout, error) {
 	return m.Fingerprint, l, nil
 }
 
-// openDisk opens the disk tier, brings back the namespaces of its catalog
-// and the blocks of its files, and starts the demoter.
+// openDisk opens the disk tier, brings back the namespaces of its catalog,
+// starts the recovery of the blocks of its files and the demoter.
 func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Registerer) error {
+	// With "kvoffloadd serving", this line brackets what the disk tier
+	// adds to the start (kvbench's restart scenario reads both).
+	s.log.Info("opening the disk tier", "dirs", cfg.Dirs)
 	cfg.Logger = s.log
 	cfg.Registerer = reg
 	cfg.Evict = s.onDiskEvict
@@ -120,51 +121,13 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	s.dm = newDiskMetrics(reg)
 	s.demotions = make(chan *demotion, demotionQueue)
 
-	catalog := t.Namespaces()
-	digests := make([][32]byte, 0, len(catalog))
-	for d := range catalog {
-		digests = append(digests, d)
-	}
-	sort.Slice(digests, func(i, j int) bool { return string(digests[i][:]) < string(digests[j][:]) })
-	byDigest := map[[32]byte]*Namespace{}
-	for _, d := range digests {
-		fp, l, err := decodeMeta(catalog[d])
-		if err != nil || digestOf(fp) != d {
-			s.log.Error("disk tier: a namespace in the catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
-			continue
-		}
-		ns, err := s.newNamespaceLocked(fp, l)
-		if err != nil {
-			s.log.Error("disk tier: a namespace in the catalog does not fit this daemon; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
-			continue
-		}
-		byDigest[d] = ns
-	}
-	start := time.Now()
-	n := 0
-	err = t.Recover(func(r disk.Recovered) (index.Key, bool) {
-		ns := byDigest[r.NS]
-		if ns == nil || r.Group >= ns.Layout.NumGroups() || r.HashLen != ns.Layout.HashBytes || r.PayloadLen != ns.Layout.PayloadBytes(r.Group) {
-			return index.Key{}, false
-		}
-		k := makeKey(ns.ID, r.Group, r.Hash[:r.HashLen])
-		ok := false
-		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-			if found {
-				return true
-			}
-			e.State, e.Disk, ok = index.Ready, r.Slot, true
-			return true
-		})
-		if ok {
-			n++
-		}
-		return k, ok
-	})
-	if err != nil {
+	// Serve at once: the blocks of the files come online in the
+	// background (recover.go).
+	if err := s.startRecovery(t); err != nil {
+		t.Close()
+		s.disk = nil
 		return fmt.Errorf("disk tier recovery: %w", err)
 	}
-	s.log.Info("disk tier: index rebuilt from the slot files", "blocks", n, "namespaces", len(byDigest), "took", time.Since(start).Round(time.Millisecond))
 	s.staging = make(chan stageReq, demotionQueue)
 	s.reaper.Add(2)
 	go s.demoter()
@@ -385,13 +348,14 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 }
 
 // releaseWritten lets go of a disk slot a demotion wrote but did not
-// attach, and of the writer's pin on it: quarantined if the device returned
-// EIO (a bad spot), erased if the write went through (so the block does not
-// come back at a restart; the pin passes to the erase), free otherwise
-// (ENOSPC, a refused or cancelled write: no header was written).
+// attach, and of the writer's pin on it: quarantined if the device failed
+// the slot's own write (a bad spot: disk.ShouldQuarantine), erased if the
+// write went through (so the block does not come back at a restart; the pin
+// passes to the erase), free otherwise (ENOSPC, a chunk map that could not
+// be saved, a refused or cancelled write: no header was written).
 func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	switch {
-	case err != nil && errors.Is(err, syscall.EIO):
+	case err != nil && disk.ShouldQuarantine(err):
 		s.disk.Quarantine(dslot)
 		s.disk.Unpin(dslot)
 	case err == nil:
@@ -443,11 +407,19 @@ func (s *Service) onDiskEvict(k index.Key) {
 }
 
 // onDiskReject runs for a key the disk policy declined: its demotion or
-// write-through stops before taking a slot.
+// write-through stops before taking a slot; a block recovery brought back
+// (on disk, no write in flight: Learn) leaves the disk, since the policy
+// will never evict what it does not track.
 func (s *Service) onDiskReject(k index.Key) {
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		if found && e.Disk == index.NoSlot {
+		switch {
+		case !found:
+		case e.Disk == index.NoSlot:
 			e.Flags &^= index.DiskWriting
+		case e.Flags&index.DiskWriting == 0:
+			s.disk.Release(e.Disk)
+			e.Disk = index.NoSlot
+			return e.Holds()
 		}
 		return found
 	})

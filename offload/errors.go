@@ -1,6 +1,10 @@
 package offload
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+	"syscall"
+)
 
 // Sentinel errors. Every error the Service returns wraps one of these (or
 // dma.ErrBadRegion / dma.ErrNoCUDA); rpc/server maps them to gRPC codes.
@@ -25,4 +29,32 @@ var (
 	ErrLimit = errors.New("limit reached")
 	// ErrShuttingDown: the daemon is stopping and takes no new work.
 	ErrShuttingDown = errors.New("daemon is shutting down")
+
+	// The disk tier could not record what a call needed recorded (the
+	// namespace catalog of a Register): the disk's fault, not the
+	// caller's. storageError sorts an error into one of these.
+
+	// ErrDiskFull: the disk tier's directory is out of space or quota
+	// (ENOSPC, EDQUOT).
+	ErrDiskFull = errors.New("disk tier out of space")
+	// ErrDiskReadOnly: the disk tier's directory refuses writes (a
+	// read-only filesystem, permissions): nothing will succeed there until
+	// an operator fixes it.
+	ErrDiskReadOnly = errors.New("disk tier directory not writable")
+	// ErrDiskFailed: the disk tier's device failed the write (EIO and any
+	// other error); a retry may succeed.
+	ErrDiskFailed = errors.New("disk tier I/O failed")
 )
+
+// storageError wraps a failure of the disk tier's files with the sentinel
+// that says what kind of failure it is.
+func storageError(err error) error {
+	switch {
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		return fmt.Errorf("%w: %w", ErrDiskFull, err)
+	case errors.Is(err, syscall.EROFS), errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
+		return fmt.Errorf("%w: %w", ErrDiskReadOnly, err)
+	default:
+		return fmt.Errorf("%w: %w", ErrDiskFailed, err)
+	}
+}

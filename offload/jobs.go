@@ -508,7 +508,7 @@ func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
 		}
 		if st == IOError || st == Corrupt {
 			if e.Disk == rd.dslot {
-				if st == IOError {
+				if disk.ShouldQuarantine(err) {
 					s.disk.Quarantine(e.Disk)
 				} else {
 					s.disk.Release(e.Disk)

@@ -118,7 +118,6 @@ type remoteRead struct {
 
 const fetchQueue = 4096
 
-
 // healthEvery is how often the remote tier checks that every store node
 // answers (for the kvoffload_remote_up metric and the log).
 const healthEvery = 2 * time.Second

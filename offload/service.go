@@ -178,6 +178,7 @@ type Service struct {
 		sync.Mutex
 		byKey map[index.Key]*demotion
 	}
+	rec    recovery // the disk tier's recovery (recover.go)
 	linger time.Duration
 
 	rem *remoteTier // nil without a remote tier
@@ -224,6 +225,9 @@ type Namespace struct {
 	diskClasses []*slots.Class // disk tier, per group; nil without one
 	regs        int            // guarded by Service.mu
 	idleSince   time.Time      // guarded by Service.mu: when regs last reached 0
+	// recovering: brought back from the disk tier's catalog, whose
+	// recovery may still file blocks of it (guarded by Service.mu).
+	recovering bool
 
 	remote remoteNS // the remote tier's name for it
 }
@@ -279,6 +283,9 @@ func New(cfg Config) (*Service, error) {
 			t.Close()
 			return nil, fmt.Errorf("disk tier: %w", err)
 		}
+	} else {
+		s.rec.done = make(chan struct{})
+		close(s.rec.done)
 	}
 	if cfg.Remote != nil {
 		s.openRemote(*cfg.Remote, cfg.Registerer)
@@ -406,7 +413,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 			// rather than cache what the disk cannot name.
 			s.dropNamespaceLocked(ns)
 			closeAll()
-			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", err)
+			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", storageError(err))
 		}
 	}
 	ns.regs++
@@ -524,7 +531,7 @@ func (s *Service) sweepNamespacesLocked(now bool) {
 	}
 	t := time.Now()
 	for _, ns := range s.mu.byID {
-		if ns.regs > 0 || (!now && t.Sub(ns.idleSince) < s.linger) {
+		if ns.regs > 0 || ns.recovering || (!now && t.Sub(ns.idleSince) < s.linger) {
 			continue
 		}
 		// New entries of ns need a registration of ns (a store) or the
@@ -782,6 +789,20 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	n, hb := 0, nss[0].Layout.HashBytes
+	if keys != nil {
+		if n, err = keys.count(hb, s.lim.MaxKeysPerLookup, "keys"); err != nil {
+			return 0, err
+		}
+		for _, ns := range nss {
+			if keys.Group >= uint32(len(ns.classes)) {
+				return 0, fmt.Errorf("%w: keys.group %d, namespace %d has %d groups", ErrInvalid, keys.Group, ns.ID, len(ns.classes))
+			}
+		}
+	}
+	// Before any entry goes: copies the disk tier's recovery has not
+	// reached yet must not come back after this call (recover.go).
+	s.rec.invalidating(nss, keys)
 	var dropped []index.Key
 	if keys == nil {
 		want := map[uint32]bool{}
@@ -797,16 +818,6 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			return false
 		})
 	} else {
-		hb := nss[0].Layout.HashBytes
-		n, err := keys.count(hb, s.lim.MaxKeysPerLookup, "keys")
-		if err != nil {
-			return 0, err
-		}
-		for _, ns := range nss {
-			if keys.Group >= uint32(len(ns.classes)) {
-				return 0, fmt.Errorf("%w: keys.group %d, namespace %d has %d groups", ErrInvalid, keys.Group, ns.ID, len(ns.classes))
-			}
-		}
 		for _, ns := range nss {
 			for i := 0; i < n; i++ {
 				k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
@@ -991,12 +1002,16 @@ func (s *Service) evictRange(tier string, sp *slots.Space, lo, hi slots.SlotID, 
 	s.c.evictions.Add(uint64(len(dropped)))
 }
 
-// BeginShutdown refuses new work from now on.
+// BeginShutdown refuses new work from now on, and tells the disk tier's
+// recovery to stop after the reads in flight (Close waits for that).
 func (s *Service) BeginShutdown() {
 	s.mu.Lock()
 	s.mu.closing = true
 	s.mu.Unlock()
 	s.closingOnce.Do(func() { close(s.closing) })
+	if s.disk != nil {
+		s.disk.StopRecovery()
+	}
 }
 
 // Drain waits until every accepted job has finished, or ctx ends.

@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 )
 
 // counters mirror the Prometheus metrics Stats reports over the API.
@@ -31,6 +32,9 @@ type Stats struct {
 	Tiers                                                                    []TierStats
 	Namespaces                                                               []NamespaceStats
 	Lookups, LookupHits, BlocksStored, BlocksLoaded, BlocksFailed, Evictions uint64
+	// DiskRecovery is the disk tier's recovery of its files; nil without
+	// a disk tier.
+	DiskRecovery *disk.RecoveryStats
 }
 
 // Stats counts blocks per namespace (a walk of the index: not for hot paths).
@@ -48,6 +52,8 @@ func (s *Service) Stats() Stats {
 	if s.disk != nil {
 		used, blocks := s.disk.Usage()
 		st.Tiers = append(st.Tiers, TierStats{Name: "disk", CapacityBytes: s.disk.Capacity(), UsedBytes: used, Blocks: blocks})
+		r := s.disk.Recovery()
+		st.DiskRecovery = &r
 	}
 	perNS := map[uint32]uint64{}
 	s.ix.Range(func(k *index.Key, e *index.Entry) bool {

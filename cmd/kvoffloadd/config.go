@@ -29,6 +29,7 @@ type config struct {
 	ioWorkers       int
 	shmDir          string
 	metricsAddr     string
+	metricsExpose   bool
 	logLevel        slog.Level
 	logFormat       string
 	shutdownTimeout time.Duration
@@ -166,6 +167,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena.")
 	fs.StringVar(&c.shmDir, "shm-dir", c.shmDir, "the only directory clients may register region files from.")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", c.metricsAddr, "loopback host:port serving Prometheus metrics on /metrics; empty disables.")
+	fs.BoolVar(&c.metricsExpose, "metrics-expose", false, "let --metrics-addr listen beyond loopback (e.g. :9464 in a Kubernetes pod, for Prometheus to scrape). Metrics hold counts, sizes and latencies, never keys or block bytes.")
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
 	fs.StringVar(&c.logFormat, "log-format", c.logFormat, "log format on stderr: text or json.")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM, SIGINT or SIGHUP, the longest the daemon takes to exit: in-flight jobs and calls may finish until then; past it connections are closed and the daemon exits even with copies still running (their jobs are never reported done, so the engine recomputes those blocks).")
@@ -177,7 +179,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.maxConnections, "max-connections", c.maxConnections, "client connections open at once; a connection past it is closed at accept (the client sees UNAVAILABLE).")
 	fs.IntVar(&c.maxConnectionsPerUID, "max-connections-per-uid", c.maxConnectionsPerUID, "client connections open at once per client uid; a connection past it is closed at accept.")
 	fs.Var(byteSize{&c.maxInflightRequestBytes}, "max-inflight-request-bytes", "request bytes being received or handled at once over all connections (each request books the largest request size until it is decoded; one client uid may hold a quarter); a request that finds none free waits up to 30s, then gets RESOURCE_EXHAUSTED.")
-	fs.Func("disk-dir", "directory of a disk-tier slot file; repeat to stripe across NVMe devices. Without it the daemon has no disk tier.", func(v string) error {
+	fs.Func("disk-dir", "directory of a disk-tier slot file; repeat to stripe across NVMe devices. Without it the daemon has no disk tier. One daemon per directory (it is locked). At start the daemon serves at once and brings back what the files hold in the background (Stats disk_recovery).", func(v string) error {
 		c.diskDirs = append(c.diskDirs, v)
 		return nil
 	})
@@ -187,7 +189,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.diskDirect, "disk-direct", c.diskDirect, "O_DIRECT for the slot files: require (refuse to start where a --disk-dir's filesystem refuses it) or fallback (use the page cache there, with a warning).")
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
-	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once they are recovered (see docs/faults.md).")
+	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once their background recovery has ended (see docs/faults.md).")
 	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
@@ -233,8 +235,10 @@ func (c *config) validate() error {
 	if c.metricsAddr != "" {
 		host, _, err := net.SplitHostPort(c.metricsAddr)
 		ip := net.ParseIP(host)
-		if err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
-			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464 (metrics are not served beyond this host)", c.metricsAddr)
+		if err != nil {
+			bad("--metrics-addr %q: want host:port", c.metricsAddr)
+		} else if !c.metricsExpose && host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464, or add --metrics-expose to serve metrics beyond this host", c.metricsAddr)
 		}
 	}
 	if c.logFormat != "text" && c.logFormat != "json" {

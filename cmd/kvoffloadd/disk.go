@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -18,8 +19,9 @@ import (
 // nil when there is no --disk-dir.
 //
 // The fault plan is paused while the daemon recovers its files; the
-// returned start turns it on once recovery is over (the plan is for
-// runtime faults, not for losing the cache at start).
+// returned start turns it on (faultsAfterRecovery calls it once recovery
+// is over: the plan is for runtime faults, not for losing the cache at
+// start).
 func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dc *disk.Config, start func(), err error) {
 	start = func() {}
 	if len(cfg.diskDirs) == 0 {
@@ -71,5 +73,41 @@ func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dc *d
 	if cfg.diskReset {
 		log.Warn("--disk-reset: the disk tier starts empty; what its files held is discarded")
 	}
+	if testHookDiskFS != nil {
+		fs := dc.FS
+		if fs == nil {
+			fs = vfs.Default
+		}
+		dc.FS = testHookDiskFS(fs)
+	}
 	return dc, start, nil
+}
+
+// testHookDiskFS, set only by this package's tests, wraps the disk tier's
+// filesystem (to hold recovery in the middle and kill the process there).
+var testHookDiskFS func(vfs.FS) vfs.FS
+
+// faultsAfterRecovery calls start once recovered is closed (the disk
+// tier's recovery ran in the background while the daemon served), unless
+// stop comes first. The returned func stops waiting and waits for the
+// goroutine; call it at shutdown.
+func faultsAfterRecovery(recovered <-chan struct{}, start func()) (stop func()) {
+	quit, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		select {
+		case <-recovered:
+			select {
+			case <-quit:
+			default:
+				start()
+			}
+		case <-quit:
+		}
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() { close(quit) })
+		<-done
+	}
 }

@@ -122,8 +122,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		copier.Close()
 		return err
 	}
-	startFaults()
+	stopFaults := faultsAfterRecovery(svc.DiskRecovered(), startFaults)
 	closeAll := func() error {
+		stopFaults()
 		return errors.Join(svc.Close(), copier.Close())
 	}
 

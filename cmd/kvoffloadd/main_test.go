@@ -32,7 +32,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-log-level", "-log-format", "-shutdown-timeout", "-version",
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
 		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes"} {
@@ -56,6 +56,8 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--io-workers", "0"}, "--io-workers 0"},
 		{[]string{"--shm-dir", "/nonexistent"}, "--shm-dir"},
 		{[]string{"--metrics-addr", "0.0.0.0:9464"}, "loopback"},
+		{[]string{"--metrics-addr", ":9464"}, "--metrics-expose"},
+		{[]string{"--metrics-addr", "9464", "--metrics-expose"}, "want host:port"},
 		{[]string{"--log-level", "chatty"}, "--log-level"},
 		{[]string{"--log-format", "xml"}, "--log-format"},
 		{[]string{"--shutdown-timeout", "-1s"}, "--shutdown-timeout"},
@@ -84,6 +86,18 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 				t.Fatalf("got %v, want an error containing %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestMetricsExpose: a non-loopback --metrics-addr is taken only with
+// --metrics-expose (deploy/deploy_test.go scrapes a daemon started so).
+func TestMetricsExpose(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	for _, addr := range []string{":9464", "0.0.0.0:9464", "[::]:9464", "10.1.2.3:9464", "127.0.0.1:9464"} {
+		c, err := parseFlags([]string{"--socket", sock, "--metrics-addr", addr, "--metrics-expose"}, io.Discard)
+		if err != nil || !c.metricsExpose || c.metricsAddr != addr {
+			t.Errorf("--metrics-addr %s --metrics-expose: %v", addr, err)
+		}
 	}
 }
 
@@ -400,6 +414,7 @@ func TestKill9DuringWrites(t *testing.T) {
 
 	os.Remove(sock) // a stale socket, as a killed daemon leaves
 	_, c2, _ := startDaemon(t, bin, args...)
+	waitRecovered(t, c2) // it serves at once; the disk's blocks come online behind
 	reg2, err := c2.Register(ctx, []byte("kill9"), m.Layout(), m.Regions(r), "test")
 	if err != nil {
 		t.Fatal(err)

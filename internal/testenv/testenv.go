@@ -56,9 +56,14 @@ type Options struct {
 	DiskDirs       []string
 	DiskBytes      uint64 // per dir; default 64MiB
 	DiskChunkBytes uint64 // default 4MiB
-	DiskFS         vfs.FS // e.g. an errorfs; default the OS
+	DiskFS         vfs.FS // e.g. an errorfs or a GateFS; default the OS
 	WriteThrough   bool
 	DiskReset      bool
+	// Recovering makes Start return as soon as the daemon serves, while
+	// the disk tier may still be recovering its files in the background.
+	// By default Start waits until recovery has ended, so a test sees
+	// what the disk held.
+	Recovering bool
 
 	// Remote, when set, adds the remote tier (the daemon closes its store).
 	Remote *offload.RemoteConfig
@@ -156,6 +161,9 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		d.Stop(t)
 		os.RemoveAll(dir)
 	})
+	if !o.Recovering {
+		<-svc.DiskRecovered()
+	}
 	return d, nil
 }
 

@@ -244,6 +244,16 @@ func toStatus(err error) error {
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
+	// The disk's faults, by codes.go's litmus test: out of space is
+	// RESOURCE_EXHAUSTED ("the entire file system is out of space"); a
+	// directory that refuses writes will not accept a retry until someone
+	// fixes it, FAILED_PRECONDITION; a device error may pass, UNAVAILABLE.
+	case errors.Is(err, offload.ErrDiskFull):
+		code = codes.ResourceExhausted
+	case errors.Is(err, offload.ErrDiskReadOnly):
+		code = codes.FailedPrecondition
+	case errors.Is(err, offload.ErrDiskFailed):
+		code = codes.Unavailable
 	case errors.Is(err, context.Canceled):
 		code = codes.Canceled
 	case errors.Is(err, context.DeadlineExceeded):
@@ -440,6 +450,11 @@ func (s *Server) Stats(ctx context.Context, req *pb.StatsRequest) (*pb.StatsResp
 	}
 	for _, n := range st.Namespaces {
 		out.Namespaces = append(out.Namespaces, &pb.NamespaceStats{NamespaceId: n.ID, Fingerprint: n.Fingerprint, Registrations: uint32(n.Registrations), Blocks: n.Blocks})
+	}
+	if r := st.DiskRecovery; r != nil {
+		out.DiskRecovery = &pb.DiskRecovery{State: pb.RecoveryState(r.State), SlotsTotal: r.SlotsTotal, SlotsScanned: r.SlotsScanned,
+			BytesTotal: r.BytesTotal, BytesScanned: r.BytesScanned, BlocksRecovered: r.Blocks, BadSlots: r.Bad,
+			ElapsedMs: uint64(r.Elapsed.Milliseconds())}
 	}
 	return out, nil
 }

@@ -2,6 +2,7 @@ package cpu
 
 import (
 	"fmt"
+	"log/slog"
 
 	"golang.org/x/sys/unix"
 
@@ -22,11 +23,17 @@ type Tier struct {
 	*slots.Space
 	mem    []byte
 	locked bool
+
+	stopPopulate chan struct{}
+	populated    chan struct{} // closed when populate has returned
 }
 
 // New maps the arena and returns the tier.
 func New(cfg Config) (*Tier, error) {
 	cfg.Name = "cpu"
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
 	if cfg.ChunkBytes == 0 {
 		cfg.ChunkBytes = slots.DefaultChunkBytes(cfg.Bytes)
 	}
@@ -39,8 +46,17 @@ func New(cfg Config) (*Tier, error) {
 		sp.Close()
 		return nil, err
 	}
-	return &Tier{Space: sp, mem: mem, locked: locked}, nil
+	t := &Tier{Space: sp, mem: mem, locked: locked, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
+	go func() {
+		defer close(t.populated)
+		populate(mem, t.stopPopulate, cfg.Logger)
+	}()
+	return t, nil
 }
+
+// Populated is closed once the arena is backed by memory (or populating
+// it stopped: Close, or a kernel or host that cannot).
+func (t *Tier) Populated() <-chan struct{} { return t.populated }
 
 // Mem is the arena. Slot s starts at Mem()[Offset(s)].
 func (t *Tier) Mem() []byte { return t.mem }
@@ -60,6 +76,8 @@ func (t *Tier) Close() error {
 	if t.mem == nil {
 		return nil
 	}
+	close(t.stopPopulate)
+	<-t.populated
 	t.Space.Close()
 	err := unix.Munmap(t.mem)
 	t.mem = nil

@@ -8,15 +8,20 @@
 //
 // # Basics
 //
-// Open creates or reopens the files. The tier embeds a slots.Space over
-// the files concatenated (file i holds bytes [i*FileBytes,
-// (i+1)*FileBytes) of the space), so callers allocate, pin and release
-// disk slots as they do CPU slots, with Class(SlotBytes(payload)). Right
-// after Open, before the first Alloc, Recover scans the files and hands
-// back every block found intact. Write, Read and Discard queue a request
-// on the slot's file and return at once; the request's done callback runs
-// on an I/O worker when the transfer has finished (and, for a read, been
-// verified). Close drains the queues.
+// Open creates or reopens the files, after taking each directory's lock
+// (one daemon per directory) and refusing symbolic links where its files
+// go. The tier embeds a slots.Space over the files concatenated (file i
+// holds bytes [i*FileBytes, (i+1)*FileBytes) of the space), so callers
+// allocate, pin and release disk slots as they do CPU slots, with
+// Class(SlotBytes(payload)). Open holds every chunk the chunk maps name;
+// Recover, called right after, scans them in the background (several
+// readers per file, files in parallel) and hands each chunk's intact
+// blocks to the owner, who brings them online, while Allocs are served
+// from the chunks already scanned and the free ones (recover.go). Write,
+// Read and Discard queue a request on the slot's file and return at once;
+// the request's done callback runs on an I/O worker when the transfer has
+// finished (and, for a read, been verified). Close stops recovery and
+// drains the queues.
 //
 // # What a read promises
 //
@@ -29,10 +34,10 @@
 //
 // # Caveats
 //
-// Linux only (O_DIRECT, fallocate). Callers keep a slot pinned while a
-// request on it is queued: two requests on one slot at once (a Discard
-// racing a Write, say) leave the slot's contents unspecified. Recover,
-// once, before any Alloc or Write. Done callbacks run on the I/O workers:
+// Linux only (O_DIRECT, fallocate, flock). Callers keep a slot pinned
+// while a request on it is queued: two requests on one slot at once (a
+// Discard racing a Write, say) leave the slot's contents unspecified.
+// Recover once, right after Open. Done callbacks run on the I/O workers:
 // they must not block on work that needs a worker, and must not call
 // Close.
 package disk

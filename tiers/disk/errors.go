@@ -1,15 +1,18 @@
 package disk
 
-import "errors"
+import (
+	"errors"
+	"syscall"
+)
 
 // Errors a request's done callback gets. They wrap the cause (an errno, a
 // slot.Err* sentinel); test them with errors.Is.
 var (
 	// ErrIO means the device failed the transfer: EIO, a short read, a
 	// torn or refused write (ENOSPC included), or a chunk map that could
-	// not be saved before a write. After a failed Read the caller
-	// quarantines the slot (Space.Quarantine): the device may fail it
-	// again. After a failed Write the block is not on disk.
+	// not be saved before a write. After a failed Write the block is not
+	// on disk. Whether the slot itself is to blame (quarantine it) or
+	// not (free it), ShouldQuarantine says.
 	ErrIO = errors.New("disk tier: I/O error")
 
 	// ErrCorrupt means a Read returned, but what it read is not the block
@@ -30,3 +33,19 @@ var (
 	// on the caller's goroutine, before Write, Read or Discard returns.
 	ErrClosed = errors.New("disk tier: closed")
 )
+
+// errSlotDevice marks the ErrIO of a transfer of the slot itself that the
+// device failed, as opposed to a chunk map that could not be saved first.
+var errSlotDevice = errors.New("the device failed the slot's transfer")
+
+// ShouldQuarantine reports whether the slot of a failed Read or Write is to
+// be taken out of use (Space.Quarantine): the device failed the slot's own
+// transfer (EIO, a short read, a torn write), so it may fail it again.
+// Nothing else quarantines a healthy slot: ErrCorrupt (the slot is fine,
+// its bytes are not the block's), ErrClosed, ErrInvalid, a write refused
+// because its chunk map could not be saved (the slot was never written),
+// and ENOSPC on the preallocated file (the filesystem's fault, not the
+// slot's) free the slot instead.
+func ShouldQuarantine(err error) bool {
+	return errors.Is(err, errSlotDevice) && !errors.Is(err, syscall.ENOSPC)
+}

@@ -3,6 +3,7 @@ package disk_test
 import (
 	"errors"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -25,13 +26,15 @@ func TestFaultKinds(t *testing.T) {
 		write bool  // the fault hits writes, not reads
 		want  error // the class of the failures it causes
 		cause error // what the failure wraps
+		// quarantine: the slot is to blame (disk.ShouldQuarantine)
+		quarantine bool
 	}{
-		{errorfs.ReadEIO, errorfs.Plan{ReadEIO: 0.4}, false, disk.ErrIO, syscall.EIO},
-		{errorfs.ShortRead, errorfs.Plan{ShortRead: 0.4}, false, disk.ErrIO, nil},
-		{errorfs.BitFlip, errorfs.Plan{BitFlip: 0.4}, false, disk.ErrCorrupt, nil},
-		{errorfs.WriteEIO, errorfs.Plan{WriteEIO: 0.3}, true, disk.ErrIO, syscall.EIO},
-		{errorfs.TornWrite, errorfs.Plan{TornWrite: 0.3}, true, disk.ErrIO, syscall.EIO},
-		{errorfs.ENOSPC, errorfs.Plan{ENOSPC: 0.3}, true, disk.ErrIO, syscall.ENOSPC},
+		{errorfs.ReadEIO, errorfs.Plan{ReadEIO: 0.4}, false, disk.ErrIO, syscall.EIO, true},
+		{errorfs.ShortRead, errorfs.Plan{ShortRead: 0.4}, false, disk.ErrIO, nil, true},
+		{errorfs.BitFlip, errorfs.Plan{BitFlip: 0.4}, false, disk.ErrCorrupt, nil, false},
+		{errorfs.WriteEIO, errorfs.Plan{WriteEIO: 0.3}, true, disk.ErrIO, syscall.EIO, true},
+		{errorfs.TornWrite, errorfs.Plan{TornWrite: 0.3}, true, disk.ErrIO, syscall.EIO, true},
+		{errorfs.ENOSPC, errorfs.Plan{ENOSPC: 0.3}, true, disk.ErrIO, syscall.ENOSPC, false},
 	}
 	const size = 6 * 4096 // several 4 KiB units, so torn writes and short reads can keep some
 	for _, c := range cases {
@@ -74,6 +77,9 @@ func TestFaultKinds(t *testing.T) {
 				if !c.write || !errors.Is(err, c.want) || !errors.Is(err, errorfs.ErrInjected) || (c.cause != nil && !errors.Is(err, c.cause)) {
 					t.Errorf("write: %v; want %v from an injected %v", err, c.want, c.cause)
 				}
+				if disk.ShouldQuarantine(err) != c.quarantine {
+					t.Errorf("write: %v: ShouldQuarantine = %v", err, !c.quarantine)
+				}
 			}
 			for i, s := range ss {
 				err := readBlock(t, tier, s, bs[i])
@@ -89,6 +95,9 @@ func TestFaultKinds(t *testing.T) {
 					failures++
 					if c.write || !errors.Is(err, c.want) || (c.cause != nil && !errors.Is(err, c.cause)) {
 						t.Errorf("slot %d: Read = %v; want %v", s, err, c.want)
+					}
+					if disk.ShouldQuarantine(err) != c.quarantine {
+						t.Errorf("slot %d: Read = %v: ShouldQuarantine = %v", s, err, !c.quarantine)
 					}
 				}
 			}
@@ -140,7 +149,7 @@ func workload(t *testing.T, fsys vfs.FS) sweepResult {
 	if err := tier.SaveNamespace(testNS, []byte("meta")); err != nil && !errors.Is(err, errorfs.ErrInjected) {
 		t.Errorf("SaveNamespace: %v", err)
 	}
-	err = tier.Recover(func(r disk.Recovered) (index.Key, bool) {
+	_, err = recoverSync(t, tier, func(r disk.Recovered) (index.Key, bool) {
 		t.Errorf("a new tier recovered %+v", r)
 		return index.Key{}, false
 	})
@@ -200,7 +209,10 @@ func workload(t *testing.T, fsys vfs.FS) sweepResult {
 	defer tier.Close()
 	res.opened = true
 	held, quarantined = map[slots.SlotID]block{}, 0
-	err = tier.Recover(func(r disk.Recovered) (index.Key, bool) {
+	var mu sync.Mutex
+	_, err = recoverSync(t, tier, func(r disk.Recovered) (index.Key, bool) {
+		mu.Lock()
+		defer mu.Unlock()
 		b, ok := everWritten[r.Slot]
 		if !ok || keyOf(r) != b.key || r.PayloadLen != b.meta.PayloadLen {
 			// A discard that failed may bring its block back.

@@ -240,17 +240,46 @@ func readBlock(t testing.TB, tier *disk.Tier, s slots.SlotID, b block) error {
 	return err
 }
 
+// recoverSync runs Recover to its end as the offload service would, with
+// key naming blocks: the first verified copy of a key is kept, later ones
+// are declined. It returns the blocks kept, by slot.
+func recoverSync(t testing.TB, tier *disk.Tier, key func(disk.Recovered) (index.Key, bool)) (map[slots.SlotID]disk.Recovered, error) {
+	t.Helper()
+	var mu sync.Mutex
+	got := map[slots.SlotID]disk.Recovered{}
+	byKey := map[index.Key]slots.SlotID{}
+	err := tier.Recover(disk.Recoverer{
+		Key: key,
+		File: func(rs []disk.Recovered, keys []index.Key) []disk.Verdict {
+			mu.Lock()
+			defer mu.Unlock()
+			v := make([]disk.Verdict, len(rs))
+			for i, r := range rs {
+				if _, dup := got[r.Slot]; dup {
+					t.Errorf("slot %d recovered twice", r.Slot)
+				}
+				if _, dup := byKey[keys[i]]; dup {
+					v[i] = disk.Decline
+					continue
+				}
+				got[r.Slot], byKey[keys[i]] = r, r.Slot
+			}
+			return v
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	<-tier.RecoveryDone()
+	mu.Lock()
+	defer mu.Unlock()
+	return got, nil
+}
+
 // recovered runs Recover, accepting every block, and returns them by slot.
 func recovered(t testing.TB, tier *disk.Tier) map[slots.SlotID]disk.Recovered {
 	t.Helper()
-	got := map[slots.SlotID]disk.Recovered{}
-	err := tier.Recover(func(r disk.Recovered) (index.Key, bool) {
-		if _, dup := got[r.Slot]; dup {
-			t.Errorf("slot %d recovered twice", r.Slot)
-		}
-		got[r.Slot] = r
-		return keyOf(r), true
-	})
+	got, err := recoverSync(t, tier, func(r disk.Recovered) (index.Key, bool) { return keyOf(r), true })
 	if err != nil {
 		t.Fatalf("Recover: %v", err)
 	}

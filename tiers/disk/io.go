@@ -57,7 +57,6 @@ type request struct {
 // slot that fails verification. The caller keeps payload unchanged and s
 // pinned until done.
 func (t *Tier) Write(s slots.SlotID, m Meta, payload []byte, done func(error)) {
-	t.wrote.Store(true)
 	t.submit(t.newRequest(opWrite, s, m, payload, done))
 }
 
@@ -245,7 +244,7 @@ func (t *Tier) write(f *file, hdr []byte, r *request) error {
 	if err == nil {
 		err = io.ErrShortWrite
 	}
-	return fmt.Errorf("%w: write slot %d of %s at %d: %w", ErrIO, r.s, f.f.Name(), off, err)
+	return fmt.Errorf("%w: %w: write slot %d of %s at %d: %w", ErrIO, errSlotDevice, r.s, f.f.Name(), off, err)
 }
 
 // nextWrite names a new write.
@@ -342,7 +341,7 @@ func readError(f *file, s slots.SlotID, off int64, n, want int, err error) error
 	if err == nil {
 		err = io.ErrUnexpectedEOF
 	}
-	return fmt.Errorf("%w: read slot %d of %s at %d: %d of %d bytes: %w", ErrIO, s, f.f.Name(), off, n, want, err)
+	return fmt.Errorf("%w: %w: read slot %d of %s at %d: %d of %d bytes: %w", ErrIO, errSlotDevice, s, f.f.Name(), off, n, want, err)
 }
 
 func (t *Tier) discard(f *file, hdr []byte, s slots.SlotID) {

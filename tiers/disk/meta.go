@@ -23,6 +23,35 @@ func slotFileName(i int) string    { return fmt.Sprintf("kvoffload-%d.slots", i)
 func mapFileName(i int) string     { return fmt.Sprintf("kvoffload-%d.chunks", i) }
 func catalogFileName(i int) string { return fmt.Sprintf("kvoffload-%d.namespaces", i) }
 
+// lockFileName is the file each directory's lock is taken on (vfs.FS.Lock).
+const lockFileName = "kvoffload.lock"
+
+// tmpSuffix names the file writeDurably writes before renaming it.
+const tmpSuffix = ".tmp"
+
+// checkFiles refuses a directory where a file the tier keeps is a
+// symbolic link or not a regular file: whoever planted it could make the
+// daemon write through it. Every open refuses links too (vfs); this
+// check makes the refusal come at start, clearly, rather than as a
+// chunk map or catalog that "could not be read" and was quietly replaced.
+func checkFiles(fsys vfs.FS, dir string, i int) error {
+	for _, name := range []string{slotFileName(i), mapFileName(i), catalogFileName(i),
+		mapFileName(i) + tmpSuffix, catalogFileName(i) + tmpSuffix} {
+		path := filepath.Join(dir, name)
+		fi, err := fsys.Stat(path)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+		case err != nil:
+			return fmt.Errorf("disk tier: %w", err)
+		case fi.Mode()&fs.ModeSymlink != 0:
+			return fmt.Errorf("disk tier: %w: %s is a symbolic link; refusing to follow it (remove it, or point --disk-dir elsewhere)", vfs.ErrSymlink, path)
+		case !fi.Mode().IsRegular():
+			return fmt.Errorf("disk tier: %s is not a regular file (%v); refusing to use it", path, fi.Mode().Type())
+		}
+	}
+	return nil
+}
+
 const (
 	mapMagic     = "KVOFCMAP"
 	catalogMagic = "KVOFNSCT"
@@ -196,7 +225,7 @@ func checkSummed(b []byte, magic string, minLen int) ([]byte, error) {
 // name, sync the directory.
 func writeDurably(fsys vfs.FS, dir, name string, data []byte) error {
 	path := filepath.Join(dir, name)
-	tmp := path + ".tmp"
+	tmp := path + tmpSuffix
 	// OpenFile does not truncate: start from no file.
 	if err := fsys.Remove(tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove stale %s: %w", tmp, err)

@@ -20,6 +20,7 @@ type metrics struct {
 	errCorrupt              prometheus.Counter
 	checksum                prometheus.Counter
 	recovered               prometheus.Counter
+	recoveryBytes           prometheus.Counter
 }
 
 // newMetrics creates the collectors and registers them with reg (nil:
@@ -60,7 +61,11 @@ func newMetrics(reg prometheus.Registerer, t *Tier) (*metrics, error) {
 		}),
 		recovered: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvoffload_disk_recovered_blocks_total",
-			Help: "Blocks the disk tier found intact in its files at start and handed back.",
+			Help: "Blocks the disk tier's recovery found intact in its files and brought online (it runs in the background after a start).",
+		}),
+		recoveryBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvoffload_disk_recovery_read_bytes_total",
+			Help: "Bytes of the slot files the disk tier's recovery has read and verified; its rate is recovery's throughput.",
 		}),
 	}
 	if reg == nil {
@@ -68,7 +73,28 @@ func newMetrics(reg prometheus.Registerer, t *Tier) (*metrics, error) {
 	}
 	tier := prometheus.Labels{"tier": "disk"}
 	all := []prometheus.Collector{
-		bytes, blocks, seconds, errs, m.checksum, m.recovered,
+		bytes, blocks, seconds, errs, m.checksum, m.recovered, m.recoveryBytes,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvoffload_disk_recovery_slots",
+			Help: "Slots the disk tier's recovery reads after a start: those of every chunk its chunk maps name.",
+		}, func() float64 { return float64(t.Recovery().SlotsTotal) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvoffload_disk_recovery_scanned_slots",
+			Help: "Slots the disk tier's recovery has read and verified so far; equal to kvoffload_disk_recovery_slots once it is done.",
+		}, func() float64 { return float64(t.Recovery().SlotsScanned) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvoffload_disk_recovering",
+			Help: "1 while the disk tier's recovery runs in the background, else 0.",
+		}, func() float64 {
+			if t.Recovery().State == RecoveryRunning {
+				return 1
+			}
+			return 0
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvoffload_disk_recovery_seconds",
+			Help: "Time the disk tier's recovery has run, or took once it ended.",
+		}, func() float64 { return t.Recovery().Elapsed.Seconds() }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvoffload_disk_quarantined_slots",
 			Help: "Disk-tier slots taken out of use after an I/O error.",

@@ -3,8 +3,8 @@ package disk
 import (
 	"errors"
 	"fmt"
-	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -14,7 +14,29 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
-// Recovered is a block Recover found intact.
+// Recovery rebuilds the tier's contents from its files in the background
+// while the tier serves. Open holds every chunk its chunk maps name
+// (slots.Space.Hold), so no Alloc hands out a slot recovery has not looked
+// at; Recover starts recoveryReaders readers per file, each taking the
+// file's next unscanned chunk, reading it in windows of recoveryWindow
+// bytes (large sequential O_DIRECT reads, several in flight per file, the
+// hashing of one window overlapping the reads of the others), verifying
+// every slot as a Read would (header, then payload checksum) and handing
+// the chunk's intact blocks to the owner. A block comes online (its slot
+// is in use, Read serves it) only once it is verified, and the chunk's
+// other slots become free space only once all of it has been looked at.
+
+const (
+	// recoveryWindow is what recovery reads in one call, rounded up to
+	// whole slots (and at most a chunk): large enough that a device
+	// streams at its sequential rate, small enough that recoveryReaders
+	// of them per file cost little memory.
+	recoveryWindow = 4 << 20
+	// recoveryReaders is how many windows each file has in flight.
+	recoveryReaders = 4
+)
+
+// Recovered is a block recovery found intact.
 type Recovered struct {
 	NS      [32]byte // namespace digest
 	Group   uint32
@@ -26,174 +48,372 @@ type Recovered struct {
 	PayloadLen uint64
 }
 
-// blockID is a block's identity as a slot header gives it.
-type blockID struct {
-	ns      [32]byte
-	group   uint32
-	hashLen uint8
-	hash    [32]byte
+// Verdict is what the owner did with a recovered block.
+type Verdict uint8
+
+const (
+	// Keep: the owner filed the block in its index and told the class's
+	// policy (slots.Class.Learn); the slot stays in use, Read serves it.
+	Keep Verdict = iota
+	// Decline: the owner does not want the block (it has the key
+	// already, say); its slot becomes free space. Its bytes stay, so an
+	// intact copy may come back at a later start: it is the same key's
+	// bytes.
+	Decline
+	// Erase: the block must never come back (the owner invalidated its
+	// key while recovery ran): its header is zeroed (Discard) before the
+	// slot becomes free space.
+	Erase
+)
+
+// Recoverer is the owner's side of recovery. Its functions run on
+// recovery goroutines, concurrently, with no lock of the tier held.
+type Recoverer struct {
+	// Key names a block found intact: the owner's index key, or false
+	// to leave its slot free (a namespace the owner does not know). It
+	// runs before the slot is taken, so it must not index the block.
+	Key func(Recovered) (index.Key, bool)
+	// File gets the blocks of one chunk that Key named, with their keys.
+	// Their slots are taken (in use, no pins) and Read serves them. File
+	// files each block in the index or not, and returns a Verdict per
+	// block.
+	File func(blocks []Recovered, keys []index.Key) []Verdict
+	// Done, if set, runs once when recovery ends, finished or stopped,
+	// with the final progress.
+	Done func(RecoveryStats)
+}
+
+// RecoveryState is where recovery is.
+type RecoveryState uint8
+
+const (
+	// RecoveryNone: Recover has not been called.
+	RecoveryNone RecoveryState = iota
+	// RecoveryRunning: chunks are being scanned; Lookup offers what has
+	// been recovered so far.
+	RecoveryRunning
+	// RecoveryDone: every chunk was scanned (or there was nothing to
+	// scan: a new tier, --disk-reset).
+	RecoveryDone
+	// RecoveryStopped: Close (or StopRecovery) came first. Chunks not
+	// scanned stay held: nothing is written there, so a later start
+	// recovers them.
+	RecoveryStopped
+)
+
+var stateNames = [...]string{"none", "running", "done", "stopped"}
+
+func (s RecoveryState) String() string {
+	if int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return "unknown"
+}
+
+// RecoveryStats is recovery's progress.
+type RecoveryStats struct {
+	State RecoveryState
+	// Slots and bytes of the chunks the chunk maps name: what recovery
+	// reads. Scanned counts those looked at so far.
+	SlotsTotal, SlotsScanned uint64
+	BytesTotal, BytesScanned uint64
+	// Blocks are the blocks the owner kept: online. Bad slots failed
+	// verification (torn, stale, corrupt, unreadable: free space; an
+	// empty slot is not bad). Declined and Erased are the owner's other
+	// verdicts, Dropped the blocks Key did not name.
+	Blocks, Bad, Declined, Erased, Dropped uint64
+	// Elapsed is the time since Recover, or the whole recovery once it
+	// ended.
+	Elapsed time.Duration
+}
+
+// recovery is the tier's recovery state.
+type recovery struct {
+	// Fixed at Open.
+	slotsTotal, bytesTotal uint64
+
+	stop     chan struct{}
+	stopOnce sync.Once
+	done     chan struct{} // closed when recovery ends, or at Close if never started
+	doneOnce sync.Once
+	wg       sync.WaitGroup
+	active   atomic.Int32 // readers still running
+
+	mu struct {
+		sync.Mutex
+		state RecoveryState
+		start time.Time
+		took  time.Duration
+	}
+	slots, bytes, blocks, bad, declined, erased, dropped atomic.Uint64
+}
+
+// fileScan is one file's part of recovery.
+type fileScan struct {
+	chunks                    []int        // chunk indexes in the file with a map entry
+	entries                   []chunkEntry // the map's entry of each, as loaded at Open
+	next                      atomic.Int64 // index in chunks of the next chunk to scan
+	active                    atomic.Int32 // its readers still running
+	start                     time.Time
+	slots, bytes, blocks, bad atomic.Uint64
+}
+
+// holdMapped takes every chunk a chunk map names out of use until
+// recovery has scanned it, and sizes the recovery. Open calls it.
+func (t *Tier) holdMapped() error {
+	t.rec.stop = make(chan struct{})
+	t.rec.done = make(chan struct{})
+	var held []uint32
+	for _, f := range t.files {
+		f.scan = &fileScan{}
+		for ci, e := range f.chunks {
+			if e.slotBytes == 0 {
+				continue
+			}
+			f.scan.chunks = append(f.scan.chunks, ci)
+			f.scan.entries = append(f.scan.entries, e)
+			held = append(held, uint32(f.idx*t.fileChunks+ci))
+			per := t.chunkBytes / e.slotBytes
+			t.rec.slotsTotal += per
+			t.rec.bytesTotal += per * e.slotBytes
+		}
+	}
+	return t.Space.Hold(held)
+}
+
+// Recover starts rebuilding the tier's contents from its files and
+// returns at once; RecoveryDone is closed when it ends. Call it once,
+// right after Open (Allocs may come at once: they never get a slot that
+// recovery has not looked at). Blocks come online chunk by chunk through
+// r.File. Slots that fail verification are free space, counted in the
+// progress (Recovery) and in the per-file log line at the end.
+func (t *Tier) Recover(r Recoverer) error {
+	if r.Key == nil || r.File == nil {
+		return errors.New("disk tier: Recover needs Key and File")
+	}
+	t.rec.mu.Lock()
+	if t.rec.mu.state != RecoveryNone {
+		t.rec.mu.Unlock()
+		return errors.New("disk tier: Recover called twice")
+	}
+	t.rec.mu.state = RecoveryRunning
+	t.rec.mu.start = time.Now()
+	t.rec.mu.Unlock()
+
+	// One buffer per reader, outside the Go heap, aligned for O_DIRECT,
+	// that holds the largest window of the file.
+	type reader struct {
+		f   *file
+		buf []byte
+	}
+	var readers []reader
+	for _, f := range t.files {
+		if len(f.scan.chunks) == 0 {
+			continue
+		}
+		size := uint64(0)
+		for _, e := range f.scan.entries {
+			size = max(size, t.windowSlots(e)*e.slotBytes)
+		}
+		f.scan.start = time.Now()
+		for range min(recoveryReaders, len(f.scan.chunks)) {
+			buf, err := vfs.AlignedBuffer(int(size))
+			if err != nil {
+				for _, rd := range readers {
+					vfs.FreeBuffer(rd.buf)
+				}
+				t.finishRecovery(r, RecoveryStopped)
+				return fmt.Errorf("disk tier: recovery buffer: %w", err)
+			}
+			readers = append(readers, reader{f, buf})
+			f.scan.active.Add(1)
+		}
+	}
+	if len(readers) == 0 {
+		t.finishRecovery(r, RecoveryDone)
+		return nil
+	}
+	t.log.Info("disk tier recovering in the background; blocks come online as their chunks are verified",
+		"chunks", t.Held(), "slots", t.rec.slotsTotal, "bytes", t.rec.bytesTotal, "files", len(t.files),
+		"readers_per_file", recoveryReaders, "window_bytes", recoveryWindow)
+	t.rec.active.Store(int32(len(readers)))
+	for _, rd := range readers {
+		t.rec.wg.Add(1)
+		go t.recoverFile(rd.f, rd.buf, r)
+	}
+	return nil
+}
+
+// recoverFile is one reader of f: it scans f's next chunk until none is
+// left or recovery stops. The last reader to finish ends the file's part,
+// and the last of all ends recovery.
+func (t *Tier) recoverFile(f *file, buf []byte, r Recoverer) {
+	defer t.rec.wg.Done()
+	defer vfs.FreeBuffer(buf)
+	stopped := false
+	for !stopped {
+		i := int(f.scan.next.Add(1) - 1)
+		if i >= len(f.scan.chunks) {
+			break
+		}
+		found, ok := t.scanChunk(f, f.scan.chunks[i], f.scan.entries[i], buf)
+		if !ok {
+			stopped = true
+			break
+		}
+		t.adoptChunk(f, f.scan.chunks[i], f.scan.entries[i], found, r)
+	}
+	if f.scan.active.Add(-1) == 0 && !t.stopping() {
+		took := time.Since(f.scan.start)
+		t.log.Info("disk tier: file recovered", "file", f.f.Name(), "slots", f.scan.slots.Load(),
+			"blocks", f.scan.blocks.Load(), "bad_slots", f.scan.bad.Load(), "bytes", f.scan.bytes.Load(),
+			"took", took.Round(time.Millisecond), "MBps", mbps(f.scan.bytes.Load(), took))
+	}
+	if t.rec.active.Add(-1) == 0 {
+		state := RecoveryDone
+		if t.stopping() {
+			state = RecoveryStopped
+		}
+		t.finishRecovery(r, state)
+	}
+}
+
+func mbps(bytes uint64, d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64(float64(bytes) / d.Seconds() / 1e6)
+}
+
+func (t *Tier) stopping() bool {
+	select {
+	case <-t.rec.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// finishRecovery records the end of recovery, logs it and tells the owner.
+func (t *Tier) finishRecovery(r Recoverer, state RecoveryState) {
+	t.rec.mu.Lock()
+	t.rec.mu.state = state
+	t.rec.mu.took = time.Since(t.rec.mu.start)
+	t.rec.mu.Unlock()
+	st := t.Recovery()
+	msg := "disk tier recovered"
+	if state == RecoveryStopped {
+		msg = "disk tier recovery stopped; what it had not scanned stays on disk for the next start"
+	}
+	t.log.Info(msg, "blocks", st.Blocks, "bad_slots", st.Bad, "declined", st.Declined, "erased", st.Erased,
+		"dropped_unknown", st.Dropped, "slots_scanned", st.SlotsScanned, "slots", st.SlotsTotal,
+		"bytes", st.BytesScanned, "took", st.Elapsed.Round(time.Millisecond), "MBps", mbps(st.BytesScanned, st.Elapsed))
+	if r.Done != nil {
+		r.Done(st)
+	}
+	t.rec.doneOnce.Do(func() { close(t.rec.done) })
+}
+
+// RecoveryDone is closed when recovery has ended: finished, stopped, or
+// (after Close) never started.
+func (t *Tier) RecoveryDone() <-chan struct{} { return t.rec.done }
+
+// StopRecovery asks recovery to stop after the reads in flight, and
+// returns at once; Close waits for it. Chunks it did not finish stay held
+// (nothing is written there: the next start recovers them).
+func (t *Tier) StopRecovery() {
+	t.rec.stopOnce.Do(func() { close(t.rec.stop) })
+}
+
+// Recovery reports recovery's progress.
+func (t *Tier) Recovery() RecoveryStats {
+	t.rec.mu.Lock()
+	st := RecoveryStats{State: t.rec.mu.state, Elapsed: t.rec.mu.took}
+	if st.State == RecoveryRunning {
+		st.Elapsed = time.Since(t.rec.mu.start)
+	}
+	t.rec.mu.Unlock()
+	st.SlotsTotal, st.BytesTotal = t.rec.slotsTotal, t.rec.bytesTotal
+	st.SlotsScanned, st.BytesScanned = t.rec.slots.Load(), t.rec.bytes.Load()
+	st.Blocks, st.Bad = t.rec.blocks.Load(), t.rec.bad.Load()
+	st.Declined, st.Erased, st.Dropped = t.rec.declined.Load(), t.rec.erased.Load(), t.rec.dropped.Load()
+	return st
 }
 
 // found is one intact slot seen by the scan.
 type found struct {
-	id         blockID
-	s          slots.SlotID
-	slotBytes  uint64
-	epoch      uint32
-	seq        uint64
-	payloadLen uint64
+	id    Recovered
+	write uint64 // epoch<<32 | seq
 }
 
-func (a *found) newer(b *found) bool {
-	if a.epoch != b.epoch {
-		return a.epoch > b.epoch
-	}
-	if a.seq != b.seq {
-		return a.seq > b.seq
-	}
-	return a.s < b.s
+// windowSlots is how many slots of a chunk like e one recovery read
+// takes: whole slots, at least recoveryWindow bytes, at most the chunk.
+func (t *Tier) windowSlots(e chunkEntry) uint64 {
+	return min((recoveryWindow+e.slotBytes-1)/e.slotBytes, t.chunkBytes/e.slotBytes)
 }
 
-// scan is what one file's scan found.
-type scan struct {
-	found              []found
-	bad, checksumFails int
-	err                error
-}
-
-// Recover rebuilds the tier's contents from its files: it reads every
-// slot of every chunk the chunk maps name (one goroutine per file, all
-// waited for), keeps each slot whose header and payload verify, and for
-// each key the newest write ((epoch, seq), see slot.Header.Newer). For
-// each such block, in slot order, it calls fn; if fn returns the index key
-// the owner filed the block under, the slot is restored in the Space under
-// that key (class SlotBytes(PayloadLen), no pins) and Read will serve it;
-// if fn returns false, the slot stays free. fn is called before the policy
-// learns of the key, so the owner's Evict callback finds its index entry.
-// Call Recover once, after Open and before any Alloc or Write. Slots that
-// fail verification are free space; their count is logged.
-func (t *Tier) Recover(fn func(Recovered) (index.Key, bool)) error {
-	if fn == nil {
-		return errors.New("disk tier: Recover needs a function to hand blocks to")
-	}
-	if t.wrote.Load() {
-		return errors.New("disk tier: Recover after a Write")
-	}
-	if !t.recovered.CompareAndSwap(false, true) {
-		return errors.New("disk tier: Recover called twice")
-	}
-	start := time.Now()
-	scans := make([]scan, len(t.files))
-	var wg sync.WaitGroup
-	for i, f := range t.files {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			scans[i] = t.scanFile(f)
-		}()
-	}
-	wg.Wait()
-
-	newest := map[blockID]*found{}
-	bad, dups := 0, 0
-	var errs []error
-	for i := range scans {
-		sc := &scans[i]
-		if sc.err != nil {
-			errs = append(errs, sc.err)
+// scanChunk reads chunk ci of f (slots of e.slotBytes) window by window
+// into buf and verifies every slot. false: recovery stopped first.
+func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte) ([]found, bool) {
+	sb := e.slotBytes
+	per := t.chunkBytes / sb
+	win := t.windowSlots(e)
+	var out []found
+	for k0 := uint64(0); k0 < per; k0 += win {
+		if t.stopping() {
+			return nil, false
 		}
-		bad += sc.bad
-		t.m.checksum.Add(float64(sc.checksumFails))
-		for j := range sc.found {
-			c := &sc.found[j]
-			if o, ok := newest[c.id]; ok {
-				dups++
-				if !c.newer(o) {
+		n := min(win, per-k0)
+		off := uint64(ci)*t.chunkBytes + k0*sb
+		data := buf[:n*sb]
+		got, err := f.f.ReadAt(data, int64(off))
+		for j := uint64(0); j < n; j++ {
+			s := slots.SlotID((f.base + off + j*sb) / layout.SlotAlign)
+			img := data[j*sb : (j+1)*sb]
+			if got != len(data) {
+				// The window failed: read its slots one by one, so a
+				// bad spot costs its own slot only.
+				if m, err := f.f.ReadAt(img, int64(off+j*sb)); m != len(img) {
+					t.slotBad(f, s, fmt.Errorf("%w: slot read: %d of %d bytes: %w", ErrIO, m, len(img), err))
 					continue
 				}
 			}
-			newest[c.id] = c
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	keep := make([]*found, 0, len(newest))
-	for _, c := range newest {
-		keep = append(keep, c)
-	}
-	sort.Slice(keep, func(i, j int) bool { return keep[i].s < keep[j].s })
-
-	restored, dropped := 0, 0
-	for _, c := range keep {
-		k, ok := fn(Recovered{NS: c.id.ns, Group: c.id.group, Hash: c.id.hash, HashLen: int(c.id.hashLen), Slot: c.s, PayloadLen: c.payloadLen})
-		if !ok {
-			dropped++
-			continue
-		}
-		cls, err := t.Class(c.slotBytes)
-		if err == nil {
-			t.seqs.set(c.s, c.slotBytes, uint64(c.epoch)<<32|c.seq)
-			err = cls.Restore(c.s, k)
-			// The restored slot keeps the class; its users hold their own
-			// references.
-			cls.Drop()
-		}
-		if err != nil {
-			return fmt.Errorf("disk tier: recover slot %d: %w", c.s, err)
-		}
-		restored++
-	}
-	t.m.recovered.Add(float64(restored))
-	t.log.Info("disk tier recovered", "blocks", restored, "bad_slots", bad, "older_copies", dups,
-		"dropped_by_owner", dropped, "took", time.Since(start))
-	return nil
-}
-
-// scanFile reads and verifies every slot of f's mapped chunks into an
-// aligned scratch buffer outside the Go heap.
-func (t *Tier) scanFile(f *file) (sc scan) {
-	f.mapMu.Lock()
-	chunks := append([]chunkEntry(nil), f.chunks...)
-	f.mapMu.Unlock()
-	scratch, err := vfs.AlignedBuffer(int(t.chunkBytes))
-	if err != nil {
-		sc.err = fmt.Errorf("disk tier: recovery buffer: %w", err)
-		return sc
-	}
-	defer vfs.FreeBuffer(scratch)
-	hdr := scratch[:slot.HeaderSize]
-	for ci, e := range chunks {
-		if e.slotBytes == 0 {
-			continue
-		}
-		for k := uint64(0); k < t.chunkBytes/e.slotBytes; k++ {
-			off := uint64(ci)*t.chunkBytes + k*e.slotBytes
-			s := slots.SlotID((f.base + off) / layout.SlotAlign)
-			c, why := t.checkSlot(f, scratch, hdr, int64(off), s, e)
+			c, why := t.verifySlot(img, s, e)
 			switch {
 			case why == nil:
-				sc.found = append(sc.found, c)
+				out = append(out, c)
 			case errors.Is(why, slot.ErrEmpty):
 			default:
-				sc.bad++
 				if errors.Is(why, slot.ErrHeaderChecksum) || errors.Is(why, slot.ErrPayloadChecksum) {
-					sc.checksumFails++
+					t.m.checksum.Inc()
 				}
-				t.log.Debug("disk tier: slot not recovered", "file", f.f.Name(), "slot", s, "why", why)
+				t.slotBad(f, s, why)
 			}
 		}
+		if got != len(data) {
+			t.log.Debug("disk tier: recovery window unreadable; its slots were read one by one", "file", f.f.Name(), "offset", off, "err", err)
+		}
+		t.rec.slots.Add(n)
+		t.rec.bytes.Add(n * sb)
+		f.scan.slots.Add(n)
+		f.scan.bytes.Add(n * sb)
+		t.m.recoveryBytes.Add(float64(n * sb))
 	}
-	return sc
+	return out, true
 }
 
-// checkSlot reads the slot s at off, in a chunk of e.slotBytes slots, and
-// says why it is not a recoverable block (slot.ErrEmpty: never written).
-func (t *Tier) checkSlot(f *file, scratch, hdr []byte, off int64, s slots.SlotID, e chunkEntry) (found, error) {
-	if n, err := f.f.ReadAt(hdr, off); n != len(hdr) {
-		return found{}, fmt.Errorf("header read: %d bytes: %w", n, err)
-	}
-	h, err := slot.Decode(hdr)
+func (t *Tier) slotBad(f *file, s slots.SlotID, why error) {
+	t.rec.bad.Add(1)
+	f.scan.bad.Add(1)
+	t.log.Debug("disk tier: slot not recovered", "file", f.f.Name(), "slot", s, "why", why)
+}
+
+// verifySlot checks the image of slot s (header block and payload), in a
+// chunk of e.slotBytes slots, and says why it is not a recoverable block
+// (slot.ErrEmpty: never written). It checks what a Read checks, except
+// that the write recorded for the slot is the header's own.
+func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (found, error) {
+	h, err := slot.Decode(img[:slot.HeaderSize])
 	if err != nil {
 		return found{}, err
 	}
@@ -207,13 +427,96 @@ func (t *Tier) checkSlot(f *file, scratch, hdr []byte, off int64, s slots.SlotID
 	case h.Seq == 0 || h.Seq > maxSeq:
 		return found{}, fmt.Errorf("%w: sequence number %d out of range", slot.ErrMalformed, h.Seq)
 	}
-	pay := scratch[slot.HeaderSize : slot.HeaderSize+layout.AlignUp(h.PayloadLen)]
-	if n, err := f.f.ReadAt(pay, off+slot.HeaderSize); n != len(pay) {
-		return found{}, fmt.Errorf("payload read: %d bytes: %w", n, err)
-	}
-	if err := slot.VerifyPayload(h, pay[:h.PayloadLen]); err != nil {
+	if err := slot.VerifyPayload(h, img[slot.HeaderSize:slot.HeaderSize+h.PayloadLen]); err != nil {
 		return found{}, err
 	}
-	return found{id: blockID{ns: h.Namespace, group: h.Group, hashLen: h.HashLen, hash: h.Hash}, s: s,
-		slotBytes: e.slotBytes, epoch: h.Epoch, seq: h.Seq, payloadLen: h.PayloadLen}, nil
+	return found{
+		id:    Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen},
+		write: uint64(h.Epoch)<<32 | h.Seq,
+	}, nil
+}
+
+// adoptChunk gives chunk ci of f back to service: to the class of its
+// intact blocks, which come online through r.File, or to the free chunks
+// when nothing there is kept.
+func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recoverer) {
+	ch := uint32(f.idx*t.fileChunks + ci)
+	var recs []Recovered
+	var keys []index.Key
+	var writes []uint64
+	for _, c := range found {
+		k, ok := r.Key(c.id)
+		if !ok {
+			t.rec.dropped.Add(1)
+			continue
+		}
+		recs, keys, writes = append(recs, c.id), append(keys, k), append(writes, c.write)
+	}
+	unhold := func(why error) {
+		if why != nil {
+			t.log.Error("disk tier: recovery could not take back a chunk's blocks; they are free space", "file", f.f.Name(), "chunk", ci, "err", why)
+		}
+		if err := t.Space.Unhold(ch); err != nil {
+			t.log.Error("disk tier: recovery could not free a chunk", "file", f.f.Name(), "chunk", ci, "err", err)
+		}
+	}
+	if len(recs) == 0 {
+		unhold(nil)
+		return
+	}
+	cls, err := t.Class(e.slotBytes)
+	if err != nil {
+		unhold(err)
+		return
+	}
+	// The adopted slots keep the class alive; the owner's namespaces hold
+	// their own references.
+	defer cls.Drop()
+	used := make([]slots.SlotID, len(recs))
+	for i := range recs {
+		used[i] = recs[i].Slot
+	}
+	if err := cls.Adopt(ch, used); err != nil {
+		unhold(err)
+		return
+	}
+	// Readable from here: the owner may index them as soon as File runs.
+	for i, s := range used {
+		t.seqs.set(s, e.slotBytes, writes[i])
+	}
+	verdicts := r.File(recs, keys)
+	kept := 0
+	var erasing sync.WaitGroup
+	for i, s := range used {
+		v := Decline
+		if i < len(verdicts) {
+			v = verdicts[i]
+		}
+		switch v {
+		case Keep:
+			kept++
+		case Decline:
+			t.seqs.clearAny(s)
+			t.Release(s)
+			t.rec.declined.Add(1)
+		case Erase:
+			// Held by a pin until its header is zeros, so no write of
+			// another block lands there first.
+			t.seqs.clearAny(s)
+			t.Pin(s)
+			t.Release(s)
+			erasing.Add(1)
+			t.Discard(s, func() {
+				t.Unpin(s)
+				erasing.Done()
+			})
+			t.rec.erased.Add(1)
+		}
+	}
+	// The chunk is done once its erasures are on disk (they are rare:
+	// keys invalidated while recovery ran).
+	erasing.Wait()
+	t.rec.blocks.Add(uint64(kept))
+	f.scan.blocks.Add(uint64(kept))
+	t.m.recovered.Add(float64(kept))
 }

@@ -3,12 +3,12 @@ package disk
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"maps"
 	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -79,7 +79,8 @@ type Tier struct {
 	fileBytes  uint64
 	chunkBytes uint64
 	fileChunks int
-	hdrMem     []byte // one HeaderSize block per I/O worker
+	hdrMem     []byte      // one HeaderSize block per I/O worker
+	locks      []io.Closer // one per directory, held until Close
 	m          *metrics
 	seqs       seqTable
 	workers    sync.WaitGroup
@@ -93,9 +94,7 @@ type Tier struct {
 		sync.Mutex
 		ns map[[32]byte][]byte
 	}
-	// wrote is set by the first Write; Recover must come before it.
-	wrote     atomic.Bool
-	recovered atomic.Bool
+	rec recovery
 
 	closeMu sync.Mutex
 	closed  bool
@@ -111,6 +110,8 @@ type file struct {
 
 	mapMu  sync.Mutex
 	chunks []chunkEntry // as persisted in the chunk map
+
+	scan *fileScan // its part of recovery
 }
 
 // SlotBytes is the size of the disk slot of a payload: the header block
@@ -119,8 +120,9 @@ func SlotBytes(payload uint64) uint64 { return slot.HeaderSize + layout.AlignUp(
 
 // Open creates or reopens the slot files, preallocating them, and loads
 // the chunk maps and the namespace catalog. It refuses an invalid
-// configuration. Call Recover next (unless cfg.Reset), before the first
-// Alloc.
+// configuration. Every chunk a chunk map names is held until recovery has
+// scanned it: call Recover next (after cfg.Reset too: it then has nothing
+// to scan and ends at once).
 func Open(cfg Config) (*Tier, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
@@ -139,6 +141,19 @@ func Open(cfg Config) (*Tier, error) {
 	for i, dir := range cfg.Dirs {
 		if err := t.fs.MkdirAll(dir, 0o700); err != nil {
 			return nil, fmt.Errorf("disk tier: %w", err)
+		}
+		// Before anything in the directory is read or written: a second
+		// daemon would overwrite the first one's slots.
+		lock, err := t.fs.Lock(filepath.Join(dir, lockFileName))
+		if errors.Is(err, vfs.ErrLocked) {
+			return nil, fmt.Errorf("disk tier: directory %s is in use by another kvoffloadd (%w); two daemons on one directory would overwrite each other's slots", dir, err)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("disk tier: lock directory %s: %w", dir, err)
+		}
+		t.locks = append(t.locks, lock)
+		if err := checkFiles(t.fs, dir, i); err != nil {
+			return nil, err
 		}
 		path := filepath.Join(dir, slotFileName(i))
 		vf, err := t.fs.OpenFile(path, int64(t.fileBytes), cfg.Direct)
@@ -194,6 +209,9 @@ func Open(cfg Config) (*Tier, error) {
 	}
 	t.Space = sp
 	t.seqs.init(sp.Capacity(), cfg.ChunkBytes)
+	if err := t.holdMapped(); err != nil {
+		return nil, fmt.Errorf("disk tier: %w", err)
+	}
 
 	t.hdrMem, err = vfs.AlignedBuffer(len(t.files) * cfg.QueueDepth * slot.HeaderSize)
 	if err != nil {
@@ -359,9 +377,10 @@ func (t *Tier) Sync() error {
 	return errors.Join(errs...)
 }
 
-// Close waits for every queued request to finish (their done callbacks
-// run), syncs and closes the files and stops the policy. Requests made
-// after Close fail with ErrClosed. A second Close does nothing.
+// Close stops recovery (StopRecovery), waits for every queued request to
+// finish (their done callbacks run), syncs and closes the files and stops
+// the policy. Requests made after Close fail with ErrClosed. A second
+// Close does nothing.
 func (t *Tier) Close() error {
 	t.closeMu.Lock()
 	if t.closed {
@@ -370,6 +389,10 @@ func (t *Tier) Close() error {
 	}
 	t.closed = true
 	t.closeMu.Unlock()
+	// Recovery first: it queues discards and hands blocks to the owner.
+	t.StopRecovery()
+	t.rec.wg.Wait()
+	t.rec.doneOnce.Do(func() { close(t.rec.done) })
 	for _, f := range t.files {
 		f.q.close()
 	}
@@ -398,5 +421,13 @@ func (t *Tier) release() error {
 	if t.Space != nil {
 		t.Space.Close()
 	}
+	// Last: another daemon may take the directories once the files are
+	// closed.
+	for _, l := range t.locks {
+		if err := l.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("disk tier: unlock: %w", err))
+		}
+	}
+	t.locks = nil
 	return errors.Join(errs...)
 }

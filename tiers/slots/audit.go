@@ -39,10 +39,19 @@ func (t *Space) Audit(named map[SlotID]*Class, pins map[SlotID]uint32) error {
 		c := t.mu.slotClass[ch]
 		owner := t.mu.chunkOwner[ch]
 		if c == nil {
-			if owner != nil || t.mu.draining[ch] || t.mu.chunkLive[ch] != 0 || t.mu.chunkHeld[ch] != 0 || inFreeList[uint32(ch)] != 1 {
-				fail("free chunk %d: owner %v, draining %v, live %d, held %d, on the free list %d times", ch, owner != nil, t.mu.draining[ch], t.mu.chunkLive[ch], t.mu.chunkHeld[ch], inFreeList[uint32(ch)])
+			// A free chunk is on the free list once; one held for the
+			// owner's recovery (Hold) on none.
+			want := 1
+			if t.mu.held[ch] {
+				want = 0
+			}
+			if owner != nil || t.mu.draining[ch] || t.mu.chunkLive[ch] != 0 || t.mu.chunkHeld[ch] != 0 || inFreeList[uint32(ch)] != want {
+				fail("free chunk %d: owner %v, draining %v, live %d, held %d, held for recovery %v, on the free list %d times", ch, owner != nil, t.mu.draining[ch], t.mu.chunkLive[ch], t.mu.chunkHeld[ch], t.mu.held[ch], inFreeList[uint32(ch)])
 			}
 			continue
+		}
+		if t.mu.held[ch] {
+			fail("chunk %d of %d-byte slots is still held for recovery", ch, c.slotBytes)
 		}
 		if inFreeList[uint32(ch)] != 0 || (owner == nil) != t.mu.draining[ch] || (owner != nil && owner != c) {
 			fail("chunk %d of %d-byte slots: on the free list %d times, draining %v, owned by another class %v", ch, c.slotBytes, inFreeList[uint32(ch)], t.mu.draining[ch], owner != nil && owner != c)
@@ -149,8 +158,7 @@ func (t *Space) Audit(named map[SlotID]*Class, pins map[SlotID]uint32) error {
 				fail("%d-byte class lists slot %d of a chunk it does not own", size, s)
 				continue
 			}
-			// A slot Restore took stays on the list (Alloc skips it),
-			// and may be listed again once freed: Alloc checks each.
+			// A freed slot may be listed again: Alloc checks each.
 			onList[s] = true
 		}
 		for s := range freeSlots[c] {

@@ -130,6 +130,7 @@ type Space struct {
 		freeChunks []uint32
 		chunkOwner []*Class // nil: free or draining
 		draining   []bool
+		held       []bool // for the owner's recovery (Hold)
 		// chunkLive counts the chunk's slots someone may still name:
 		// used, released (pinned), quarantined while pinned. A draining
 		// chunk is freed when it reaches 0.
@@ -204,6 +205,7 @@ func New(cfg Config) (*Space, error) {
 	t.mu.classes = map[uint64]*Class{}
 	t.mu.chunkOwner = make([]*Class, nChunks)
 	t.mu.draining = make([]bool, nChunks)
+	t.mu.held = make([]bool, nChunks)
 	t.mu.chunkLive = make([]uint32, nChunks)
 	t.mu.chunkHeld = make([]uint32, nChunks)
 	t.mu.slots = make([]chunkSlots, nChunks)
@@ -532,7 +534,8 @@ func (c *Class) Alloc() (SlotID, bool) {
 		}
 		s = c.free[n-1]
 		c.free = c.free[:n-1]
-		// Restore may have taken a slot still on the free list.
+		// Every slot on a free list is free (Adopt keeps the slots it
+		// takes off it); the check costs nothing.
 		if _, st := t.slotLocked(s); *st == slotFree {
 			break
 		}
@@ -711,54 +714,6 @@ func (t *Space) freeChunkLocked(ch uint32) {
 	t.mu.slots[ch] = chunkSlots{}
 	t.mu.chunkHeld[ch] = 0
 	t.mu.freeChunks = append(t.mu.freeChunks, ch)
-}
-
-// Restore marks slot s, found holding key k when the tier's storage was
-// scanned at start, as in use by this class, and tells the policy about k.
-// Call it before the first Alloc. The slot has no pins.
-func (c *Class) Restore(s SlotID, k index.Key) error {
-	t := c.t
-	t.mu.Lock()
-	ch := uint64(s) / t.slotsPer
-	if ch >= uint64(len(t.mu.chunkOwner)) {
-		t.mu.Unlock()
-		return fmt.Errorf("restore: slot %d is beyond the %s tier", s, t.cfg.Name)
-	}
-	base := ch * t.slotsPer
-	step := c.slotBytes / layout.SlotAlign
-	if (uint64(s)-base)%step != 0 || (uint64(s)-base)/step >= c.perChunk {
-		t.mu.Unlock()
-		return fmt.Errorf("restore: slot %d is not a %d-byte slot boundary", s, c.slotBytes)
-	}
-	switch owner := t.mu.chunkOwner[ch]; {
-	case owner == nil && !t.mu.draining[ch]:
-		for i, f := range t.mu.freeChunks {
-			if uint64(f) == ch {
-				t.mu.freeChunks = append(t.mu.freeChunks[:i], t.mu.freeChunks[i+1:]...)
-				break
-			}
-		}
-		c.addChunkLocked(uint32(ch))
-	case owner != c:
-		t.mu.Unlock()
-		return fmt.Errorf("restore: slot %d lies in a chunk of %d-byte slots, not %d", s, t.mu.slotClass[ch].slotBytes, c.slotBytes)
-	}
-	if _, st := t.slotLocked(s); *st != slotFree {
-		t.mu.Unlock()
-		return fmt.Errorf("restore: slot %d restored twice", s)
-	}
-	_, st := t.slotLocked(s)
-	*st = slotUsed
-	t.mu.chunkLive[ch]++
-	c.live++
-	t.mu.usedBytes += c.slotBytes
-	t.mu.blocks++
-	t.mu.Unlock()
-	c.pmu.RLock()
-	defer c.pmu.RUnlock()
-	c.policy.Set(t.PolicyKey(&k), k, 1)
-	c.policy.Wait()
-	return nil
 }
 
 // ChunkOf reports the chunk of slot s and the slot size that chunk serves

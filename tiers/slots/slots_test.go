@@ -192,41 +192,6 @@ func TestSecondSlotSizeTakesAChunk(t *testing.T) {
 	}
 }
 
-func TestRestoreAndQuarantine(t *testing.T) {
-	sp, _ := newSpace(t, 2<<20, 1<<20)
-	c, _ := sp.Class(256 << 10)
-	// Slot 64 is byte 256 KiB: the second slot of chunk 0.
-	if err := c.Restore(64, key(1)); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.Restore(64, key(2)); err == nil {
-		t.Fatal("restored one slot twice")
-	}
-	if err := c.Restore(65, key(3)); err == nil {
-		t.Fatal("restored a slot off the slot boundary")
-	}
-	c.Admit([]index.Key{key(10), key(11), key(12), key(13), key(14), key(15), key(16)})
-	for i := 0; i < 7; i++ {
-		s, ok := c.Alloc()
-		if !ok || s == 64 {
-			t.Fatalf("alloc %d: %d %v (64 is restored)", i, s, ok)
-		}
-	}
-	if _, ok := c.Alloc(); ok {
-		t.Fatal("8 slots handed out beside a restored one in 2 MiB")
-	}
-	sp.Quarantine(64)
-	if sp.Quarantined() != 1 {
-		t.Fatal("quarantine not counted")
-	}
-	if _, ok := c.Alloc(); ok {
-		t.Fatal("a quarantined slot was reused")
-	}
-	if ch, size := sp.ChunkOf(64); ch != 0 || size != 256<<10 {
-		t.Fatalf("ChunkOf: %d %d", ch, size)
-	}
-}
-
 // audit checks the space against the owner's view: every slot the owner
 // holds is named, and the owner holds no pins.
 func (o *owner) audit(t *testing.T, extraPins map[SlotID]uint32) {

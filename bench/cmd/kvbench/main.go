@@ -37,8 +37,12 @@ func main() {
 	}
 }
 
-// allScenarios in the order they run.
-var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "remote"}
+// allScenarios in the order they run; restart runs only when asked for
+// (it fills --restart-bytes of disk).
+var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "remote", "restart"}
+
+// defaultScenarios run without --scenarios.
+var defaultScenarios = allScenarios[:6]
 
 // options is every flag, validated.
 type options struct {
@@ -58,6 +62,7 @@ type options struct {
 	plotPath       string
 	redis          string
 	leaseMs        uint
+	restartBytes   uint64
 	keepDir        string
 	args           []string
 	seedGiven      bool
@@ -81,7 +86,10 @@ corrupt (disk, with bytes of the slot file flipped from outside while it runs),
 remote (two daemons sharing a Redis Cluster of three masters kvbench starts from
 redis-server: node A runs the steps and publishes, node B, empty, looks up A's
 requests and loads their blocks from the cluster; beside it, raw GETs of the
-same values from the same cluster).
+same values from the same cluster),
+restart (only when named: fills a disk tier of --restart-bytes, restarts the
+daemon on it and times the start to SERVING and the background recovery of
+the files against a raw O_DIRECT sequential read of the same file).
 
 Flags:
 `
@@ -100,7 +108,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	dtype := fs.Int("dtype-bytes", 0, "bytes per KV element (2 for fp16/bf16, 1 for fp8).")
 	fs.IntVar(&o.engineBlocks, "engine-blocks", 0, "engine KV blocks in the /dev/shm region, the most one step moves (0: 256 MiB worth, 128 MiB with --quick).")
 	fs.IntVar(&o.steps, "steps", 0, "scheduler steps per scenario (0: 48, 24 with --quick).")
-	scen := fs.String("scenarios", strings.Join(allScenarios, ","), "scenarios to run, comma-separated: "+strings.Join(allScenarios, ", ")+".")
+	scen := fs.String("scenarios", strings.Join(defaultScenarios, ","), "scenarios to run, comma-separated: "+strings.Join(allScenarios, ", ")+".")
+	restartBytes := fs.String("restart-bytes", "", "disk tier size of the restart scenario (default 4GiB, 1GiB with --quick); binary units as the daemon's flags (e.g. 4GiB).")
 	fs.StringVar(&o.faultSpec, "fault-spec", "", "the faults scenario's plan in the daemon's syntax (e.g. read-eio=0.01,bitflip=0.001,seed=7), run once instead of the --fault-rates sweep.")
 	rates := fs.String("fault-rates", "0.01,0.05,0.1", "read fault rates the faults scenario runs at, each split evenly over read-eio, short-read and bitflip.")
 	fs.StringVar(&o.diskDir, "disk-dir", "", "directory for the disk tier and the O_DIRECT baseline; must take O_DIRECT (default: a temporary directory on the first of $TMPDIR, /var/tmp, . that does). A subdirectory is made and removed.")
@@ -179,6 +188,17 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.queueDepth < 1 || o.queueDepth > 256 {
 		bad("--queue-depth %d: want 1..256", o.queueDepth)
 	}
+	o.restartBytes = 4 << 30
+	if o.quick {
+		o.restartBytes = 1 << 30
+	}
+	if *restartBytes != "" {
+		v, err := parseSize(*restartBytes)
+		if err != nil || v < 64<<20 {
+			bad("--restart-bytes %q: want a size of at least 64MiB", *restartBytes)
+		}
+		o.restartBytes = v
+	}
 	if o.leaseMs > 30000 {
 		bad("--lease-ms %d: the daemon allows at most 30000", o.leaseMs)
 	}
@@ -210,4 +230,24 @@ func shellQuote(s string) string {
 		return s
 	}
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// parseSize reads 4096, 512MiB, 4GiB, 1TiB (binary units).
+func parseSize(s string) (uint64, error) {
+	t := strings.TrimSpace(s)
+	mult := uint64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   uint64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+		if strings.HasSuffix(t, u.suffix) {
+			t, mult = strings.TrimSuffix(t, u.suffix), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(t), 10, 64)
+	if err != nil || n > ^uint64(0)/mult {
+		return 0, fmt.Errorf("not a size: %q", s)
+	}
+	return n * mult, nil
 }

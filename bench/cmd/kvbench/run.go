@@ -154,6 +154,15 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 			}
 			continue
 		}
+		if sc.kind == "restart" {
+			if err := b.restart(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("scenario restart: %w", err))
+				if ctx.Err() != nil {
+					break
+				}
+			}
+			continue
+		}
 		out, err := b.scenario(ctx, sc)
 		if res, f := out.res, out.faults; res != nil {
 			b.addResults(sc, out)
@@ -264,7 +273,11 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 		case s != "cpu" && b.diskDir == "":
 			skip(s+" scenario", b.diskWhy)
 			continue
-		case s != "cpu" && diskFree(b.diskDir) < diskBytes+diskBytes/8:
+		case s == "restart" && diskFree(b.diskDir) < o.restartBytes+o.restartBytes/8:
+			skip(s+" scenario", fmt.Sprintf("%s has %s free, the restart scenario needs %s; pass --disk-dir or a smaller --restart-bytes",
+				b.diskDir, model.FormatBytes(diskFree(b.diskDir)), model.FormatBytes(o.restartBytes)))
+			continue
+		case s != "cpu" && s != "restart" && diskFree(b.diskDir) < diskBytes+diskBytes/8:
 			skip(s+" scenario", fmt.Sprintf("%s has %s free, the disk tier needs %s; pass --disk-dir or fewer --steps",
 				b.diskDir, model.FormatBytes(diskFree(b.diskDir)), model.FormatBytes(diskBytes)))
 			continue
@@ -282,6 +295,8 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 			runs = append(runs, scenario{name: s, kind: s, cpuBytes: smallCPU, diskBytes: diskBytes})
 		case "mixed":
 			runs = append(runs, scenario{name: s, kind: s, cpuBytes: size(max(0.55*float64(D), 2*float64(E))), diskBytes: diskBytes})
+		case "restart":
+			runs = append(runs, scenario{name: s, kind: s, diskBytes: o.restartBytes})
 		case "faults":
 			if !b.flags["fault-spec"] {
 				skip("faults scenario", "daemon has no --fault-spec flag")
@@ -714,6 +729,11 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 	goal("cpu_load_vs_redis_get", ">= 4", q.CPULoadVsRedisGet, func(v float64) bool { return v >= 4 })
 	goal("lookup_p99_vs_grpc_empty_p99", "<= 2", q.LookupP99VsGRPCEmptyP99, func(v float64) bool { return v <= 2 })
 	goal("remote_load_vs_cluster_get", ">= 0.8", q.RemoteLoadVsClusterGet, func(v float64) bool { return v >= 0.8 })
+	if rc := rep.Recovery; rc != nil {
+		goal("restart_start_to_serving_ms", "<= 1000", report.F(rc.StartToServingMs), func(v float64) bool { return v <= 1000 })
+		goal("restart_disk_open_to_serving_ms", "<= 1000", report.F(rc.DiskOpenToServingMs), func(v float64) bool { return v <= 1000 })
+		goal("restart_recovery_vs_raw_seq_read", ">= 0.8", report.F(rc.RecoveryVsRawSeqRead), func(v float64) bool { return v >= 0.8 })
+	}
 	for _, want := range []float64{0.01, 0.05, 0.1} {
 		var v *float64
 		for _, p := range sweep {

@@ -205,6 +205,65 @@ func (Op) EnumDescriptor() ([]byte, []int) {
 	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{2}
 }
 
+// Where the disk tier's recovery is.
+type RecoveryState int32
+
+const (
+	// Not started (never seen in a daemon that serves).
+	RecoveryState_RECOVERY_STATE_NONE RecoveryState = 0
+	// Scanning the slot files in the background while the daemon serves;
+	// blocks come online (Lookup offers them) as their chunks are verified.
+	RecoveryState_RECOVERY_STATE_RUNNING RecoveryState = 1
+	// Every chunk was scanned (at once for a new tier or --disk-reset).
+	RecoveryState_RECOVERY_STATE_DONE RecoveryState = 2
+	// Shutdown came first; what was not scanned stays on disk for the next
+	// start.
+	RecoveryState_RECOVERY_STATE_STOPPED RecoveryState = 3
+)
+
+// Enum value maps for RecoveryState.
+var (
+	RecoveryState_name = map[int32]string{
+		0: "RECOVERY_STATE_NONE",
+		1: "RECOVERY_STATE_RUNNING",
+		2: "RECOVERY_STATE_DONE",
+		3: "RECOVERY_STATE_STOPPED",
+	}
+	RecoveryState_value = map[string]int32{
+		"RECOVERY_STATE_NONE":    0,
+		"RECOVERY_STATE_RUNNING": 1,
+		"RECOVERY_STATE_DONE":    2,
+		"RECOVERY_STATE_STOPPED": 3,
+	}
+)
+
+func (x RecoveryState) Enum() *RecoveryState {
+	p := new(RecoveryState)
+	*p = x
+	return p
+}
+
+func (x RecoveryState) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (RecoveryState) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvoffload_v1_kvoffload_proto_enumTypes[3].Descriptor()
+}
+
+func (RecoveryState) Type() protoreflect.EnumType {
+	return &file_kvoffload_v1_kvoffload_proto_enumTypes[3]
+}
+
+func (x RecoveryState) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use RecoveryState.Descriptor instead.
+func (RecoveryState) EnumDescriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{3}
+}
+
 // One piece of an engine block: the bytes of one region (a layer, or a
 // layer's K or V) for one KV cache group.
 type Segment struct {
@@ -1792,16 +1851,19 @@ func (x *NamespaceStats) GetBlocks() uint64 {
 }
 
 type StatsResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Tiers         []*TierStats           `protobuf:"bytes,1,rep,name=tiers,proto3" json:"tiers,omitempty"`
-	Namespaces    []*NamespaceStats      `protobuf:"bytes,2,rep,name=namespaces,proto3" json:"namespaces,omitempty"`
-	Lookups       uint64                 `protobuf:"varint,3,opt,name=lookups,proto3" json:"lookups,omitempty"`
-	LookupHits    uint64                 `protobuf:"varint,4,opt,name=lookup_hits,json=lookupHits,proto3" json:"lookup_hits,omitempty"`
-	BlocksStored  uint64                 `protobuf:"varint,5,opt,name=blocks_stored,json=blocksStored,proto3" json:"blocks_stored,omitempty"`
-	BlocksLoaded  uint64                 `protobuf:"varint,6,opt,name=blocks_loaded,json=blocksLoaded,proto3" json:"blocks_loaded,omitempty"`
-	BlocksFailed  uint64                 `protobuf:"varint,7,opt,name=blocks_failed,json=blocksFailed,proto3" json:"blocks_failed,omitempty"`
-	Evictions     uint64                 `protobuf:"varint,8,opt,name=evictions,proto3" json:"evictions,omitempty"`
-	Version       string                 `protobuf:"bytes,9,opt,name=version,proto3" json:"version,omitempty"`
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	Tiers        []*TierStats           `protobuf:"bytes,1,rep,name=tiers,proto3" json:"tiers,omitempty"`
+	Namespaces   []*NamespaceStats      `protobuf:"bytes,2,rep,name=namespaces,proto3" json:"namespaces,omitempty"`
+	Lookups      uint64                 `protobuf:"varint,3,opt,name=lookups,proto3" json:"lookups,omitempty"`
+	LookupHits   uint64                 `protobuf:"varint,4,opt,name=lookup_hits,json=lookupHits,proto3" json:"lookup_hits,omitempty"`
+	BlocksStored uint64                 `protobuf:"varint,5,opt,name=blocks_stored,json=blocksStored,proto3" json:"blocks_stored,omitempty"`
+	BlocksLoaded uint64                 `protobuf:"varint,6,opt,name=blocks_loaded,json=blocksLoaded,proto3" json:"blocks_loaded,omitempty"`
+	BlocksFailed uint64                 `protobuf:"varint,7,opt,name=blocks_failed,json=blocksFailed,proto3" json:"blocks_failed,omitempty"`
+	Evictions    uint64                 `protobuf:"varint,8,opt,name=evictions,proto3" json:"evictions,omitempty"`
+	Version      string                 `protobuf:"bytes,9,opt,name=version,proto3" json:"version,omitempty"`
+	// The disk tier's recovery of its files after a start; absent without a
+	// disk tier. (Field 20, not 10: room for other counters in between.)
+	DiskRecovery  *DiskRecovery `protobuf:"bytes,20,opt,name=disk_recovery,json=diskRecovery,proto3" json:"disk_recovery,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1897,6 +1959,122 @@ func (x *StatsResponse) GetVersion() string {
 		return x.Version
 	}
 	return ""
+}
+
+func (x *StatsResponse) GetDiskRecovery() *DiskRecovery {
+	if x != nil {
+		return x.DiskRecovery
+	}
+	return nil
+}
+
+// DiskRecovery is the progress of the disk tier's recovery: the daemon
+// serves from its start, and a block on disk is offered once its slot has
+// been read and verified.
+type DiskRecovery struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	State RecoveryState          `protobuf:"varint,1,opt,name=state,proto3,enum=kvoffload.v1.RecoveryState" json:"state,omitempty"`
+	// Slots and bytes of the chunks the chunk maps name (what recovery
+	// reads), and how many of them it has read and verified so far.
+	SlotsTotal   uint64 `protobuf:"varint,2,opt,name=slots_total,json=slotsTotal,proto3" json:"slots_total,omitempty"`
+	SlotsScanned uint64 `protobuf:"varint,3,opt,name=slots_scanned,json=slotsScanned,proto3" json:"slots_scanned,omitempty"`
+	BytesTotal   uint64 `protobuf:"varint,4,opt,name=bytes_total,json=bytesTotal,proto3" json:"bytes_total,omitempty"`
+	BytesScanned uint64 `protobuf:"varint,5,opt,name=bytes_scanned,json=bytesScanned,proto3" json:"bytes_scanned,omitempty"`
+	// Blocks online so far.
+	BlocksRecovered uint64 `protobuf:"varint,6,opt,name=blocks_recovered,json=blocksRecovered,proto3" json:"blocks_recovered,omitempty"`
+	// Slots that failed verification (torn, stale, corrupt, unreadable):
+	// free space. Empty slots are not counted.
+	BadSlots uint64 `protobuf:"varint,7,opt,name=bad_slots,json=badSlots,proto3" json:"bad_slots,omitempty"`
+	// Time since the start of recovery, or its whole duration once it ended.
+	ElapsedMs     uint64 `protobuf:"varint,8,opt,name=elapsed_ms,json=elapsedMs,proto3" json:"elapsed_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DiskRecovery) Reset() {
+	*x = DiskRecovery{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiskRecovery) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiskRecovery) ProtoMessage() {}
+
+func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiskRecovery.ProtoReflect.Descriptor instead.
+func (*DiskRecovery) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *DiskRecovery) GetState() RecoveryState {
+	if x != nil {
+		return x.State
+	}
+	return RecoveryState_RECOVERY_STATE_NONE
+}
+
+func (x *DiskRecovery) GetSlotsTotal() uint64 {
+	if x != nil {
+		return x.SlotsTotal
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetSlotsScanned() uint64 {
+	if x != nil {
+		return x.SlotsScanned
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetBytesTotal() uint64 {
+	if x != nil {
+		return x.BytesTotal
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetBytesScanned() uint64 {
+	if x != nil {
+		return x.BytesScanned
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetBlocksRecovered() uint64 {
+	if x != nil {
+		return x.BlocksRecovered
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetBadSlots() uint64 {
+	if x != nil {
+		return x.BadSlots
+	}
+	return 0
+}
+
+func (x *DiskRecovery) GetElapsedMs() uint64 {
+	if x != nil {
+		return x.ElapsedMs
+	}
+	return 0
 }
 
 var File_kvoffload_v1_kvoffload_proto protoreflect.FileDescriptor
@@ -2012,7 +2190,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\fnamespace_id\x18\x01 \x01(\rR\vnamespaceId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\fR\vfingerprint\x12$\n" +
 	"\rregistrations\x18\x03 \x01(\rR\rregistrations\x12\x16\n" +
-	"\x06blocks\x18\x04 \x01(\x04R\x06blocks\"\xde\x02\n" +
+	"\x06blocks\x18\x04 \x01(\x04R\x06blocks\"\x9f\x03\n" +
 	"\rStatsResponse\x12-\n" +
 	"\x05tiers\x18\x01 \x03(\v2\x17.kvoffload.v1.TierStatsR\x05tiers\x12<\n" +
 	"\n" +
@@ -2025,7 +2203,20 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\rblocks_loaded\x18\x06 \x01(\x04R\fblocksLoaded\x12#\n" +
 	"\rblocks_failed\x18\a \x01(\x04R\fblocksFailed\x12\x1c\n" +
 	"\tevictions\x18\b \x01(\x04R\tevictions\x12\x18\n" +
-	"\aversion\x18\t \x01(\tR\aversion*\xdf\x01\n" +
+	"\aversion\x18\t \x01(\tR\aversion\x12?\n" +
+	"\rdisk_recovery\x18\x14 \x01(\v2\x1a.kvoffload.v1.DiskRecoveryR\fdiskRecovery\"\xb4\x02\n" +
+	"\fDiskRecovery\x121\n" +
+	"\x05state\x18\x01 \x01(\x0e2\x1b.kvoffload.v1.RecoveryStateR\x05state\x12\x1f\n" +
+	"\vslots_total\x18\x02 \x01(\x04R\n" +
+	"slotsTotal\x12#\n" +
+	"\rslots_scanned\x18\x03 \x01(\x04R\fslotsScanned\x12\x1f\n" +
+	"\vbytes_total\x18\x04 \x01(\x04R\n" +
+	"bytesTotal\x12#\n" +
+	"\rbytes_scanned\x18\x05 \x01(\x04R\fbytesScanned\x12)\n" +
+	"\x10blocks_recovered\x18\x06 \x01(\x04R\x0fblocksRecovered\x12\x1b\n" +
+	"\tbad_slots\x18\a \x01(\x04R\bbadSlots\x12\x1d\n" +
+	"\n" +
+	"elapsed_ms\x18\b \x01(\x04R\telapsedMs*\xdf\x01\n" +
 	"\vBlockStatus\x12\x13\n" +
 	"\x0fBLOCK_STATUS_OK\x10\x00\x12\x18\n" +
 	"\x14BLOCK_STATUS_MISSING\x10\x01\x12\x19\n" +
@@ -2044,7 +2235,12 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x02Op\x12\x12\n" +
 	"\x0eOP_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bOP_STORE\x10\x01\x12\v\n" +
-	"\aOP_LOAD\x10\x022\xaa\x05\n" +
+	"\aOP_LOAD\x10\x02*y\n" +
+	"\rRecoveryState\x12\x17\n" +
+	"\x13RECOVERY_STATE_NONE\x10\x00\x12\x1a\n" +
+	"\x16RECOVERY_STATE_RUNNING\x10\x01\x12\x17\n" +
+	"\x13RECOVERY_STATE_DONE\x10\x02\x12\x1a\n" +
+	"\x16RECOVERY_STATE_STOPPED\x10\x032\xaa\x05\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
@@ -2070,79 +2266,83 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 	return file_kvoffload_v1_kvoffload_proto_rawDescData
 }
 
-var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(BlockStatus)(0),            // 0: kvoffload.v1.BlockStatus
 	(Tier)(0),                   // 1: kvoffload.v1.Tier
 	(Op)(0),                     // 2: kvoffload.v1.Op
-	(*Segment)(nil),             // 3: kvoffload.v1.Segment
-	(*Layout)(nil),              // 4: kvoffload.v1.Layout
-	(*CudaIpcMemory)(nil),       // 5: kvoffload.v1.CudaIpcMemory
-	(*Region)(nil),              // 6: kvoffload.v1.Region
-	(*RegisterRequest)(nil),     // 7: kvoffload.v1.RegisterRequest
-	(*RegisterResponse)(nil),    // 8: kvoffload.v1.RegisterResponse
-	(*UnregisterRequest)(nil),   // 9: kvoffload.v1.UnregisterRequest
-	(*UnregisterResponse)(nil),  // 10: kvoffload.v1.UnregisterResponse
-	(*ResolveRequest)(nil),      // 11: kvoffload.v1.ResolveRequest
-	(*ResolveResponse)(nil),     // 12: kvoffload.v1.ResolveResponse
-	(*KeyList)(nil),             // 13: kvoffload.v1.KeyList
-	(*LookupRequest)(nil),       // 14: kvoffload.v1.LookupRequest
-	(*LookupResponse)(nil),      // 15: kvoffload.v1.LookupResponse
-	(*Job)(nil),                 // 16: kvoffload.v1.Job
-	(*TransferRequest)(nil),     // 17: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),    // 18: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),        // 19: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),           // 20: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),  // 21: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil), // 22: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),   // 23: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),  // 24: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),        // 25: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),           // 26: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),      // 27: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),       // 28: kvoffload.v1.StatsResponse
+	(RecoveryState)(0),          // 3: kvoffload.v1.RecoveryState
+	(*Segment)(nil),             // 4: kvoffload.v1.Segment
+	(*Layout)(nil),              // 5: kvoffload.v1.Layout
+	(*CudaIpcMemory)(nil),       // 6: kvoffload.v1.CudaIpcMemory
+	(*Region)(nil),              // 7: kvoffload.v1.Region
+	(*RegisterRequest)(nil),     // 8: kvoffload.v1.RegisterRequest
+	(*RegisterResponse)(nil),    // 9: kvoffload.v1.RegisterResponse
+	(*UnregisterRequest)(nil),   // 10: kvoffload.v1.UnregisterRequest
+	(*UnregisterResponse)(nil),  // 11: kvoffload.v1.UnregisterResponse
+	(*ResolveRequest)(nil),      // 12: kvoffload.v1.ResolveRequest
+	(*ResolveResponse)(nil),     // 13: kvoffload.v1.ResolveResponse
+	(*KeyList)(nil),             // 14: kvoffload.v1.KeyList
+	(*LookupRequest)(nil),       // 15: kvoffload.v1.LookupRequest
+	(*LookupResponse)(nil),      // 16: kvoffload.v1.LookupResponse
+	(*Job)(nil),                 // 17: kvoffload.v1.Job
+	(*TransferRequest)(nil),     // 18: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),    // 19: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),        // 20: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),           // 21: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),  // 22: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil), // 23: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),   // 24: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),  // 25: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),        // 26: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),           // 27: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),      // 28: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),       // 29: kvoffload.v1.StatsResponse
+	(*DiskRecovery)(nil),        // 30: kvoffload.v1.DiskRecovery
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
-	3,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
-	5,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
-	4,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
-	6,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
-	13, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
+	4,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
+	6,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
+	5,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
+	7,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
+	14, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
 	1,  // 5: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
-	13, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	16, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	20, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	14, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
+	17, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	21, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
 	0,  // 9: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
 	2,  // 10: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	19, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	20, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
-	13, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	26, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	27, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
-	7,  // 16: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
-	9,  // 17: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
-	11, // 18: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
-	14, // 19: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	17, // 20: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	17, // 21: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	21, // 22: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	23, // 23: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	25, // 24: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	8,  // 25: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	10, // 26: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	12, // 27: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
-	15, // 28: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	18, // 29: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	18, // 30: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	22, // 31: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	24, // 32: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	28, // 33: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	25, // [25:34] is the sub-list for method output_type
-	16, // [16:25] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	20, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	21, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	14, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
+	27, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	28, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	30, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
+	3,  // 17: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
+	8,  // 18: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
+	10, // 19: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
+	12, // 20: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
+	15, // 21: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
+	18, // 22: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	18, // 23: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	22, // 24: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	24, // 25: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	26, // 26: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	9,  // 27: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	11, // 28: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	13, // 29: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	16, // 30: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	19, // 31: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	19, // 32: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	23, // 33: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	25, // 34: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	29, // 35: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	27, // [27:36] is the sub-list for method output_type
+	18, // [18:27] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_kvoffload_v1_kvoffload_proto_init() }
@@ -2160,8 +2360,8 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   26,
+			NumEnums:      4,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -22,7 +22,7 @@
 // does for a size), Remove, Rename (matched on its old path) and SyncDir on
 // matching paths are counted, in call order across the FS, for FailAtIndex
 // and Ops; Remove, Rename and SyncDir fail only there, not by rate. Stat,
-// MkdirAll, Name and Close pass through uncounted and never fail by
+// MkdirAll, Lock, Name and Close pass through uncounted and never fail by
 // injection.
 package errorfs
 
@@ -302,6 +302,9 @@ func (fs *FS) SyncDir(dir string) error {
 
 // Stat passes through.
 func (fs *FS) Stat(path string) (os.FileInfo, error) { return fs.inner.Stat(path) }
+
+// Lock passes through.
+func (fs *FS) Lock(path string) (io.Closer, error) { return fs.inner.Lock(path) }
 
 // MkdirAll passes through.
 func (fs *FS) MkdirAll(dir string, perm os.FileMode) error { return fs.inner.MkdirAll(dir, perm) }

@@ -25,14 +25,49 @@ func NewMem() FS {
 	m := &memFS{}
 	m.mu.files = make(map[string]*memNode)
 	m.mu.dirs = map[string]bool{"/": true, ".": true}
+	m.mu.locked = make(map[string]bool)
 	return m
+}
+
+// Lock holds path's lock until the Closer is closed, as flock on the OS
+// does for an open file description.
+func (m *memFS) Lock(path string) (io.Closer, error) {
+	f, err := m.OpenFile(path, 0, false)
+	if err != nil {
+		return nil, err
+	}
+	f.Close()
+	path = filepath.Clean(path)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.mu.locked[path] {
+		return nil, fmt.Errorf("%w: %s", ErrLocked, path)
+	}
+	m.mu.locked[path] = true
+	return &memLock{m: m, path: path}, nil
+}
+
+type memLock struct {
+	m    *memFS
+	path string
+	once sync.Once
+}
+
+func (l *memLock) Close() error {
+	l.once.Do(func() {
+		l.m.mu.Lock()
+		delete(l.m.mu.locked, l.path)
+		l.m.mu.Unlock()
+	})
+	return nil
 }
 
 type memFS struct {
 	mu struct {
 		sync.Mutex
-		files map[string]*memNode
-		dirs  map[string]bool
+		files  map[string]*memNode
+		dirs   map[string]bool
+		locked map[string]bool
 	}
 }
 

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,12 +18,15 @@ var Default FS = osFS{}
 type osFS struct{}
 
 func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
-	flag := os.O_RDWR | os.O_CREATE
+	flag := os.O_RDWR | os.O_CREATE | unix.O_NOFOLLOW
 	if direct {
 		flag |= unix.O_DIRECT
 	}
 	f, err := os.OpenFile(path, flag, 0o600)
 	if err != nil {
+		if errors.Is(err, unix.ELOOP) {
+			return nil, symlinkError(err, path)
+		}
 		if direct {
 			return nil, directError(err, path)
 		}
@@ -37,7 +42,7 @@ func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
 }
 
 func (osFS) Remove(path string) error                    { return os.Remove(path) }
-func (osFS) Stat(path string) (os.FileInfo, error)       { return os.Stat(path) }
+func (osFS) Stat(path string) (os.FileInfo, error)       { return os.Lstat(path) }
 func (osFS) MkdirAll(dir string, perm os.FileMode) error { return os.MkdirAll(dir, perm) }
 func (osFS) Rename(oldpath, newpath string) error        { return os.Rename(oldpath, newpath) }
 
@@ -47,6 +52,43 @@ func (osFS) SyncDir(dir string) error {
 		return err
 	}
 	return errors.Join(d.Sync(), d.Close())
+}
+
+func (osFS) Lock(path string) (io.Closer, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	if err != nil {
+		if errors.Is(err, unix.ELOOP) {
+			return nil, symlinkError(err, path)
+		}
+		return nil, err
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			holder := make([]byte, 32)
+			n, _ := f.ReadAt(holder, 0)
+			f.Close()
+			return nil, fmt.Errorf("%w: %s (held by pid %s)", ErrLocked, path, bytes.TrimSpace(holder[:n]))
+		}
+		f.Close()
+		return nil, &os.PathError{Op: "flock", Path: path, Err: err}
+	}
+	// Who holds it, for the next one's error message; the lock, not the
+	// contents, is what excludes.
+	if err := f.Truncate(0); err == nil {
+		f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	}
+	return f, nil
+}
+
+// symlinkError explains the ELOOP of an O_NOFOLLOW open.
+func symlinkError(err error, path string) error {
+	return fmt.Errorf("%w: %s is a symbolic link; refusing to follow it: %w", ErrSymlink, path, err)
 }
 
 type osFile struct {

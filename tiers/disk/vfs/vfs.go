@@ -43,16 +43,23 @@ import (
 const Alignment = 4096
 
 // FS is a filesystem. Implementations are safe for concurrent use.
+//
+// No call follows a symbolic link at the last element of its path: a link
+// planted where the disk tier keeps a file would otherwise make the daemon
+// write through it into whatever it points at.
 type FS interface {
 	// OpenFile opens path for reading and writing, creating it (mode 0600)
 	// if it does not exist. If size > 0 the file is then preallocated to at
 	// least size bytes (see File.Preallocate); an existing larger file is
 	// not shrunk. If direct is true the file is opened with O_DIRECT and
-	// its reads and writes must follow the alignment rule.
+	// its reads and writes must follow the alignment rule. A symbolic link
+	// at path is refused with an error wrapping ErrSymlink.
 	OpenFile(path string, size int64, direct bool) (File, error)
-	// Remove removes a file or an empty directory.
+	// Remove removes a file or an empty directory (a link itself, never
+	// what it points at).
 	Remove(path string) error
-	// Stat describes path; a missing path gives an error matching
+	// Stat describes path itself (lstat): a symbolic link is described as
+	// one, not followed. A missing path gives an error matching
 	// fs.ErrNotExist.
 	Stat(path string) (os.FileInfo, error)
 	// MkdirAll creates dir and any missing parents.
@@ -65,6 +72,13 @@ type FS interface {
 	// stable storage. Writing a small file durably is: write a temporary
 	// file, Sync it, Rename it over the target, SyncDir the directory.
 	SyncDir(dir string) error
+	// Lock takes an exclusive lock named by path (created if missing,
+	// never through a symbolic link), held until the returned Closer is
+	// closed or the process ends. A lock another holder has fails at once
+	// with an error wrapping ErrLocked. On the OS it is flock(2) on the
+	// file, so it also excludes other processes; the file records the
+	// holder's pid for the error message of the next would-be holder.
+	Lock(path string) (io.Closer, error)
 }
 
 // File is an open file. ReadAt and WriteAt are safe for concurrent use on

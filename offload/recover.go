@@ -1,0 +1,230 @@
+package offload
+
+import (
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
+)
+
+// The service's side of the disk tier's recovery. The daemon serves as
+// soon as the disk tier is open; recovery brings the blocks of its files
+// online in the background, chunk by chunk (tiers/disk/recover.go). A
+// recovered block enters the index Ready with its disk slot, exactly as a
+// demoted one would, so everything else (Lookup, Load, eviction) treats it
+// like any other. Three things happen while recovery runs:
+//
+//   - A key stored again before recovery reaches its old copy: the index
+//     has it already, so the old copy attaches to the entry as its disk
+//     copy when the entry has none, or is declined (its slot is free
+//     space).
+//   - A key invalidated before recovery reaches its old copy: the
+//     invalidation leaves a tombstone, and the old copy is erased (its
+//     header zeroed) instead of coming back, now or at a later start.
+//   - Stores need disk slots: the disk tier never hands out one in a
+//     chunk recovery has not scanned.
+
+// maxTombstones bounds the keys invalidated during recovery that the
+// service remembers (48 bytes each with the map's overhead, ~50 MiB). Past
+// it a namespace's further invalidations count as invalidating the whole
+// namespace for what recovery has not reached yet: more of the disk's
+// blocks are erased than were asked, never fewer.
+const maxTombstones = 1 << 20
+
+// recovery is the service's state of the disk tier's recovery.
+type recovery struct {
+	byDigest map[[32]byte]*Namespace // the catalog's namespaces, fixed at start
+	done     chan struct{}           // closed when recovery ends
+
+	mu struct {
+		sync.Mutex
+		running bool
+		keys    map[index.Key]struct{} // invalidated while running
+		ns      map[uint32]bool        // namespaces invalidated whole
+	}
+}
+
+// startRecovery brings back the namespaces of the disk tier's catalog and
+// starts the recovery of its blocks. It returns at once.
+func (s *Service) startRecovery(t *disk.Tier) error {
+	rec := &s.rec
+	rec.done = make(chan struct{})
+	rec.byDigest = map[[32]byte]*Namespace{}
+	catalog := t.Namespaces()
+	digests := make([][32]byte, 0, len(catalog))
+	for d := range catalog {
+		digests = append(digests, d)
+	}
+	sort.Slice(digests, func(i, j int) bool { return string(digests[i][:]) < string(digests[j][:]) })
+	s.mu.Lock()
+	for _, d := range digests {
+		fp, l, err := decodeMeta(catalog[d])
+		if err != nil || digestOf(fp) != d {
+			s.log.Error("disk tier: a namespace in the catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
+			continue
+		}
+		ns, err := s.newNamespaceLocked(fp, l)
+		if err != nil {
+			s.log.Error("disk tier: a namespace in the catalog does not fit this daemon; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
+			continue
+		}
+		// Not swept while recovery may still file its blocks.
+		ns.recovering = true
+		rec.byDigest[d] = ns
+	}
+	s.mu.Unlock()
+	rec.mu.Lock()
+	rec.mu.running = true
+	rec.mu.keys = map[index.Key]struct{}{}
+	rec.mu.ns = map[uint32]bool{}
+	rec.mu.Unlock()
+	return t.Recover(disk.Recoverer{Key: s.recoveredKey, File: s.fileRecovered, Done: s.recoveryDone})
+}
+
+// recoveredKey names a block found on disk, if its namespace is in the
+// catalog and its shape fits the namespace's layout.
+func (s *Service) recoveredKey(r disk.Recovered) (index.Key, bool) {
+	ns := s.rec.byDigest[r.NS]
+	if ns == nil || r.Group >= ns.Layout.NumGroups() || r.HashLen != ns.Layout.HashBytes || r.PayloadLen != ns.Layout.PayloadBytes(r.Group) {
+		return index.Key{}, false
+	}
+	return makeKey(ns.ID, r.Group, r.Hash[:r.HashLen]), true
+}
+
+// fileRecovered files the blocks recovery verified in one chunk: each
+// enters the index Ready on disk, attaches to an entry that has no disk
+// copy, is erased if its key was invalidated since the start, or is
+// declined. The ones kept are then put under the disk policy.
+func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []disk.Verdict {
+	verdicts := make([]disk.Verdict, len(blocks))
+	var kept []int
+	for i := range blocks {
+		k, slot := &keys[i], blocks[i].Slot
+		v := disk.Decline
+		s.ix.Mutate(k, func(e *index.Entry, found bool) bool {
+			switch {
+			case s.rec.invalidated(k):
+				v = disk.Erase
+			case !found:
+				e.State, e.Disk, e.CPU = index.Ready, slot, index.NoSlot
+				v = disk.Keep
+				return true
+			case e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
+				// Stored again before recovery got here: this is its
+				// disk copy, no demotion needed.
+				e.Disk = slot
+				v = disk.Keep
+			}
+			return found
+		})
+		verdicts[i] = v
+		if v == disk.Keep {
+			kept = append(kept, i)
+		}
+	}
+	if len(kept) == 0 {
+		return verdicts
+	}
+	// Under the policy only now, with the entries in the index (its
+	// Evict must find them). An entry that went meanwhile (invalidated,
+	// a failed read) was forgotten by whoever dropped it, maybe before
+	// Learn: forget it again so the policy counts no slot that is free.
+	// A chunk serves one slot size, so one class, whatever namespaces its
+	// blocks belong to.
+	c, err := s.disk.Class(disk.SlotBytes(blocks[kept[0]].PayloadLen))
+	if err != nil { // cannot happen: the tier adopted the chunk into it
+		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
+		return verdicts
+	}
+	defer c.Drop() // the blocks' slots keep the class alive
+	ks := make([]index.Key, len(kept))
+	for j, i := range kept {
+		ks[j] = keys[i]
+	}
+	c.Learn(ks)
+	for _, i := range kept {
+		if e, ok := s.ix.Get(&keys[i]); !ok || e.Disk != blocks[i].Slot {
+			c.Forget(&keys[i])
+		}
+	}
+	return verdicts
+}
+
+// recoveryDone runs when recovery ends: the tombstones go, and the
+// namespaces of the catalog may be swept from now on like any other (their
+// linger starts now).
+func (s *Service) recoveryDone(st disk.RecoveryStats) {
+	s.rec.mu.Lock()
+	s.rec.mu.running = false
+	s.rec.mu.keys, s.rec.mu.ns = nil, nil
+	s.rec.mu.Unlock()
+	s.mu.Lock()
+	now := time.Now()
+	for _, ns := range s.rec.byDigest {
+		ns.recovering = false
+		ns.idleSince = now
+	}
+	s.mu.Unlock()
+	s.log.Info("disk tier: index rebuilt from the slot files", "state", st.State, "blocks", st.Blocks,
+		"namespaces", len(s.rec.byDigest), "took", st.Elapsed)
+	close(s.rec.done)
+}
+
+// invalidating records, while recovery runs, the keys an Invalidate drops
+// (keys nil: the whole namespaces), so that their copies recovery has not
+// reached yet are erased instead of coming back. Call it before the index
+// entries are dropped.
+func (r *recovery) invalidating(nss []*Namespace, keys *Keys) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.mu.running {
+		return
+	}
+	for _, ns := range nss {
+		if keys == nil {
+			r.mu.ns[ns.ID] = true
+			continue
+		}
+		if r.mu.ns[ns.ID] {
+			continue
+		}
+		hb := ns.Layout.HashBytes
+		for i := 0; i+hb <= len(keys.Hashes); i += hb {
+			if len(r.mu.keys) >= maxTombstones {
+				r.mu.ns[ns.ID] = true
+				break
+			}
+			r.mu.keys[makeKey(ns.ID, keys.Group, keys.Hashes[i:i+hb])] = struct{}{}
+		}
+	}
+}
+
+// invalidated reports whether k was invalidated since recovery started.
+func (r *recovery) invalidated(k *index.Key) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.mu.running {
+		return false
+	}
+	if r.mu.ns[k.NS] {
+		return true
+	}
+	_, ok := r.mu.keys[*k]
+	return ok
+}
+
+// DiskRecovered is closed once the disk tier's recovery has ended (at
+// once without a disk tier).
+func (s *Service) DiskRecovered() <-chan struct{} { return s.rec.done }
+
+// DiskRecovery reports the disk tier's recovery; ok is false without a
+// disk tier.
+func (s *Service) DiskRecovery() (st disk.RecoveryStats, ok bool) {
+	if s.disk == nil {
+		return disk.RecoveryStats{}, false
+	}
+	return s.disk.Recovery(), true
+}
