@@ -96,10 +96,12 @@ func TestManyLeasesNeverServeAnotherBlock(t *testing.T) {
 	}
 	const leases = 1 << 16
 	lim := offload.Limits{MaxLeasesPerOwner: 2 * leases, MaxLeases: 2 * leases, MaxLeasePinsPerOwner: 2 * leases, MaxLeasePins: 2 * leases}
-	d := testenv.Start(t, testenv.Options{CPUBytes: 4 << 20, ChunkBytes: 4 << 20, Limits: lim, Quiet: true})
+	// Two chunks of 16 slots: a fills the second alone.
+	d := testenv.Start(t, testenv.Options{CPUBytes: 8 << 20, ChunkBytes: 4 << 20, Limits: lim, Quiet: true})
 	e := register(t, d, small, "m")
+	e.store(t, 1, e.hashes(3, 16), seq(0, 16))
 	a := e.hashes(1, 1)
-	e.store(t, 1, a, seq(0, 1))
+	e.store(t, 2, a, seq(16, 1))
 	ids := make([]uint64, leases)
 	var wg sync.WaitGroup
 	errs := make(chan error, 16)
@@ -122,13 +124,18 @@ func TestManyLeasesNeverServeAnotherBlock(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	// The block goes from the index; its slot stays pinned by the leases.
-	if n, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(a...)); err != nil || n != 1 {
-		t.Fatalf("invalidate: %d %v", n, err)
+	// Another block size takes a's chunk: a leaves the index, its slot
+	// stays pinned by the leases (and the chunk with it).
+	other := register(t, d, testenv.Model{Layers: 2, SegBytes: 64 << 10, Blocks: 8}, "other")
+	other.store(t, 3, other.hashes(9, 4), seq(0, 4))
+	if e.lookup(t, a).Ready != 0 {
+		t.Fatal("the chunk move did not evict the leased block")
 	}
-	b := e.hashes(2, 4)
-	e.store(t, 2, b, seq(1, 4))
-	job := testenv.Job(3, a, seq(40, 1))
+	if n := d.Svc.CPU().Pinned(); n != 1 {
+		t.Fatalf("%d slots pinned, want the leased one", n)
+	}
+	e.store(t, 4, e.hashes(2, 4), seq(20, 4))
+	job := testenv.Job(5, a, seq(40, 1))
 	job.LeaseId = ids[leases/2]
 	out, err := e.c.Load(ctx(t), e.reg.RegistrationId, []*pb.Job{job}, true)
 	if err != nil {
@@ -163,10 +170,7 @@ func TestLeaseOfAnotherConnection(t *testing.T) {
 	if n := d.Svc.CPU().Pinned(); n != 4 {
 		t.Fatalf("%d slots pinned: the other connection's load used up the lease", n)
 	}
-	// The owner's lease still holds its blocks through an invalidation.
-	if _, err := owner.c.Invalidate(ctx(t), []uint32{owner.reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
-		t.Fatal(err)
-	}
+	// The owner's lease still holds its blocks.
 	job = testenv.Job(3, hs, seq(20, 4))
 	job.LeaseId = lr.LeaseId
 	out, err = owner.c.Load(ctx(t), owner.reg.RegistrationId, []*pb.Job{job}, true)
@@ -219,10 +223,6 @@ func TestLeaseOverRanks(t *testing.T) {
 	}
 	if n := d.Svc.CPU().Pinned(); n != 4 {
 		t.Fatalf("after rank 0's load %d slots pinned, want rank 1's 4", n)
-	}
-	// Rank 1's blocks are held by the lease even once evicted.
-	if _, err := c.Invalidate(ctx(t), []uint32{ranks[1].reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
-		t.Fatal(err)
 	}
 	res := load(ranks[1], 11)
 	if !res.Ok {

@@ -3,7 +3,6 @@ package offload
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 )
 
@@ -14,7 +13,9 @@ import (
 // results leave the queue only when acknowledged: a reply lost with its
 // connection is sent again. A client that passes none gets each result
 // once, as before the cursor existed. Either way one reply carries at most
-// MaxReplyBytes; the rest wait for the next call (More says so).
+// MaxReplyBytes; the rest wait for the next call (More says so). A Store or
+// Load with wait follows the same rule (see waiter): with an ack_seq its
+// results are queued too, and the reply only carries copies.
 
 // Bytes a result can take on the wire, at most: protobuf's encoding of a
 // JobResult in a repeated field with every varint at its longest, and of a
@@ -131,100 +132,98 @@ func (r *Registration) dropLocked(n int) {
 	r.mu.done = r.mu.done[:rest]
 }
 
-// queueLocked gives res its sequence number and queues it.
-func (r *Registration) queueLocked(res Result) {
+// queueLocked gives res its sequence number and queues it; it returns res
+// with its Seq.
+func (r *Registration) queueLocked(res Result) Result {
 	r.mu.seq++
 	res.Seq = r.mu.seq
 	r.mu.done = append(r.mu.done, res)
 	r.mu.doneBytes += res.wireBytes()
+	return res
 }
 
-// waiter collects the results of a Transfer with wait set. If the caller
-// gives up, results still to come go to Completions instead: no job's
-// result is ever lost.
+// waiter collects the results of a Transfer with wait set. Its fields are
+// guarded by the registration's mu.
+//
+// A caller that acknowledges (it passed ack_seq) has every result queued
+// with its Seq as it finishes, like any other, and gets a copy: the results
+// stay until an ack_seq covers them, so a reply it never read is sent again
+// by Completions. A caller that does not has its results returned in the
+// reply instead, with Seq 0, and they leave the daemon as they are sent;
+// if it gives up waiting, even once every result is in, they are queued
+// for Completions, and so are those still to come.
 type waiter struct {
-	mu        sync.Mutex
 	results   []Result
 	left      int
 	done      chan struct{}
+	acks      bool
 	abandoned bool
 }
 
+// deliver settles a finished job: it leaves pending and its result goes to
+// the waiter, the queue, or both (see waiter).
 func (r *Registration) deliver(w *waiter, slot int, res Result, worst int) {
-	if w != nil {
-		w.mu.Lock()
-		if !w.abandoned {
-			// Out of pending before the waiter has it: a caller holding
-			// every result finds nothing of them left. The job's
-			// reserved bytes stay until Transfer returns.
-			r.finish(res, false, 0)
-			w.results[slot] = res
-			w.left--
-			if w.left == 0 {
-				close(w.done)
-			}
-			w.mu.Unlock()
-			return
-		}
-		w.mu.Unlock()
-	}
-	r.finish(res, true, worst)
-}
-
-// finish retires a job: it leaves pending and, when queue is set, joins the
-// completions in place of the bytes reserved for it.
-func (r *Registration) finish(res Result, queue bool, worst int) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	delete(r.mu.pending, res.JobID)
-	if queue {
-		r.mu.reserved -= worst
+	waiting := w != nil && !w.abandoned
+	if waiting && !w.acks {
+		// The job's reserved bytes stay until Transfer returns.
+		w.results[slot] = res
+	} else {
 		// Kept while the registration drains, so a client that lost its
 		// connection can still read them; close drops what is left.
-		r.queueLocked(res)
+		r.mu.reserved -= worst
+		res = r.queueLocked(res)
+		if waiting {
+			w.results[slot] = res
+		}
 	}
-	close(r.mu.notify)
-	r.mu.notify = make(chan struct{})
-	r.mu.Unlock()
+	if waiting {
+		w.left--
+		if w.left == 0 {
+			close(w.done)
+		}
+	}
+	r.wakeLocked()
 }
 
-// waitResults waits for a Transfer's results. If ctx ends first, the
-// results already in go to Completions and those to come follow them.
+// wakeLocked wakes the Completions calls waiting for a result.
+func (r *Registration) wakeLocked() {
+	close(r.mu.notify)
+	r.mu.notify = make(chan struct{})
+}
+
+// waitResults waits for a Transfer's results. If ctx ends first, or ends
+// as the last result comes in (the caller would not read the reply), the
+// results go to Completions.
 func (r *Registration) waitResults(ctx context.Context, w *waiter, jobs []Job) ([]Result, error) {
 	select {
 	case <-w.done:
-		r.unreserve(jobs)
-		return w.results, nil
 	case <-ctx.Done():
 	}
-	w.mu.Lock()
-	if w.left == 0 {
-		w.mu.Unlock()
-		r.unreserve(jobs)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if w.left == 0 && ctx.Err() == nil {
+		if !w.acks {
+			for i := range jobs {
+				r.mu.reserved -= jobs[i].worstBytes()
+			}
+		}
 		return w.results, nil
 	}
 	w.abandoned = true
-	r.mu.Lock()
-	for i, res := range w.results {
-		if res.Op != 0 {
+	if !w.acks {
+		for i, res := range w.results {
+			if res.Op == 0 {
+				continue // still running: deliver queues it
+			}
 			r.mu.reserved -= jobs[i].worstBytes()
 			if !r.mu.closed {
 				r.queueLocked(res)
 			}
 		}
+		r.wakeLocked()
 	}
-	r.mu.Unlock()
-	w.mu.Unlock()
 	return nil, ctx.Err()
-}
-
-// unreserve gives back the bytes reserved for the results of jobs returned
-// to a waiting caller.
-func (r *Registration) unreserve(jobs []Job) {
-	n := 0
-	for i := range jobs {
-		n += jobs[i].worstBytes()
-	}
-	r.mu.Lock()
-	r.mu.reserved -= n
-	r.mu.Unlock()
 }

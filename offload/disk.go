@@ -67,12 +67,14 @@ type namespaceMeta struct {
 	Fingerprint []byte      `json:"fingerprint"`
 	HashBytes   int         `json:"hash_bytes"`
 	Segments    [][2]uint64 `json:"segments"` // (group, bytes)
+	marksMeta               // invalidations recovery must honour (marks.go)
 }
 
 func digestOf(fingerprint []byte) [32]byte { return sha256.Sum256(fingerprint) }
 
+// encodeMeta is the catalog entry of ns; the caller holds Service.marksMu.
 func encodeMeta(ns *Namespace) []byte {
-	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes}
+	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes, marksMeta: ns.marks.meta()}
 	for _, sg := range ns.Layout.Segments {
 		m.Segments = append(m.Segments, [2]uint64{uint64(sg.Group), sg.Bytes})
 	}
@@ -117,6 +119,7 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 		return err
 	}
 	s.disk = t
+	t.SetEraser(s.eraseDiskSlot)
 	s.writeThrough = writeThrough
 	s.dm = newDiskMetrics(reg)
 	s.demotions = make(chan *demotion, demotionQueue)
@@ -135,12 +138,23 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	return nil
 }
 
-// saveNamespace records a new namespace in the disk tier's catalog.
+// saveNamespace records a new namespace in the disk tier's catalog. A
+// namespace of the same fingerprint may have been there before (it went
+// when it had no registration and no block left): its invalidation marks
+// stay, since copies they cover may still lie on disk.
 func (s *Service) saveNamespace(ns *Namespace) error {
 	if s.disk == nil {
 		return nil
 	}
-	return s.disk.SaveNamespace(digestOf(ns.Fingerprint), encodeMeta(ns))
+	d := digestOf(ns.Fingerprint)
+	s.marksMu.Lock()
+	defer s.marksMu.Unlock()
+	if old, ok := s.disk.Namespaces()[d]; ok {
+		if m, err := decodeMarks(old); err == nil {
+			ns.marks.merge(m)
+		}
+	}
+	return s.disk.SaveNamespace(d, encodeMeta(ns))
 }
 
 func (s *Service) diskMeta(k *index.Key) disk.Meta {
@@ -242,6 +256,11 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		c := classes[i]
 		dslot := index.NoSlot
 		result := "rejected"
+		// From the check that its entry is current to the submission of
+		// its write, an Invalidate waits: it names the disk's writes so
+		// far as invalidated (marks.go), and none of the entry's is left
+		// to come after.
+		s.inval.RLock()
 		s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
 			switch {
 			case !found:
@@ -270,6 +289,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 			return e.Holds()
 		})
 		if dslot == index.NoSlot {
+			s.inval.RUnlock()
 			if result == "no_space" {
 				c.Forget(&d.key)
 			}
@@ -282,6 +302,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		m := s.diskMeta(&d.key)
 		payload := s.cpu.Slot(d.cpuSlot, layout.AlignUp(m.PayloadLen))
 		s.disk.Write(dslot, m, payload, func(err error) { s.demotionDone(d, c, dslot, err) })
+		s.inval.RUnlock()
 	}
 }
 
@@ -350,23 +371,20 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 // releaseWritten lets go of a disk slot a demotion wrote but did not
 // attach, and of the writer's pin on it: quarantined if the device failed
 // the slot's own write (a bad spot: disk.ShouldQuarantine), erased if the
-// write went through (so the block does not come back at a restart; the pin
-// passes to the erase), free otherwise (ENOSPC, a chunk map that could not
-// be saved, a refused or cancelled write: no header was written).
+// write went through (so the block does not come back at a restart), free
+// otherwise (ENOSPC, a chunk map that could not be saved, a refused or
+// cancelled write: no header was written).
 func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	switch {
 	case err != nil && disk.ShouldQuarantine(err):
 		s.disk.Quarantine(dslot)
 		s.disk.Unpin(dslot)
 	case err == nil:
-		if !d.released {
-			s.disk.Release(dslot)
-		}
-		s.diskWrites.Add(1)
-		s.disk.Discard(dslot, func() {
-			s.disk.Unpin(dslot)
-			s.diskWrites.Add(-1)
-		})
+		// Released or not (the policy may have released it while it
+		// was written), its header is erased once the writer's pin
+		// drops.
+		s.disk.Void(dslot)
+		s.disk.Unpin(dslot)
 	default:
 		if !d.released {
 			s.disk.Release(dslot)

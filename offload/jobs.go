@@ -83,7 +83,8 @@ type Result struct {
 	Blocks    uint32
 	Bytes     uint64
 	// Seq numbers the results of a registration's queue, from 1, in the
-	// order they finished; 0 on a result returned to a Transfer that waited.
+	// order they joined it; 0 on a result returned to a Transfer that
+	// waited without an acknowledgement (it never joins the queue).
 	Seq uint64
 }
 
@@ -162,8 +163,10 @@ type blockRef struct {
 // Transfer validates every job of a Store or Load request, accepts them all
 // or none, and starts them. With wait it returns their results; otherwise
 // they arrive through Completions. owner is the caller: a Load uses only
-// the leases it owns.
-func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []Job, wait bool, readyEvent []byte) ([]Result, error) {
+// the leases it owns. ack, when set, acknowledges the results up to it as
+// Completions does, and keeps this request's results queued until a later
+// acknowledgement even when they are returned here (see waiter).
+func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []Job, wait bool, readyEvent []byte, ack *uint64) ([]Result, error) {
 	s := r.s
 	if err := r.validate(op, jobs, readyEvent); err != nil {
 		s.m.refused.WithLabelValues("invalid").Inc()
@@ -181,6 +184,9 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 		return nil, ErrShuttingDown
 	}
 	r.mu.Lock()
+	if ack != nil {
+		r.ackLocked(*ack)
+	}
 	err := r.admitLocked(jobs)
 	if err == nil {
 		r.jobs.Add(len(jobs))
@@ -195,7 +201,7 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 	s.m.pendingJobs.Add(float64(len(jobs)))
 	var w *waiter
 	if wait {
-		w = &waiter{results: make([]Result, len(jobs)), left: len(jobs), done: make(chan struct{})}
+		w = &waiter{results: make([]Result, len(jobs)), left: len(jobs), done: make(chan struct{}), acks: ack != nil}
 	}
 	if op == OpStore {
 		r.startStores(jobs, w, readyEvent)

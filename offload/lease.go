@@ -45,8 +45,10 @@ type ownerUse struct {
 }
 
 // pin pins where e's block is (its CPU copy if it has one). The caller holds
-// the entry's index lock. It reports false when the slot takes no more pins.
-func (ls *lease) pin(s *Service, k index.Key, e *index.Entry) bool {
+// the entry's index lock. It reports whether it took a pin (false when the
+// lease pins k already) and whether the lease holds k now (false when the
+// slot takes no more pins).
+func (ls *lease) pin(s *Service, k index.Key, e *index.Entry) (fresh, ok bool) {
 	if ls.pins == nil {
 		ls.pins = map[uint32]map[index.Key]leasePin{}
 	}
@@ -56,18 +58,18 @@ func (ls *lease) pin(s *Service, k index.Key, e *index.Entry) bool {
 		ls.pins[k.NS] = byKey
 	}
 	if _, dup := byKey[k]; dup {
-		return true
+		return false, true
 	}
 	p := leasePin{slot: e.CPU}
 	if e.CPU == index.NoSlot {
 		p = leasePin{slot: e.Disk, disk: true}
 	}
 	if !s.pinSlot(p) {
-		return false
+		return false, false
 	}
 	byKey[k] = p
 	ls.n++
-	return true
+	return true, true
 }
 
 // pinSlot takes one pin on p's slot.
@@ -190,6 +192,63 @@ func (s *Service) unpin(p leasePin) {
 		s.disk.Unpin(p.slot)
 	} else {
 		s.cpu.Unpin(p.slot)
+	}
+}
+
+// voidLeases drops the pins leases hold on invalidated blocks: every pin
+// in the namespaces of all, and the pins of keys. A Load naming such a
+// lease then finds those blocks MISSING (or, once stored again, their new
+// copy): never the invalidated bytes, even where the lease pinned them
+// before eviction dropped them from the index. A lease left with no pin
+// ends.
+func (s *Service) voidLeases(all map[uint32]bool, keys map[index.Key]struct{}) {
+	var drop []leasePin
+	take := func(byKey map[index.Key]leasePin, k index.Key) {
+		if p, ok := byKey[k]; ok {
+			drop = append(drop, p)
+			delete(byKey, k)
+		}
+	}
+	s.mu.Lock()
+	for id, ls := range s.mu.leases {
+		before := len(drop)
+		for ns, byKey := range ls.pins {
+			switch {
+			case all[ns]:
+				for k := range byKey {
+					take(byKey, k)
+				}
+			case len(byKey) <= len(keys):
+				for k := range byKey {
+					if _, ok := keys[k]; ok {
+						take(byKey, k)
+					}
+				}
+			default:
+				for k := range keys {
+					take(byKey, k)
+				}
+			}
+			if len(byKey) == 0 {
+				delete(ls.pins, ns)
+			}
+		}
+		n := len(drop) - before
+		if n == 0 {
+			continue
+		}
+		ls.n -= n
+		ended := 0
+		if len(ls.pins) == 0 {
+			delete(s.mu.leases, id)
+			s.m.leases.Dec()
+			ended = 1
+		}
+		s.releaseUseLocked(ls.owner, ended, n)
+	}
+	s.mu.Unlock()
+	for _, p := range drop {
+		s.unpin(p)
 	}
 }
 

@@ -38,6 +38,7 @@ const maxTombstones = 1 << 20
 type recovery struct {
 	byDigest map[[32]byte]*Namespace // the catalog's namespaces, fixed at start
 	done     chan struct{}           // closed when recovery ends
+	epoch    uint32                  // the disk tier's write epoch of this run
 
 	mu struct {
 		sync.Mutex
@@ -52,6 +53,7 @@ type recovery struct {
 func (s *Service) startRecovery(t *disk.Tier) error {
 	rec := &s.rec
 	rec.done = make(chan struct{})
+	rec.epoch = uint32(t.WriteClock() >> 32)
 	rec.byDigest = map[[32]byte]*Namespace{}
 	catalog := t.Namespaces()
 	digests := make([][32]byte, 0, len(catalog))
@@ -73,6 +75,12 @@ func (s *Service) startRecovery(t *disk.Tier) error {
 		}
 		// Not swept while recovery may still file its blocks.
 		ns.recovering = true
+		if ns.marks, err = decodeMarks(catalog[d]); err != nil {
+			// Unreadable marks could let invalidated blocks back:
+			// take the namespace as invalidated whole before now.
+			s.log.Error("disk tier: a namespace's invalidation marks are unreadable; its blocks on disk are dropped", "namespace", ns.ID, "err", err)
+			ns.marks = marks{all: t.WriteClock() + 1}
+		}
 		rec.byDigest[d] = ns
 	}
 	s.mu.Unlock()
@@ -104,9 +112,13 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 	for i := range blocks {
 		k, slot := &keys[i], blocks[i].Slot
 		v := disk.Decline
+		// Invalidated in an earlier run, or in this one before now: its
+		// mark in the catalog (marks.go). The tombstone is checked under
+		// the key's lock, which orders it with an Invalidate running now.
+		marked := s.invalidatedOnDisk(s.rec.byDigest[blocks[i].NS], k, blocks[i].Write)
 		s.ix.Mutate(k, func(e *index.Entry, found bool) bool {
 			switch {
-			case s.rec.invalidated(k):
+			case marked, s.rec.invalidated(k):
 				v = disk.Erase
 			case !found:
 				e.State, e.Disk, e.CPU = index.Ready, slot, index.NoSlot
@@ -168,6 +180,11 @@ func (s *Service) recoveryDone(st disk.RecoveryStats) {
 		ns.idleSince = now
 	}
 	s.mu.Unlock()
+	if st.State == disk.RecoveryDone {
+		// Every chunk was looked at: the copies the marks of earlier
+		// runs cover are erased.
+		s.pruneMarks(s.rec.epoch)
+	}
 	s.log.Info("disk tier: index rebuilt from the slot files", "state", st.State, "blocks", st.Blocks,
 		"namespaces", len(s.rec.byDigest), "took", st.Elapsed)
 	close(s.rec.done)

@@ -180,6 +180,14 @@ type Service struct {
 	}
 	rec    recovery // the disk tier's recovery (recover.go)
 	linger time.Duration
+	// inval orders Invalidate (writer) with the Lookups that take leases
+	// (readers): a lease is filed either before an Invalidate looks at the
+	// leases, or after the index has lost the keys, so no lease keeps an
+	// invalidated block.
+	inval sync.RWMutex
+	// marksMu guards the namespaces' invalidation marks and orders their
+	// saves to the catalog (marks.go).
+	marksMu sync.Mutex
 
 	rem *remoteTier // nil without a remote tier
 
@@ -228,6 +236,7 @@ type Namespace struct {
 	// recovering: brought back from the disk tier's catalog, whose
 	// recovery may still file blocks of it (guarded by Service.mu).
 	recovering bool
+	marks      marks // invalidations recovery honours (marks.go); guarded by Service.marksMu
 
 	remote remoteNS // the remote tier's name for it
 }
@@ -679,6 +688,8 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 	var ls *lease
 	if leaseFor > 0 {
 		ls = &lease{}
+		s.inval.RLock()
+		defer s.inval.RUnlock()
 	}
 	// Every key looked up counts as an access for the admission policy,
 	// hit or not: that is how a prefix many requests want earns its place
@@ -691,9 +702,14 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 		}
 	}
 	ready := true
+	// The pins taken for the key being looked at: if one namespace lacks
+	// it, those are dropped again, so the lease pins the prefix and
+	// nothing past it.
+	var took []index.Key
 	for i := 0; i < n && (ready || touched != nil); i++ {
 		hash := keys.Hashes[i*hb : (i+1)*hb]
 		tier := TierNone
+		took = took[:0]
 		for j, ns := range nss {
 			k := makeKey(ns.ID, keys.Group, hash)
 			h := index.HashKey(&k)
@@ -710,17 +726,31 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 				continue
 			}
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+				if !found || !e.Offerable() {
+					ready = false
+					return found
+				}
 				// A slot at its pin ceiling ends the prefix.
-				ready = found && e.Offerable() && ls.pin(s, k, e)
+				fresh, ok := ls.pin(s, k, e)
+				ready = ok
+				if fresh {
+					took = append(took, k)
+				}
 				if ready {
 					tier = slowest(tier, j, *e)
 				}
-				return found
+				return true
 			})
 		}
 		if ready {
 			res.Ready++
 			res.Tiers = append(res.Tiers, tier)
+		} else {
+			for _, k := range took {
+				if p, ok := ls.take(k); ok {
+					s.unpin(p)
+				}
+			}
 		}
 	}
 	for j, ns := range nss {
@@ -736,20 +766,8 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 	}
 	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
 	s.c.lookupHits.Add(uint64(res.Ready))
-	if ls == nil {
-		return res, nil
-	}
-	if res.Ready < n {
-		// The first key not ready everywhere may be pinned in the
-		// namespaces before the one that lacks it: beyond the prefix.
-		hash := keys.Hashes[res.Ready*hb : (res.Ready+1)*hb]
-		for _, ns := range nss {
-			if p, ok := ls.take(makeKey(ns.ID, keys.Group, hash)); ok {
-				s.unpin(p)
-			}
-		}
-	}
-	if ls.n == 0 {
+	if ls == nil || res.Ready == 0 {
+		// No prefix, no lease (and no pin: the first key's were dropped).
 		return res, nil
 	}
 	id, err := s.addLease(ls, owner, leaseFor)
@@ -784,6 +802,10 @@ func slowest(t Tier, j int, e index.Entry) Tier {
 }
 
 // Invalidate drops every block of the namespaces; with keys, only those.
+// Once it returns nothing of them is offered or loaded until stored again:
+// the leases' pins on them go too (a lease may pin a block the index has
+// already dropped), and their disk copies are erased once no load reads
+// them any more.
 func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
@@ -804,13 +826,24 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	// reached yet must not come back after this call (recover.go).
 	s.rec.invalidating(nss, keys)
 	var dropped []index.Key
+	var want map[index.Key]struct{}
+	all := map[uint32]bool{}
 	if keys == nil {
-		want := map[uint32]bool{}
 		for _, ns := range nss {
-			want[ns.ID] = true
+			all[ns.ID] = true
 		}
+	} else {
+		want = make(map[index.Key]struct{}, n*len(nss))
+		for _, ns := range nss {
+			for i := 0; i < n; i++ {
+				want[makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])] = struct{}{}
+			}
+		}
+	}
+	s.inval.Lock()
+	if keys == nil {
 		s.ix.Range(func(k *index.Key, e *index.Entry) bool {
-			if !want[k.NS] {
+			if !all[k.NS] {
 				return true
 			}
 			s.dropEntryLocked(e)
@@ -818,29 +851,39 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			return false
 		})
 	} else {
-		for _, ns := range nss {
-			for i := 0; i < n; i++ {
-				k := makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])
-				s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-					if found {
-						s.dropEntryLocked(e)
-						dropped = append(dropped, k)
-					}
-					return false
-				})
-			}
+		for k := range want {
+			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+				if found {
+					s.dropEntryLocked(e)
+					dropped = append(dropped, k)
+				}
+				return false
+			})
 		}
 	}
+	s.voidLeases(all, want)
+	// Every disk write submitted so far is named below the clock, and no
+	// later one is of these keys' old entries (the demoter submits under
+	// inval too): the mark covers every copy they left on disk.
+	var clock uint64
+	if s.disk != nil {
+		clock = s.disk.WriteClock() + 1
+	}
+	s.inval.Unlock()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
+	if keys == nil {
+		want = nil
+	}
+	if err := s.markInvalidated(nss, want, clock); err != nil {
+		return len(dropped), err
+	}
 	return len(dropped), nil
 }
 
 // dropEntryLocked lets go of an entry's slots; the caller holds the entry's
 // index lock and removes the entry. A disk copy is also erased on disk, so
-// an invalidated block does not come back after a restart: the slot stays
-// pinned until its header is zeroed, so the zeros never land on a block
-// written there later.
+// an invalidated block does not come back after a restart (discardLocked).
 func (s *Service) dropEntryLocked(e *index.Entry) {
 	if e.CPU != index.NoSlot {
 		s.cpu.Release(e.CPU)
@@ -853,18 +896,18 @@ func (s *Service) dropEntryLocked(e *index.Entry) {
 }
 
 // discardLocked releases disk slot d, which the caller just removed from
-// the index, and erases its header so the block does not come back after a
-// restart. The slot stays pinned until the erase has landed, so the zeros
-// never fall on a block written there later.
+// the index, and has its header erased so the block does not come back
+// after a restart. The erase waits for the slot's pins: a load still
+// reading it reads the block whole, and the zeros never fall on a block
+// written there later (the slot is freed only once they have landed).
 func (s *Service) discardLocked(d slots.SlotID) {
-	if !s.disk.Pin(d) {
-		// At the pin ceiling (cannot happen within the limits): free it
-		// without the erase rather than hold it forever.
-		s.disk.Release(d)
-		s.log.Warn("disk slot at its pin ceiling released without erasing its header", "slot", d)
-		return
-	}
-	s.disk.Release(d)
+	s.disk.Void(d)
+}
+
+// eraseDiskSlot is the disk space's eraser (slots.Space.SetEraser): it
+// zeroes the header of a void slot, which it holds pinned, and unpins it
+// (freeing it) once the zeros are down. FlushDisk waits for it.
+func (s *Service) eraseDiskSlot(d slots.SlotID) {
 	s.diskWrites.Add(1)
 	s.disk.Discard(d, func() {
 		s.disk.Unpin(d)

@@ -380,7 +380,7 @@ func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRe
 		}
 		jobs[i] = offload.Job{ID: j.GetJobId(), RequestID: j.GetRequestId(), Keys: keysOf(j.GetKeys()), BlockIDs: j.GetBlockIds(), LeaseID: j.GetLeaseId()}
 	}
-	results, err := reg.Transfer(ctx, ownerOf(ctx), op, jobs, req.GetWait(), req.GetReadyEvent())
+	results, err := reg.Transfer(ctx, ownerOf(ctx), op, jobs, req.GetWait(), req.GetReadyEvent(), req.AckSeq)
 	if err != nil {
 		return nil, toStatus(err)
 	}

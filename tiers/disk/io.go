@@ -45,6 +45,8 @@ type request struct {
 	hash    [slot.MaxHashLen]byte
 	payLen  uint64
 	paySum  uint64
+	epoch   uint32 // a write's name, given by Write
+	seq     uint64
 	buf     []byte
 	done    func(error)
 	err     error // refused before it was queued
@@ -56,8 +58,25 @@ type request struct {
 // goes first and the header after it, so a crash between the two leaves a
 // slot that fails verification. The caller keeps payload unchanged and s
 // pinned until done.
+//
+// The write is named (its epoch and sequence number, WriteClock) when it is
+// submitted, not when a worker runs it: a write submitted after the owner
+// read WriteClock has a larger name than every write submitted before.
 func (t *Tier) Write(s slots.SlotID, m Meta, payload []byte, done func(error)) {
-	t.submit(t.newRequest(opWrite, s, m, payload, done))
+	r := t.newRequest(opWrite, s, m, payload, done)
+	if r.err == nil {
+		r.epoch, r.seq = t.nextWrite()
+	}
+	t.submit(r)
+}
+
+// WriteClock names the last write submitted, as epoch<<32 | seq: every
+// write submitted later has a larger name, so a header written before a
+// call has a smaller one (Recovered.Write) than the value it returns.
+func (t *Tier) WriteClock() uint64 {
+	t.writes.Lock()
+	defer t.writes.Unlock()
+	return uint64(t.writes.epoch)<<32 | t.writes.seq
 }
 
 // Read reads slot s into dst (layout.AlignUp(m.PayloadLen) bytes) and
@@ -220,7 +239,7 @@ func (t *Tier) write(f *file, hdr []byte, r *request) error {
 	if sum == 0 {
 		sum = slot.Checksum(r.buf[:r.payLen])
 	}
-	epoch, seq := t.nextWrite()
+	epoch, seq := r.epoch, r.seq
 	h := slot.Header{Namespace: r.ns, Group: r.group, HashLen: r.hashLen, Hash: r.hash,
 		PayloadLen: r.payLen, PayloadSum: sum, Epoch: epoch, Seq: seq, Slot: uint64(r.s)}
 	if err := slot.Encode(h, hdr); err != nil {

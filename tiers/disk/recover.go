@@ -46,6 +46,9 @@ type Recovered struct {
 	// class is SlotBytes(PayloadLen).
 	Slot       slots.SlotID
 	PayloadLen uint64
+	// Write names the write that put the block there (epoch<<32 | seq,
+	// as WriteClock): a write submitted later has a larger one.
+	Write uint64
 }
 
 // Verdict is what the owner did with a recovered block.
@@ -431,7 +434,7 @@ func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (found, erro
 		return found{}, err
 	}
 	return found{
-		id:    Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen},
+		id:    Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen, Write: uint64(h.Epoch)<<32 | h.Seq},
 		write: uint64(h.Epoch)<<32 | h.Seq,
 	}, nil
 }

@@ -96,13 +96,13 @@ func (t *Space) Audit(named map[SlotID]*Class, pins map[SlotID]uint32) error {
 				} else if nc != c {
 					fail("slot %d is a %d-byte slot, named as one of %d bytes", s, c.slotBytes, nc.slotBytes)
 				}
-			case slotReleased:
+			case slotReleased, slotVoid:
 				used += c.slotBytes
 				blocks++
 				chLive++
 				chHeld++
 				if isNamed || p == 0 {
-					fail("released slot %d: named %v, %d pins", s, isNamed, p)
+					fail("released slot %d (void %v): named %v, %d pins", s, st == slotVoid, isNamed, p)
 				}
 			case slotQuarantined:
 				used += c.slotBytes

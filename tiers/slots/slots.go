@@ -86,6 +86,7 @@ const (
 	slotUsed
 	slotReleased    // owner let go; freed when the last pin drops
 	slotQuarantined // never reused while the chunk keeps this slot size; counts as used space
+	slotVoid        // owner let go and its bytes must be erased: erased, then freed, when the last pin drops (void.go)
 )
 
 // Policy sizing. TinyLFU wants about ten counters per block the class can
@@ -147,6 +148,7 @@ type Space struct {
 		pinned      int // slots with at least one pin
 		counters    int64
 		closed      bool
+		eraser      func(SlotID) // see SetEraser
 	}
 }
 
@@ -744,7 +746,7 @@ func (t *Space) Quarantine(s SlotID) {
 	switch *st {
 	case slotUsed:
 		t.heldLocked(ch, 1)
-	case slotReleased: // held already, and pinned
+	case slotReleased, slotVoid: // held already, and pinned
 	default:
 		panic(fmt.Sprintf("slots: quarantine of slot %d in state %d", s, *st))
 	}
@@ -803,26 +805,35 @@ func (t *Space) Pin(s SlotID) bool {
 	return true
 }
 
-// Unpin drops a pin; the slot is freed if its owner already released it.
+// Unpin drops a pin; the slot is freed if its owner already released it
+// (a void slot goes to the eraser first).
 func (t *Space) Unpin(s SlotID) {
 	t.mu.Lock()
-	defer t.mu.Unlock()
 	pins, st := t.slotLocked(s)
 	if *pins == 0 {
+		t.mu.Unlock()
 		panic(fmt.Sprintf("slots: unpin of unpinned slot %d", s))
 	}
 	*pins--
 	if *pins > 0 {
+		t.mu.Unlock()
 		return
 	}
 	t.mu.pinned--
 	ch := uint64(s) / t.slotsPer
+	var erase func(SlotID)
 	switch *st {
 	case slotReleased:
 		t.heldLocked(ch, -1)
 		t.freeLocked(s)
 	case slotQuarantined:
 		t.unliveLocked(ch, t.mu.slotClass[ch])
+	case slotVoid:
+		erase = t.eraseLocked(s)
+	}
+	t.mu.Unlock()
+	if erase != nil {
+		erase(s)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -507,6 +508,17 @@ func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
 			sizes := []uint64{64 << 10, 192 << 10, 256 << 10}
 			classes := map[uint64]*Class{}
 			pins := map[SlotID]uint32{}
+			// Void slots the eraser holds, each with its pin, until an
+			// erase step lets one go.
+			var erasing []SlotID
+			sp.SetEraser(func(s SlotID) { erasing = append(erasing, s) })
+			allPins := func() map[SlotID]uint32 {
+				m := maps.Clone(pins)
+				for _, s := range erasing {
+					m[s]++
+				}
+				return m
+			}
 			next := 0
 			ownedSlots := func() []SlotID {
 				o.mu.Lock()
@@ -530,7 +542,7 @@ func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
 				return false
 			}
 			for step := 0; step < 600; step++ {
-				switch op := r.IntN(10); {
+				switch op := r.IntN(11); {
 				case op < 4: // store
 					size := sizes[r.IntN(len(sizes))]
 					c := classes[size]
@@ -562,12 +574,21 @@ func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
 					if s := ownedSlots(); len(s) > 0 {
 						x := s[r.IntN(len(s))]
 						if drop(x) {
-							if r.IntN(3) == 0 {
+							switch r.IntN(4) {
+							case 0:
 								sp.Quarantine(x)
-							} else {
+							case 1:
+								sp.Void(x)
+							default:
 								sp.Release(x)
 							}
 						}
+					}
+				case op < 10: // an erase lands
+					if len(erasing) > 0 {
+						x := erasing[0]
+						erasing = erasing[1:]
+						sp.Unpin(x)
 					}
 				default: // a class loses its last user, or comes back
 					size := sizes[r.IntN(len(sizes))]
@@ -576,12 +597,17 @@ func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
 						delete(classes, size)
 					}
 				}
-				o.audit(t, pins)
+				o.audit(t, allPins())
 			}
 			for x, n := range pins {
 				for ; n > 0; n-- {
 					sp.Unpin(x)
 				}
+			}
+			for len(erasing) > 0 {
+				x := erasing[0]
+				erasing = erasing[1:]
+				sp.Unpin(x)
 			}
 			o.audit(t, nil)
 			for _, c := range classes {

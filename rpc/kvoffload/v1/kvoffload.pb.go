@@ -1071,8 +1071,8 @@ type Job struct {
 	BlockIds  []uint32 `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
 	// A lease from a Lookup over this connection: the job loads the blocks
 	// the lease pinned in this registration's namespace (even if evicted
-	// since) and releases the rest of that namespace's pins. A lease of
-	// another connection is not used.
+	// since, not if invalidated since) and releases the rest of that
+	// namespace's pins. A lease of another connection is not used.
 	LeaseId       uint64 `protobuf:"varint,5,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1148,7 +1148,8 @@ type TransferRequest struct {
 	RegistrationId uint64                 `protobuf:"varint,1,opt,name=registration_id,json=registrationId,proto3" json:"registration_id,omitempty"`
 	Jobs           []*Job                 `protobuf:"bytes,2,rep,name=jobs,proto3" json:"jobs,omitempty"`
 	// Wait for every job to finish and return the results here instead of
-	// through Completions.
+	// through Completions. If the caller gives up waiting (even as the last
+	// job finishes), the results come through Completions.
 	Wait bool `protobuf:"varint,3,opt,name=wait,proto3" json:"wait,omitempty"`
 	// CUDA build: a 64-byte IPC event handle the engine recorded on its
 	// compute stream before this call. The copies of the request wait until
@@ -1156,7 +1157,14 @@ type TransferRequest struct {
 	// done, a Load's until the kernels still reading its destination blocks
 	// (a preempted request's forward) are done. A job whose event does not
 	// complete within the daemon's --cuda-ready-timeout fails (DMA_ERROR).
-	ReadyEvent    []byte `protobuf:"bytes,4,opt,name=ready_event,json=readyEvent,proto3" json:"ready_event,omitempty"`
+	ReadyEvent []byte `protobuf:"bytes,4,opt,name=ready_event,json=readyEvent,proto3" json:"ready_event,omitempty"`
+	// The cursor, as CompletionsRequest.ack_seq: the results with
+	// seq <= ack_seq leave the daemon. When set, this request's results are
+	// queued with their seq like any other (with wait, the reply carries them
+	// too) and stay until acknowledged, so a reply that never arrived is sent
+	// again by Completions. When absent, results returned with wait have seq 0
+	// and leave the daemon as they are sent.
+	AckSeq        *uint64 `protobuf:"varint,5,opt,name=ack_seq,json=ackSeq,proto3,oneof" json:"ack_seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1217,6 +1225,13 @@ func (x *TransferRequest) GetReadyEvent() []byte {
 		return x.ReadyEvent
 	}
 	return nil
+}
+
+func (x *TransferRequest) GetAckSeq() uint64 {
+	if x != nil && x.AckSeq != nil {
+		return *x.AckSeq
+	}
+	return 0
 }
 
 type TransferResponse struct {
@@ -1346,9 +1361,9 @@ type JobResult struct {
 	Blocks uint32 `protobuf:"varint,6,opt,name=blocks,proto3" json:"blocks,omitempty"`
 	Bytes  uint64 `protobuf:"varint,7,opt,name=bytes,proto3" json:"bytes,omitempty"`
 	// Position of this result in its registration's queue of results: 1, 2,
-	// 3, ... in the order jobs finished. Acknowledge it with
-	// CompletionsRequest.ack_seq. 0 on results returned by a Store or Load
-	// with wait.
+	// 3, ... in the order jobs finished. Acknowledge it with ack_seq
+	// (CompletionsRequest's, or TransferRequest's). 0 on results returned by
+	// a Store or Load with wait and without ack_seq.
 	Seq           uint64 `protobuf:"varint,8,opt,name=seq,proto3" json:"seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2139,13 +2154,16 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12)\n" +
 	"\x04keys\x18\x03 \x01(\v2\x15.kvoffload.v1.KeyListR\x04keys\x12\x1b\n" +
 	"\tblock_ids\x18\x04 \x03(\rR\bblockIds\x12\x19\n" +
-	"\blease_id\x18\x05 \x01(\x04R\aleaseId\"\x96\x01\n" +
+	"\blease_id\x18\x05 \x01(\x04R\aleaseId\"\xc0\x01\n" +
 	"\x0fTransferRequest\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\x12%\n" +
 	"\x04jobs\x18\x02 \x03(\v2\x11.kvoffload.v1.JobR\x04jobs\x12\x12\n" +
 	"\x04wait\x18\x03 \x01(\bR\x04wait\x12\x1f\n" +
 	"\vready_event\x18\x04 \x01(\fR\n" +
-	"readyEvent\"E\n" +
+	"readyEvent\x12\x1c\n" +
+	"\aack_seq\x18\x05 \x01(\x04H\x00R\x06ackSeq\x88\x01\x01B\n" +
+	"\n" +
+	"\b_ack_seq\"E\n" +
 	"\x10TransferResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.kvoffload.v1.JobResultR\aresults\"\x86\x01\n" +
 	"\fBlockFailure\x12\x14\n" +
@@ -2354,6 +2372,7 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[14].OneofWrappers = []any{}
 	file_kvoffload_v1_kvoffload_proto_msgTypes[18].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

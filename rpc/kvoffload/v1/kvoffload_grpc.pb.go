@@ -57,7 +57,9 @@ type KVOffloadClient interface {
 	// Completions returns finished jobs. With ack_seq, results stay queued
 	// until acknowledged, so a reply lost with its connection is sent again.
 	Completions(ctx context.Context, in *CompletionsRequest, opts ...grpc.CallOption) (*CompletionsResponse, error)
-	// Invalidate drops cached blocks.
+	// Invalidate drops cached blocks. Once it returns nothing of them is
+	// offered or loaded until stored again, through a lease taken before
+	// included.
 	Invalidate(ctx context.Context, in *InvalidateRequest, opts ...grpc.CallOption) (*InvalidateResponse, error)
 	// Stats reports tier use and counters.
 	Stats(ctx context.Context, in *StatsRequest, opts ...grpc.CallOption) (*StatsResponse, error)
@@ -184,7 +186,9 @@ type KVOffloadServer interface {
 	// Completions returns finished jobs. With ack_seq, results stay queued
 	// until acknowledged, so a reply lost with its connection is sent again.
 	Completions(context.Context, *CompletionsRequest) (*CompletionsResponse, error)
-	// Invalidate drops cached blocks.
+	// Invalidate drops cached blocks. Once it returns nothing of them is
+	// offered or loaded until stored again, through a lease taken before
+	// included.
 	Invalidate(context.Context, *InvalidateRequest) (*InvalidateResponse, error)
 	// Stats reports tier use and counters.
 	Stats(context.Context, *StatsRequest) (*StatsResponse, error)

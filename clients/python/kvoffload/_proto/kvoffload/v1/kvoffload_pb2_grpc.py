@@ -119,7 +119,9 @@ class KVOffloadServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Invalidate(self, request, context):
-        """Invalidate drops cached blocks.
+        """Invalidate drops cached blocks. Once it returns nothing of them is
+        offered or loaded until stored again, through a lease taken before
+        included.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

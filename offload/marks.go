@@ -1,0 +1,197 @@
+package offload
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+)
+
+// Durable invalidation marks. Invalidate erases the disk copy the index
+// names, but a block's bytes can lie in other slots too, and would come
+// back at the next start: a copy the index let go of without erasing it (a
+// disk eviction, a chunk moving to another slot size, a read that failed
+// with the bytes intact, an older copy recovery declined), or the named
+// copy itself when the daemon is killed before its erase lands. So
+// Invalidate also records, in the disk tier's catalog and durably before
+// it returns, a mark per key (or per namespace, invalidated whole): the
+// disk tier's write clock once the index has let go of the keys
+// (disk.Tier.WriteClock). Recovery erases every copy of a marked key
+// written before its mark; a copy written after (the key stored again) is
+// kept. Once a recovery has looked at every chunk, the marks of earlier
+// runs have done their work and go.
+
+// maxKeyMarks bounds the keys marked in one namespace (about 100 bytes of
+// catalog each). Past it the namespace is marked whole: recovery erases
+// more of its blocks than were invalidated, never fewer.
+const maxKeyMarks = 1024
+
+// markKey is a key within its namespace.
+type markKey struct {
+	group uint32
+	hash  [32]byte
+}
+
+// marks are a namespace's invalidation marks, guarded by Service.marksMu.
+type marks struct {
+	all  uint64             // every block written before it is invalidated
+	keys map[markKey]uint64 // the key's blocks written before it
+}
+
+// keyMark is a key's mark as the catalog keeps it.
+type keyMark struct {
+	Group  uint32 `json:"group"`
+	Hash   []byte `json:"hash"`
+	Before uint64 `json:"before"`
+}
+
+// marksMeta are the fields namespaceMeta carries for the marks.
+type marksMeta struct {
+	InvalidatedBefore uint64    `json:"invalidated_before,omitempty"`
+	Invalidated       []keyMark `json:"invalidated,omitempty"`
+}
+
+func (m *marks) meta() marksMeta {
+	out := marksMeta{InvalidatedBefore: m.all}
+	for k, before := range m.keys {
+		h := k.hash // the whole 32 bytes: a hash may end in zeros
+		out.Invalidated = append(out.Invalidated, keyMark{Group: k.group, Hash: h[:], Before: before})
+	}
+	sort.Slice(out.Invalidated, func(i, j int) bool {
+		a, b := out.Invalidated[i], out.Invalidated[j]
+		return a.Group < b.Group || a.Group == b.Group && string(a.Hash) < string(b.Hash)
+	})
+	return out
+}
+
+// decodeMarks reads the marks of a catalog entry.
+func decodeMarks(b []byte) (marks, error) {
+	var m marksMeta
+	if err := json.Unmarshal(b, &m); err != nil {
+		return marks{}, err
+	}
+	out := marks{all: m.InvalidatedBefore}
+	for i, km := range m.Invalidated {
+		if len(km.Hash) != 32 {
+			return marks{}, fmt.Errorf("invalidation mark %d has a %d-byte hash", i, len(km.Hash))
+		}
+		if out.keys == nil {
+			out.keys = map[markKey]uint64{}
+		}
+		var k markKey
+		k.group = km.Group
+		copy(k.hash[:], km.Hash)
+		out.keys[k] = max(out.keys[k], km.Before)
+	}
+	return out, nil
+}
+
+// merge takes in the marks of o.
+func (m *marks) merge(o marks) {
+	m.all = max(m.all, o.all)
+	for k, before := range o.keys {
+		m.mark(k, before)
+	}
+}
+
+// mark marks k's blocks written before clock.
+func (m *marks) mark(k markKey, clock uint64) {
+	if clock <= m.all {
+		return
+	}
+	if m.keys == nil {
+		m.keys = map[markKey]uint64{}
+	}
+	if _, ok := m.keys[k]; !ok && len(m.keys) >= maxKeyMarks {
+		m.all, m.keys = clock, nil
+		return
+	}
+	m.keys[k] = max(m.keys[k], clock)
+}
+
+// covers reports whether a block of k written at write is invalidated.
+func (m *marks) covers(k *index.Key, write uint64) bool {
+	if write < m.all {
+		return true
+	}
+	before, ok := m.keys[markKey{group: k.Group, hash: k.Hash}]
+	return ok && write < before
+}
+
+// markInvalidated records durably that the blocks of nss written before
+// clock are invalidated: every one (keys nil) or those of keys.
+func (s *Service) markInvalidated(nss []*Namespace, keys map[index.Key]struct{}, clock uint64) error {
+	if s.disk == nil {
+		return nil
+	}
+	s.marksMu.Lock()
+	defer s.marksMu.Unlock()
+	var errs []error
+	for _, ns := range nss {
+		if keys == nil {
+			ns.marks.all, ns.marks.keys = max(ns.marks.all, clock), nil
+		} else {
+			for k := range keys {
+				if k.NS == ns.ID {
+					ns.marks.mark(markKey{group: k.Group, hash: k.Hash}, clock)
+				}
+			}
+		}
+		if err := s.disk.SaveNamespace(digestOf(ns.Fingerprint), encodeMeta(ns)); err != nil {
+			errs = append(errs, fmt.Errorf("namespace %d: %w", ns.ID, err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		s.log.Error("an invalidation could not be recorded in the disk tier's catalog: after a kill -9 its blocks may come back", "err", err)
+		return storageError(fmt.Errorf("the blocks are invalidated, but recording it in the disk tier's catalog failed (if the daemon is killed before their disk copies are erased, they may come back at the next start): %w", err))
+	}
+	return nil
+}
+
+// invalidatedOnDisk reports whether a block recovery found, written at
+// write, is of a key invalidated since (ns's marks).
+func (s *Service) invalidatedOnDisk(ns *Namespace, k *index.Key, write uint64) bool {
+	if ns == nil {
+		return false
+	}
+	s.marksMu.Lock()
+	defer s.marksMu.Unlock()
+	return ns.marks.covers(k, write)
+}
+
+// pruneMarks drops the marks of runs before epoch (the write clock's epoch
+// when this run's recovery started): that recovery looked at every chunk
+// and erased what they cover.
+func (s *Service) pruneMarks(epoch uint32) {
+	s.mu.Lock()
+	nss := make([]*Namespace, 0, len(s.mu.byID))
+	for _, ns := range s.mu.byID {
+		nss = append(nss, ns)
+	}
+	s.mu.Unlock()
+	s.marksMu.Lock()
+	defer s.marksMu.Unlock()
+	old := func(clock uint64) bool { return uint32(clock>>32) < epoch }
+	for _, ns := range nss {
+		changed := false
+		if ns.marks.all != 0 && old(ns.marks.all) {
+			ns.marks.all, changed = 0, true
+		}
+		for k, before := range ns.marks.keys {
+			if old(before) {
+				delete(ns.marks.keys, k)
+				changed = true
+			}
+		}
+		if !changed {
+			continue
+		}
+		if err := s.disk.SaveNamespace(digestOf(ns.Fingerprint), encodeMeta(ns)); err != nil {
+			// Kept on disk: the next recovery erases what they cover
+			// again (nothing), and prunes them then.
+			s.log.Warn("disk tier: could not drop spent invalidation marks from the catalog", "namespace", ns.ID, "err", err)
+		}
+	}
+}
