@@ -93,9 +93,12 @@ type remoteTier struct {
 	m       *remote.Metrics
 	log     *slog.Logger
 
-	fetches chan fetchReq
-	wg      sync.WaitGroup // fetchers and the health checker
-	stop    chan struct{}
+	fence fence // what this node must not read back (remote_inval.go)
+
+	fetches     chan fetchReq
+	wg          sync.WaitGroup // fetchers, the health checker and the sweeper
+	stop        chan struct{}
+	cancelSweep context.CancelFunc
 }
 
 // remoteNS is a namespace's identity in the remote store, computed once.
@@ -171,11 +174,15 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 	err := rt.store.Ping(ctx)
 	cancel()
 	rt.setUp(err, true)
-	rt.wg.Add(cfg.Fetchers + 1)
+	rt.fence.init()
+	sweepCtx, cancelSweep := context.WithCancel(context.Background())
+	rt.cancelSweep = cancelSweep
+	rt.wg.Add(cfg.Fetchers + 2)
 	for i := 0; i < cfg.Fetchers; i++ {
 		go rt.fetcher()
 	}
 	go rt.health(err == nil)
+	go rt.sweeper(sweepCtx)
 	s.rem = rt
 }
 
@@ -220,6 +227,7 @@ func (rt *remoteTier) health(up bool) {
 // queued for publishing (releasing its pins) and closes the store.
 func (rt *remoteTier) close() error {
 	close(rt.stop)
+	rt.cancelSweep()
 	rt.wg.Wait()
 	if rt.pub != nil {
 		rt.pub.Close()
@@ -280,6 +288,9 @@ func (rt *remoteTier) extendLookup(nss []*Namespace, keys Keys, n int, res *Look
 			if e, found := rt.s.ix.Get(&k); found && e.Offerable() {
 				local[(i-from)*len(nss)+j] = slowest(TierNone, 0, e)
 				continue
+			}
+			if rt.fenced(ns, &k) {
+				continue // invalidated here: a miss, not asked
 			}
 			asks = append(asks, ask{i, j})
 			names = append(names, rt.ks.Key(rt.ident(ns, &k)))
@@ -374,7 +385,18 @@ func (rt *remoteTier) fetchLoad(req fetchReq) {
 	c := lj.r.ns.classes[lj.job.Keys.Group]
 	payload := lj.r.ns.Layout.PayloadBytes(lj.job.Keys.Group)
 	per := max(1, int(rt.batch/max(payload, 1)))
-	left := req.blocks
+	left := req.blocks[:0:0]
+	for _, b := range req.blocks {
+		if rt.fenced(lj.r.ns, &b.key) {
+			rt.m.Blocks.WithLabelValues("load", Missing.String()).Inc()
+			lj.remoteDone(b, index.NoSlot, false, Missing)
+			continue
+		}
+		left = append(left, b)
+	}
+	if len(left) == 0 {
+		return
+	}
 	c.Grow(min(len(left), per))
 	for len(left) > 0 {
 		var batch []remoteRead
@@ -436,22 +458,35 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 			rt.m.Errors.WithLabelValues("verify", remote.VerifyKind(verr)).Inc()
 			rt.log.Warn("remote tier: a value failed verification; the block is reported CORRUPT and the value deleted from the store",
 				"key", fs[i].Key, "registration", lj.r.ID, "job", lj.job.ID, "block_id", lj.job.BlockIDs[b.i], "err", verr)
-		default:
-			// The block is whole and verified in its staging slot: it
-			// may be offered now. Kept if the policy admits it.
-			s.ix.Mutate(&b.key, func(e *index.Entry, found bool) bool {
-				if found {
-					return true // stored or fetched meanwhile: ours serves this load only
-				}
-				e.State, e.CPU, e.Flags = index.Ready, staging[i], index.Promoting
-				inserted[i] = true
-				return true
-			})
-			if inserted[i] {
-				promote = append(promote, b.key)
-			}
 		}
 	}
+	// Filed under s.inval (read): an Invalidate either comes after and
+	// removes the entry, or has fenced the key and the block is MISSING
+	// (remote_inval.go).
+	s.inval.RLock()
+	for i, b := range batch {
+		if status[i] != OK {
+			continue
+		}
+		if rt.fenced(ns, &b.key) {
+			status[i] = Missing
+			continue
+		}
+		// The block is whole and verified in its staging slot: it may
+		// be offered now. Kept if the policy admits it.
+		s.ix.Mutate(&b.key, func(e *index.Entry, found bool) bool {
+			if found {
+				return true // stored or fetched meanwhile: ours serves this load only
+			}
+			e.State, e.CPU, e.Flags = index.Ready, staging[i], index.Promoting
+			inserted[i] = true
+			return true
+		})
+		if inserted[i] {
+			promote = append(promote, b.key)
+		}
+	}
+	s.inval.RUnlock()
 	if len(corrupt) > 0 {
 		// Deleted before the job completes, so no node (this one
 		// included) is offered the value again. A good value written
@@ -503,6 +538,7 @@ func rank(t Tier) int {
 // publishStored hands a block a Store just made ready to the publisher.
 // The caller still holds the store's pin on slot.
 func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID) {
+	rt.unfence(ns, &k)
 	if rt.pub == nil {
 		return
 	}

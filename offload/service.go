@@ -689,7 +689,6 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 	if leaseFor > 0 {
 		ls = &lease{}
 		s.inval.RLock()
-		defer s.inval.RUnlock()
 	}
 	// Every key looked up counts as an access for the admission policy,
 	// hit or not: that is how a prefix many requests want earns its place
@@ -758,6 +757,22 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 			ns.classes[keys.Group].Touch(touched[j])
 		}
 	}
+	if ls != nil {
+		// The lease is filed under s.inval, so no lease keeps a block an
+		// Invalidate removed; with no prefix there is no lease (and no
+		// pin: the first key's were dropped).
+		if res.Ready > 0 {
+			res.LeaseID, err = s.addLease(ls, owner, leaseFor)
+		}
+		s.inval.RUnlock()
+		if err != nil {
+			return LookupResult{}, err
+		}
+	}
+	// The remote tier's round trip runs outside s.inval: an Invalidate
+	// (and the leasing Lookups queued behind it) never waits for the
+	// store. The lease pins the local prefix only: remote blocks cannot
+	// be pinned.
 	if s.rem != nil && res.Ready < n {
 		s.rem.extendLookup(nss, keys, n, &res)
 	}
@@ -766,15 +781,6 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 	}
 	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
 	s.c.lookupHits.Add(uint64(res.Ready))
-	if ls == nil || res.Ready == 0 {
-		// No prefix, no lease (and no pin: the first key's were dropped).
-		return res, nil
-	}
-	id, err := s.addLease(ls, owner, leaseFor)
-	if err != nil {
-		return LookupResult{}, err
-	}
-	res.LeaseID = id
 	return res, nil
 }
 
@@ -862,6 +868,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		}
 	}
 	s.voidLeases(all, want)
+	rinv := s.rem.fenceInvalidated(nss, want) // nil without a remote tier
 	// Every disk write submitted so far is named below the clock, and no
 	// later one is of these keys' old entries (the demoter submits under
 	// inval too): the mark covers every copy they left on disk.
@@ -870,6 +877,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		clock = s.disk.WriteClock() + 1
 	}
 	s.inval.Unlock()
+	rinv.reach()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
 	if keys == nil {

@@ -74,6 +74,13 @@ func (ks Keyspace) Key(id Ident) string {
 	return string(ks.AppendKey(b, id))
 }
 
+// NamespacePrefix is what every key of the namespace with digest ns starts
+// with in this keyspace: a namespace invalidated whole is swept from the
+// store by it (Store.DeletePrefix).
+func (ks Keyspace) NamespacePrefix(ns [32]byte) string {
+	return ks.prefix + hex.EncodeToString(ns[:16]) + ":"
+}
+
 // AppendKey appends Key(id) to dst.
 func (ks Keyspace) AppendKey(dst []byte, id Ident) []byte {
 	dst = append(dst, ks.prefix...)

@@ -32,14 +32,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		Blocks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvoffload_remote_blocks_total",
-			Help: "Blocks through the remote tier, by op and result: lookup hit|miss|error, load ok|missing|io_error|corrupt|no_space, publish published|exists|gone|duplicate|dropped|error.",
+			Help: "Blocks through the remote tier, by op and result: lookup hit|miss|error, load ok|missing|io_error|corrupt|no_space, publish published|exists|gone|duplicate|dropped|cancelled|error, invalidate deleted|error (keys of blocks invalidated on this node, deleted from the store), sweep deleted (keys of namespaces invalidated whole).",
 		}, []string{"op", "result"}),
 		Bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvoffload_remote_bytes_total", Help: "Block payload bytes loaded from (op=load) and published to (op=publish) the remote tier.",
 		}, []string{"op"}),
 		Errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvoffload_remote_errors_total",
-			Help: "Remote store errors by op (exists, get, set, delete, ping) and kind (timeout, connection, cluster, oom, auth, other), and values that failed verification (op=verify, kind=magic|version|length|key|malformed|checksum|mac).",
+			Help: "Remote store errors by op (exists, get, set, delete, sweep, ping) and kind (timeout, connection, cluster, oom, auth, other), and values that failed verification (op=verify, kind=magic|version|length|key|malformed|checksum|mac).",
 		}, []string{"op", "kind"}),
 		Seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvoffload_remote_op_duration_seconds",
@@ -114,6 +114,13 @@ func (i instrumented) Delete(ctx context.Context, keys []string) error {
 	err := i.s.Delete(ctx, keys)
 	i.observe("delete", start, err)
 	return err
+}
+
+func (i instrumented) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+	start := time.Now()
+	n, err := i.s.DeletePrefix(ctx, prefix)
+	i.observe("sweep", start, err)
+	return n, err
 }
 
 func (i instrumented) Ping(ctx context.Context) error {

@@ -50,9 +50,13 @@ type Publisher struct {
 	wg    sync.WaitGroup
 	bufs  sync.Pool // *[]byte value buffers
 
+	// batching is held (read) by each worker over a batch: Barrier takes
+	// it to wait for the batches in flight.
+	batching sync.RWMutex
+
 	mu struct {
 		sync.Mutex
-		pending map[string]struct{} // keys queued or in flight
+		pending map[string]bool // keys queued or in flight: true once cancelled
 		closed  bool
 		idle    chan struct{} // closed and replaced when pending empties
 	}
@@ -87,7 +91,7 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 		cfg.Logger = slog.Default()
 	}
 	p := &Publisher{cfg: cfg, queue: make(chan pubItem, cfg.Queue), stop: make(chan struct{})}
-	p.mu.pending = map[string]struct{}{}
+	p.mu.pending = map[string]bool{}
 	p.mu.idle = make(chan struct{})
 	close(p.mu.idle)
 	p.wg.Add(cfg.Workers)
@@ -112,6 +116,8 @@ func (p *Publisher) Publish(id Ident, size int, src Source) error {
 		m.WithLabelValues("publish", "dropped").Inc()
 		return ErrQueueFull
 	}
+	// A key queued but cancelled since is still a duplicate: its item
+	// leaves the queue as cancelled, and the block waits for its next store.
 	if _, dup := p.mu.pending[it.key]; dup {
 		p.mu.Unlock()
 		src.Release()
@@ -129,7 +135,7 @@ func (p *Publisher) Publish(id Ident, size int, src Source) error {
 	if len(p.mu.pending) == 0 {
 		p.mu.idle = make(chan struct{})
 	}
-	p.mu.pending[it.key] = struct{}{}
+	p.mu.pending[it.key] = false
 	p.mu.Unlock()
 	return nil
 }
@@ -154,6 +160,37 @@ func (p *Publisher) Flush(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// Cancel keeps the blocks queued or in flight whose keys match from being
+// published (a block invalidated on this node), unless their payload has
+// been read already: Barrier waits for those. It returns how many matched.
+func (p *Publisher) Cancel(match func(key string) bool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for k := range p.mu.pending {
+		if match(k) {
+			p.mu.pending[k] = true
+			n++
+		}
+	}
+	return n
+}
+
+// Barrier waits until every batch in flight when it was called has ended
+// (each is bounded by two round trips' timeouts). After Cancel then
+// Barrier, no cancelled block is sent any more: one whose payload was read
+// before the Cancel has reached the store (or failed) by then.
+func (p *Publisher) Barrier() {
+	p.batching.Lock()
+	p.batching.Unlock() // nothing to guard: waiting for the holders is the point
+}
+
+func (p *Publisher) cancelled(key string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.mu.pending[key]
 }
 
 // Close stops the workers after their batch in flight and releases the
@@ -217,7 +254,9 @@ func (p *Publisher) worker() {
 				break fill
 			}
 		}
+		p.batching.RLock()
 		p.publish(batch)
+		p.batching.RUnlock()
 		clear(batch)
 	}
 }
@@ -254,6 +293,11 @@ func (p *Publisher) publish(batch []pubItem) {
 			// Not known whether the store holds it; not worth a
 			// blind SET of megabytes into a failing node.
 			m.Blocks.WithLabelValues("publish", "error").Inc()
+			it.src.Release()
+			continue
+		}
+		if p.cancelled(it.key) {
+			m.Blocks.WithLabelValues("publish", "cancelled").Inc()
 			it.src.Release()
 			continue
 		}

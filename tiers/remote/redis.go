@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -320,6 +321,58 @@ func (r *Redis) Delete(ctx context.Context, keys []string) error {
 	}
 	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
 	return unavailable(cmp(first, pipelineErr(err)))
+}
+
+// DeletePrefix implements Store: every master is scanned (SCAN MATCH, a
+// page of up to 1000 keys per round trip, each bounded by the timeout) and
+// each page's keys are unlinked in one pipeline, the masters in parallel.
+// A master that fails fails the sweep; what it holds remains until the
+// caller tries again.
+func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+	var n atomic.Int64
+	match := globEscape(prefix) + "*"
+	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		addr := c.Options().Addr
+		var cursor uint64
+		for {
+			keys, next, err := c.Scan(ctx, cursor, match, 1000).Result()
+			if err != nil {
+				return fmt.Errorf("%s: scan: %w", addr, err)
+			}
+			if len(keys) > 0 {
+				cmds, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+					for _, k := range keys {
+						p.Unlink(ctx, k)
+					}
+					return nil
+				})
+				if err != nil {
+					return fmt.Errorf("%s: unlink: %w", addr, err)
+				}
+				for _, cmd := range cmds {
+					n.Add(cmd.(*redis.IntCmd).Val())
+				}
+			}
+			if next == 0 {
+				return nil
+			}
+			cursor = next
+		}
+	})
+	return int(n.Load()), unavailable(err)
+}
+
+// globEscape quotes the characters SCAN's MATCH pattern treats specially.
+func globEscape(s string) string {
+	var b strings.Builder
+	for _, c := range []byte(s) {
+		switch c {
+		case '*', '?', '[', ']', '\\':
+			b.WriteByte('\\')
+		}
+		b.WriteByte(c)
+	}
+	return b.String()
 }
 
 // Ping asks every master of the cluster, those in their back-off too: a

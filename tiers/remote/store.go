@@ -24,6 +24,11 @@ type Store interface {
 	Set(ctx context.Context, items []Item) []error
 	// Delete removes keys; a key already gone is not an error.
 	Delete(ctx context.Context, keys []string) error
+	// DeletePrefix removes every key that starts with prefix (a
+	// namespace invalidated whole) and returns how many it removed. It
+	// walks the whole store, many round trips; ctx bounds it all. An
+	// error means some keys may remain: the caller tries again.
+	DeletePrefix(ctx context.Context, prefix string) (int, error)
 	// Ping reports whether the store answers at all.
 	Ping(ctx context.Context) error
 	// Close releases connections. No call may be in flight.
