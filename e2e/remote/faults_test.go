@@ -332,13 +332,17 @@ func TestPublishNeverBlocksStores(t *testing.T) {
 	c := testenv.RedisCluster(t)
 	a := startNode(t, c, nodeOpts{timeout: 3 * time.Second, queue: 8})
 	e := register(t, a, model, fingerprint(t))
+	// Long enough that stores on a loaded machine finish well inside it,
+	// short of cluster-node-timeout (no failover).
 	var awake []<-chan struct{}
 	for _, n := range c.Nodes() {
-		w, err := n.Hang(1500 * time.Millisecond)
+		w, err := n.Hang(5 * time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
 		awake = append(awake, w)
+	}
+	for _, n := range c.Nodes() {
 		waitHung(t, n)
 	}
 	for r := 0; r < 4; r++ {
