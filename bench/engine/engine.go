@@ -42,6 +42,11 @@ type Config struct {
 	IdleLookups int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
+	// Keep leaves the run's blocks cached at the end instead of
+	// invalidating them: a daemon of kvbench's own whose blocks another
+	// node then reads from the remote tier (an Invalidate would delete
+	// them from it).
+	Keep bool
 }
 
 // Op is what one kind of call did over a run.
@@ -151,7 +156,10 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	uctx, cancel := context.WithTimeout(context.Background(), cfg.StepTimeout)
 	defer cancel()
 	// Drop this run's blocks so a shared daemon (--socket) is left as found.
-	_, ierr := c.Invalidate(uctx, []uint32{d.ns}, nil)
+	var ierr error
+	if !cfg.Keep {
+		_, ierr = c.Invalidate(uctx, []uint32{d.ns}, nil)
+	}
 	uerr := c.Unregister(uctx, d.id)
 	return d.res, errors.Join(runErr, ierr, uerr)
 }

@@ -55,7 +55,10 @@ func RemoteLoads(ctx context.Context, cfg Config, perLoad, perJob int) (*Result,
 	}
 	uctx, cancel := context.WithTimeout(context.Background(), cfg.StepTimeout)
 	defer cancel()
-	_, ierr := c.Invalidate(uctx, []uint32{d.ns}, nil)
+	var ierr error
+	if !cfg.Keep {
+		_, ierr = c.Invalidate(uctx, []uint32{d.ns}, nil)
+	}
 	uerr := c.Unregister(uctx, d.id)
 	return d.res, errors.Join(runErr, ierr, uerr)
 }

@@ -70,8 +70,10 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	// Node A: the steps, every stored block published write-behind.
 	resA, metricsA, err := b.remoteNode(ctx, dir, "a", sc, append(common, "--remote-write", "all", "--remote-queue", strconv.Itoa(min(1<<16, b.distinct+1024))),
 		func(c *client.Client) (*engine.Result, error) {
+			// Keep: an Invalidate at the end would delete A's blocks
+			// from the cluster before B reads them.
 			return engine.Run(ctx, engine.Config{Client: c, Region: b.region, Fingerprint: fp, Steps: b.steps, LeaseMs: uint32(o.leaseMs),
-				Progress: func(int, int) { b.prog.advance(1) }})
+				Progress: func(int, int) { b.prog.advance(1) }, Keep: true})
 		}, true)
 	if err != nil {
 		return fmt.Errorf("node A: %w", err)
@@ -85,7 +87,7 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	// Node B: empty, reads A's blocks through the cluster.
 	resB, _, err := b.remoteNode(ctx, dir, "b", sc, append(common, "--remote-write", "none"),
 		func(c *client.Client) (*engine.Result, error) {
-			return engine.RemoteLoads(ctx, engine.Config{Client: c, Region: b.region, Fingerprint: fp, Steps: b.steps, StepTimeout: time.Minute},
+			return engine.RemoteLoads(ctx, engine.Config{Client: c, Region: b.region, Fingerprint: fp, Steps: b.steps, StepTimeout: time.Minute, Keep: true},
 				min(remoteLoadBlocks, b.region.Blocks), remoteJobBlocks)
 		}, false)
 	if resB != nil {
@@ -115,6 +117,9 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	// The baseline: raw GETs of the same values from the same cluster.
 	b.prog.phase("baseline: raw GETs of the same blocks from the same cluster (go-redis, same grouping)")
 	keys, err := clusterKeys(ctx, cluster)
+	if err == nil && len(keys) == 0 {
+		err = errors.New("the cluster holds no values")
+	}
 	if err != nil {
 		return fmt.Errorf("cluster GET baseline: %w", err)
 	}
