@@ -9,7 +9,7 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image
 
 all: build
 
@@ -51,6 +51,12 @@ test-policy:
 
 test-python: build
 	KVOFFLOADD_BIN=$(CURDIR)/bin/kvoffloadd $(PYTHON) -m pytest -q clients/python/tests
+
+# The vLLM stand-in with the connector against daemons with failing disks,
+# restarted and stopped mid-run, for SOAK_MINUTES (docs/vllm.md).
+SOAK_MINUTES ?= 10
+soak-connector: build
+	KVOFFLOADD_BIN=$(CURDIR)/bin/kvoffloadd $(PYTHON) clients/python/tests/soak_connector.py --minutes $(SOAK_MINUTES)
 
 vet:
 	$(GO) vet ./...

@@ -5,7 +5,10 @@
 - :mod:`kvoffload.types`: the plain values it takes and returns.
 - :mod:`kvoffload.errors`: the exceptions it raises (gRPC code + message).
 - :mod:`kvoffload.shm`: /dev/shm regions the daemon can map.
-- :mod:`kvoffload.connector`: the vLLM-free logic of the connector.
+- :mod:`kvoffload.connector`: the vLLM-free logic of the connector, one import
+  for the scheduler half (:mod:`~kvoffload.scheduler_side`), the worker half
+  (:mod:`~kvoffload.worker_side`), keys at vLLM's hash granularity
+  (:mod:`~kvoffload.keys`) and step plans (:mod:`~kvoffload.plan`).
 - :mod:`kvoffload.vllm`: ``KVOffloadConnector``, the vLLM KVConnectorBase_V1
   (imports vLLM; load it with kv_connector_module_path="kvoffload.vllm").
 """

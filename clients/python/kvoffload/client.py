@@ -238,10 +238,12 @@ class Client:
     def _deadline(self, extra_s: float = 0.0) -> float | None:
         return None if self.timeout is None else self.timeout + extra_s
 
-    def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None):
+    def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None,
+              wait_for_ready: bool | None = None):
         fn = getattr(self._stub, method)
         try:
-            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout)
+            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout,
+                      wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise from_rpc_error(e, method) from None
 
@@ -283,7 +285,8 @@ class Client:
     # -- the API ----------------------------------------------------------
 
     def register(
-        self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = ""
+        self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = "", *,
+        timeout: float | None = None,
     ) -> Registration:
         """Maps ``regions`` (one per layout segment, same order) and joins or
         creates the namespace named by ``fingerprint`` (1 to 256 bytes)."""
@@ -296,18 +299,23 @@ class Client:
             regions=[_region_pb(r) for r in regions],
             client_name=client_name,
         )
-        r = self._call("Register", req)
+        r = self._call("Register", req, timeout=timeout)
+        # A new registration's cursor starts at 0. Its id may be one an
+        # earlier daemon process gave out (ids start again at every start):
+        # acknowledging that one's seq would drop this one's first results.
+        with self._acked_lock:
+            self._acked.pop(r.registration_id, None)
         return Registration(r.registration_id, r.namespace_id, r.joined_existing)
 
-    def resolve(self, fingerprints: Sequence[bytes]) -> list[int]:
+    def resolve(self, fingerprints: Sequence[bytes], *, timeout: float | None = None) -> list[int]:
         """The namespace id of each fingerprint, 0 where none is registered."""
-        r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]))
+        r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]), timeout=timeout)
         return list(r.namespace_ids)
 
-    def unregister(self, registration_id: int) -> None:
+    def unregister(self, registration_id: int, *, timeout: float | None = None) -> None:
         """Waits for the registration's jobs to drain, unmaps its regions and
         drops its unread completions. Cached blocks stay."""
-        self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id))
+        self._call("Unregister", pb.UnregisterRequest(registration_id=registration_id), timeout=timeout)
         with self._acked_lock:
             self._acked.pop(registration_id, None)
 
@@ -319,6 +327,7 @@ class Client:
         group: int = 0,
         lease_ms: int = 0,
         peek: bool = False,
+        timeout: float | None = None,
     ) -> LookupResult:
         """How many leading ``hashes`` (of ``group``) are ready in every
         namespace. With ``lease_ms`` the ready prefix is pinned that long;
@@ -329,17 +338,46 @@ class Client:
             pb.LookupRequest(
                 namespace_ids=list(namespace_ids), keys=_key_list(group, hashes), lease_ms=lease_ms, peek=peek
             ),
+            timeout=timeout,
         )
         tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
         return LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id)
 
+    def lookup_many(
+        self, lookups: Sequence[tuple[Sequence[int], Sequence[bytes] | bytes, int, int, bool]], *,
+        timeout: float | None = None,
+    ) -> list[LookupResult | KVOffloadError]:
+        """Several Lookups in one round trip: each ``(namespace_ids, hashes,
+        group, lease_ms, peek)`` goes out at once on the connection and the
+        answers (or the error of each) come back in order."""
+        fn = self._stub.Lookup
+        deadline = self._deadline() if timeout is None else timeout
+        futs = [
+            fn.future(
+                pb.LookupRequest(namespace_ids=list(ns), keys=_key_list(g, h), lease_ms=lease_ms, peek=peek),
+                timeout=deadline,
+            )
+            for ns, h, g, lease_ms, peek in lookups
+        ]
+        out: list[LookupResult | KVOffloadError] = []
+        for f in futs:
+            try:
+                r = f.result()
+            except grpc.RpcError as e:
+                out.append(from_rpc_error(e, "Lookup"))
+                continue
+            tiers = tuple(Tier(t) if t in Tier._value2member_map_ else t for t in r.tiers)
+            out.append(LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id))
+        return out
+
     def _transfer(
-        self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes, timeout: float | None
+        self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes,
+        timeout: float | None, wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         req = pb.TransferRequest(
             registration_id=registration_id, jobs=[_job_pb(j) for j in jobs], wait=wait, ready_event=ready_event
         )
-        r = self._call(method, req, timeout=timeout)
+        r = self._call(method, req, timeout=timeout, wait_for_ready=wait_for_ready)
         return [_result(x) for x in r.results] if wait else None
 
     def store(
@@ -350,11 +388,14 @@ class Client:
         wait: bool = False,
         ready_event: bytes = b"",
         timeout: float | None = None,
+        wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         """Copies engine blocks into the cache. The daemon accepts every job
         or none. Without ``wait`` the results come through :meth:`completions`;
-        with it they are returned here, one per job, in order."""
-        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout)
+        with it they are returned here, one per job, in order. With
+        ``wait_for_ready`` a call made while the connection is down waits for
+        it (up to the deadline) instead of failing unsent."""
+        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
 
     def load(
         self,
@@ -364,11 +405,12 @@ class Client:
         wait: bool = False,
         ready_event: bytes = b"",
         timeout: float | None = None,
+        wait_for_ready: bool | None = None,
     ) -> list[JobResult] | None:
         """Copies cached blocks into engine blocks; see :meth:`store`. On CUDA,
         ``ready_event`` (an IPC event handle recorded on the compute stream)
         makes the copies wait for the kernels still reading those blocks."""
-        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout)
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
@@ -390,7 +432,7 @@ class Client:
         if r.results:
             with self._acked_lock:
                 self._acked[registration_id] = max(self._acked.get(registration_id, 0), r.results[-1].seq)
-        return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending)
+        return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending, more=r.more)
 
     def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:
         """Reads completions until every job in ``job_ids`` has finished and

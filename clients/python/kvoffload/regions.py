@@ -66,36 +66,63 @@ def _geometry(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
 
 
 def split_block_tensor(
-    shape: Sequence[int], strides: Sequence[int], element_size: int, num_blocks: int, *, name: str = "tensor"
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_size: int,
+    num_blocks: int,
+    *,
+    name: str = "tensor",
+    block_size: int | None = None,
 ) -> list[SegmentGeometry]:
     """Cuts a KV tensor into regions, one per index of its outer dimensions.
 
-    ``strides`` are in elements, as torch reports them. Raises LayoutError
-    when no single dimension has ``num_blocks`` entries, or when the bytes of
-    one block are not one dense run.
+    ``strides`` are in elements, as torch reports them. The block dimension
+    has ``num_blocks`` entries, or ``num_blocks * r`` when the attention
+    backend's kernel block is ``r`` times smaller than vLLM's block (vLLM
+    then allocates ``r`` kernel blocks per block, engine block ``b`` being
+    kernel blocks ``b*r .. b*r+r-1``); ``block_size`` (tokens per engine
+    block) lets the split check that ``r`` divides it. Raises LayoutError
+    when no dimension fits, when two do, or when the bytes of one kernel
+    block are not one dense run.
     """
-    shape, strides = tuple(shape), tuple(strides)
-    cands = [d for d, s in enumerate(shape) if s == num_blocks]
-    if len(cands) > 1:
+    shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+    exact = [d for d, s in enumerate(shape) if s == num_blocks]
+    if len(exact) > 1:
         # Only in toy configurations does another dimension (K/V, heads)
         # have exactly num_blocks entries; refuse rather than guess.
         raise LayoutError(
-            f"{name}: shape {shape} has {len(cands)} dimensions of size num_blocks={num_blocks} "
-            f"(dims {cands}); cannot tell which one indexes blocks"
+            f"{name}: shape {shape} has {len(exact)} dimensions of size num_blocks={num_blocks} "
+            f"(dims {exact}); cannot tell which one indexes blocks"
         )
-    if not cands:
-        raise LayoutError(f"{name}: shape {shape} has no dimension of size num_blocks={num_blocks}")
-    bd = cands[0]
-    bstride_el = strides[bd]
-    if bstride_el <= 0 and num_blocks > 1:
-        raise LayoutError(f"{name}: block dimension {bd} has stride {bstride_el}")
+    if exact:
+        bd, ratio = exact[0], 1
+    else:
+        split = [d for d, s in enumerate(shape) if num_blocks > 0 and s > num_blocks and s % num_blocks == 0]
+        if block_size:
+            split = [d for d in split if block_size % (shape[d] // num_blocks) == 0]
+        if not split:
+            raise LayoutError(
+                f"{name}: shape {shape} has no dimension of size num_blocks={num_blocks} "
+                f"or a multiple of it that splits {block_size or '?'}-token blocks into kernel blocks"
+            )
+        if len(split) > 1:
+            raise LayoutError(
+                f"{name}: shape {shape} has {len(split)} dimensions that are multiples of num_blocks={num_blocks} "
+                f"(dims {split}); cannot tell which one indexes kernel blocks"
+            )
+        bd = split[0]
+        ratio = shape[bd] // num_blocks
+    kernel_blocks = num_blocks * ratio
+    kstride_el = strides[bd]
+    if kstride_el <= 0 and kernel_blocks > 1:
+        raise LayoutError(f"{name}: block dimension {bd} has stride {kstride_el}")
     inner, outer = [], []
     for d, (n, st) in enumerate(zip(shape, strides)):
         if d == bd or n == 1:
             continue
         if st <= 0:
             raise LayoutError(f"{name}: dimension {d} has stride {st}")
-        (inner if st < bstride_el else outer).append((n, st, d))
+        (inner if st < kstride_el else outer).append((n, st, d))
     expected = 1
     for n, st, d in sorted(inner, key=lambda x: x[1]):
         if st != expected:
@@ -104,18 +131,26 @@ def split_block_tensor(
                 f"dimension {d} has stride {st}, want {expected})"
             )
         expected *= n
-    nbytes = expected * element_size
-    bstride = bstride_el * element_size
-    if num_blocks > 1 and nbytes > bstride:
-        raise LayoutError(f"{name}: a block is {nbytes} bytes but blocks are {bstride} apart")
+    kbytes = expected * element_size
+    kstride = kstride_el * element_size
+    if kernel_blocks > 1 and kbytes > kstride:
+        raise LayoutError(f"{name}: a block is {kbytes} bytes but blocks are {kstride} apart")
+    # One engine block: r consecutive kernel blocks. Dense kernel blocks make
+    # one run of r*kbytes; padded ones are r runs, one region each.
+    if ratio == 1 or kbytes == kstride:
+        pieces = [(0, kbytes * ratio)]
+    else:
+        pieces = [(i * kstride, kbytes) for i in range(ratio)]
+    bstride = kstride * ratio
     out = []
     ranges = [range(n) for n, _, _ in outer]
     for idx in itertools.product(*ranges):
         off = sum(i * st for i, (_, st, _) in zip(idx, outer)) * element_size
-        out.append(SegmentGeometry(offset=off, nbytes=nbytes, block_stride=bstride))
+        for poff, plen in pieces:
+            out.append(SegmentGeometry(offset=off + poff, nbytes=plen, block_stride=bstride))
     # Two regions of one tensor must not share a byte of any block.
     for a, b in itertools.combinations(out, 2):
-        if _blocks_overlap(abs(a.offset - b.offset), nbytes, bstride, num_blocks):
+        if _blocks_overlap(abs(a.offset - b.offset), max(a.nbytes, b.nbytes), bstride, num_blocks):
             raise LayoutError(f"{name}: shape {shape} with strides {strides} makes blocks of two regions overlap")
     return out
 
@@ -152,6 +187,12 @@ class KVRegistration:
     region_layers: list[str]
     num_blocks: int
     device: str  # "cpu" or "cuda"
+    # How the bytes of a block are ordered, as the tensors say: per tensor its
+    # group, shape, strides, element size and dtype. Two engines whose
+    # tensors differ here (another attention backend, NHD vs HND, another
+    # kernel block size) hold different bytes for the same tokens, so this
+    # goes into the namespace fingerprint.
+    geometry: tuple = ()
 
 
 def _tensors_of(value: Any) -> list[Any]:
@@ -171,6 +212,7 @@ def regions_from_kv_caches(
     *,
     cuda_exporter: CudaExporter | None = None,
     shm_locator: Callable[[int], Any] = shm_location,
+    group_block_sizes: Sequence[int] | None = None,
 ) -> KVRegistration:
     """Builds the layout and regions of one worker's KV caches.
 
@@ -180,7 +222,9 @@ def regions_from_kv_caches(
     ordered by group, then by layer name order within the group, then by
     outer index, so every worker of the same model gets the same layout.
     Layers whose tensors alias memory already registered for the same group
-    (shared KV) are registered once.
+    (shared KV) are registered once. ``group_block_sizes`` (tokens per
+    engine block of each group, on this rank) lets a tensor with kernel
+    blocks smaller than vLLM's blocks be mapped (see split_block_tensor).
     """
     if not isinstance(layer_groups, Mapping):
         mapping: dict[str, int] = {}
@@ -204,6 +248,7 @@ def regions_from_kv_caches(
     device_kind = None
     exporter = cuda_exporter or TorchCudaExporter()
     exported: dict[int, tuple] = {}
+    geometry: list[tuple] = []
     for name in names:
         g = int(layer_groups[name])
         for ti, t in enumerate(_tensors_of(kv_caches[name])):
@@ -215,7 +260,9 @@ def regions_from_kv_caches(
             elif kind != device_kind:
                 raise LayoutError(f"{label} is on {kind}, earlier layers on {device_kind}: all KV tensors must share a device kind")
             base = int(t.data_ptr())
-            for geo in split_block_tensor(shape, strides, esize, num_blocks, name=label):
+            bs = None if group_block_sizes is None or g >= len(group_block_sizes) else int(group_block_sizes[g])
+            geometry.append((g, shape, strides, esize, str(getattr(t, "dtype", ""))))
+            for geo in split_block_tensor(shape, strides, esize, num_blocks, name=label, block_size=bs):
                 addr = base + geo.offset
                 key = (g, kind, addr, geo.nbytes, geo.block_stride)
                 if key in seen:
@@ -257,4 +304,5 @@ def regions_from_kv_caches(
     groups = sorted({s.group for s in segments})
     if groups != list(range(len(groups))):
         raise LayoutError(f"KV cache groups {groups} are not numbered 0..n-1")
-    return KVRegistration(Layout(hash_bytes, segments), regions, region_layers, num_blocks, device_kind or "cpu")
+    return KVRegistration(Layout(hash_bytes, segments), regions, region_layers, num_blocks, device_kind or "cpu",
+                          tuple(geometry))

@@ -2,25 +2,58 @@
 
 :func:`settings_from_vllm` only reads attributes, so tests pass stand-ins
 with vLLM's field names. It gathers the connector's options (from
-``kv_transfer_config.kv_connector_extra_config``) and the identity of the
-namespace: the fields that make two engines' KV blocks interchangeable,
-which vLLM's own offloading file mapper also hashes into its storage path
-(model, dtype, block sizes, hash algorithm and seed, parallel sizes and
-rank), plus the model revision and the engine.
+``kv_transfer_config.kv_connector_extra_config``), vLLM's block sizes (by
+vLLM's own rule, :mod:`kvoffload.keys`), and the identity of a namespace:
+everything that changes the bytes of a block for the same tokens. A worker
+adds its rank and the byte order its KV tensors actually have
+(:meth:`ConnectorSettings.fingerprint`); docs/vllm.md lists every field.
+
+A configuration the connector cannot serve safely is not raised: it sets
+``unsupported`` to one sentence, and the connector runs with offloading off
+and says so in one error line at start.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
+import secrets
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .connector import namespace_fingerprint
+from .keys import BlockSizes, GroupShape, resolve_block_sizes
 
-__all__ = ["ConnectorSettings", "settings_from_vllm", "default_socket", "hash_bytes_for"]
+__all__ = [
+    "ConnectorSettings",
+    "settings_from_vllm",
+    "default_socket",
+    "hash_bytes_for",
+    "namespace_fingerprint",
+    "FINGERPRINT_PREFIX",
+    "CONNECTOR_LAYOUT_VERSION",
+]
 
 # kv_connector_extra_config keys this connector understands.
-EXTRA_KEYS = ("socket", "timeout_s", "drain_timeout_s", "sync_stores", "hash_bytes", "request_level_failures")
+EXTRA_KEYS = ("socket", "timeout_s", "lookup_wait_ms", "lookup_deadline_ms", "lease_ms", "sync_stores",
+              "hash_bytes", "request_level_failures", "drain_timeout_s")
+
+# Version of how this connector lays keys and blocks out. Part of every
+# fingerprint: a change here must not hit blocks stored by the old code.
+# 2: fingerprints cover the tensors' byte order, the attention backend,
+#    quantization, overrides and the resolved hash block size.
+CONNECTOR_LAYOUT_VERSION = 2
+FINGERPRINT_PREFIX = b"kvoffload.vllm/2:"
+
+
+def namespace_fingerprint(fields: Mapping[str, Any]) -> bytes:
+    """A fixed prefix and the SHA-256 of the canonical JSON of ``fields``.
+    The daemon never interprets it; equal fingerprints share blocks."""
+    canon = json.dumps(
+        {"connector_layout": CONNECTOR_LAYOUT_VERSION, **fields}, sort_keys=True, separators=(",", ":"), default=str
+    )
+    return FINGERPRINT_PREFIX + hashlib.sha256(canon.encode()).digest()
 
 
 def default_socket() -> str:
@@ -39,44 +72,101 @@ def hash_bytes_for(algo: str) -> int:
     return 16 if str(algo).lower().startswith("xxhash") else 32
 
 
+def _spec_kind(spec: Any) -> str:
+    return type(spec).__name__
+
+
+def _is_attention(spec: Any) -> bool:
+    names = [c.__name__ for c in type(spec).__mro__]
+    return any("Attention" in n or "SlidingWindow" in n for n in names) and not any("Mamba" in n for n in names)
+
+
 def _full_attention(spec: Any) -> bool:
-    name = type(spec).__name__
+    name = _spec_kind(spec)
     if "Mamba" in name:
         return False
     if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
         return False
-    return name in ("FullAttentionSpec", "MLAAttentionSpec", "CrossAttentionSpec") or not any(
-        w in name for w in ("Sliding", "Chunked", "Local", "Mamba")
-    )
+    return not any(w in name for w in ("Sliding", "Chunked", "Local"))
+
+
+def _spec_identity(spec: Any) -> dict:
+    """The fields of a KV cache spec that shape a block's bytes."""
+    out = {"kind": _spec_kind(spec)}
+    for k in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
+              "attention_chunk_size", "use_mla", "cache_dtype_str", "page_size_padded", "storage_block_size"):
+        v = getattr(spec, k, None)
+        if v is not None:
+            out[k] = str(v)
+    return out
+
+
+def _attention_backend(vllm_config: Any, env: Mapping[str, str]) -> str:
+    ac = getattr(vllm_config, "attention_config", None)
+    b = getattr(ac, "backend", None) if ac is not None else None
+    if b is None:
+        b = getattr(getattr(vllm_config, "model_config", None), "attention_backend", None)
+    return str(b if b is not None else env.get("VLLM_ATTENTION_BACKEND", "auto"))
 
 
 @dataclass
 class ConnectorSettings:
     socket: str
-    hash_block_size: int
-    group_block_sizes: tuple[int, ...]
+    block_sizes: BlockSizes
+    rank_block_sizes: tuple[int, ...]  # tokens per block of each group on one rank
     group_layers: tuple[tuple[str, ...], ...]
+    full_attention: bool
     hash_bytes: int
     num_blocks: int | None
     identity: dict  # fingerprint fields shared by every rank
     tp_size: int = 1
     pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
     sync_stores: bool = False
-    timeout_s: float = 5.0
-    drain_timeout_s: float = 30.0
+    timeout_s: float = 1.0
+    lookup_wait_s: float = 0.0
+    lookup_deadline_s: float = 0.2
+    lease_ms: int = 0
     request_level_failures: bool | None = None  # None: decided by the vLLM API in use
-    failure_policy: str = "recompute"
+    failure_policy: str = "fail"
+    kv_layout: str | None = None
+    unsupported: str | None = None
+    notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
-    def fingerprint(self, tp_rank: int, pp_rank: int) -> bytes:
-        return namespace_fingerprint({**self.identity, "tp_rank": tp_rank, "pp_rank": pp_rank})
+    @property
+    def hash_block_size(self) -> int:
+        return self.block_sizes.hash
 
-    def all_fingerprints(self) -> list[bytes]:
-        """Every rank's fingerprint: a block counts only when all have it."""
-        return [self.fingerprint(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+    @property
+    def group_block_sizes(self) -> tuple[int, ...]:
+        return self.block_sizes.groups
+
+    @property
+    def num_ranks(self) -> int:
+        """Workers of one engine: every pipeline stage, prefill context and
+        tensor rank (decode context parallel splits the tensor ranks)."""
+        return self.tp_size * self.pp_size * self.pcp_size
+
+    def fingerprint(self, rank: Mapping[str, int], geometry: Any = ()) -> bytes:
+        """One rank's namespace fingerprint: the shared identity, the rank, and
+        the byte order of its KV tensors (``KVRegistration.geometry``)."""
+        return namespace_fingerprint({**self.identity, "rank": dict(rank), "geometry": geometry})
 
 
-def settings_from_vllm(vllm_config: Any, kv_cache_config: Any | None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
+def settings_from_vllm(
+    vllm_config: Any,
+    kv_cache_config: Any | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    vllm_block_sizes: Callable[[], tuple[int, int]] | None = None,
+    kv_layout: str | None = None,
+) -> ConnectorSettings:
+    """Reads everything the connector needs. ``vllm_block_sizes`` is vLLM's
+    own ``resolve_kv_cache_block_sizes`` bound to the configs, where the
+    installed vLLM has it; it wins over this module's copy of the rule.
+    Raises ValueError only for a malformed ``kv_connector_extra_config``."""
     env = os.environ if env is None else env
     model = getattr(vllm_config, "model_config", None)
     cache = getattr(vllm_config, "cache_config", None)
@@ -86,58 +176,104 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any | None, env: Mappi
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
         raise ValueError(f"kvoffload: unknown kv_connector_extra_config keys {unknown}; known: {list(EXTRA_KEYS)}")
+    notes: list[str] = []
+    if "drain_timeout_s" in extra:
+        notes.append("kv_connector_extra_config.drain_timeout_s is ignored: stores are never given up on")
+    unsupported: str | None = None
 
-    hash_block_size = int(getattr(cache, "block_size", 16) or 16)
+    tp = int(getattr(par, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+    pcp = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+    dcp = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+    cache_bs = int(getattr(cache, "block_size", 16) or 16)
     algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256") or "sha256")
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if groups:
-        block_sizes = tuple(int(g.kv_cache_spec.block_size) for g in groups)
-        layers = tuple(tuple(g.layer_names) for g in groups)
-        spec_names = [type(g.kv_cache_spec).__name__ for g in groups]
-        for g, name in zip(groups, spec_names):
-            if "Mamba" in name:
-                raise ValueError(
-                    f"kvoffload: KV cache group of {name} (layers {list(g.layer_names)[:2]}...) holds per-request state, "
-                    "not per-block KV; models with state-space layers are not supported by this connector"
-                )
-        sync = not all(_full_attention(g.kv_cache_spec) for g in groups)
-    else:
-        block_sizes, layers, spec_names, sync = (hash_block_size,), ((),), ["FullAttentionSpec"], False
+    specs = [g.kv_cache_spec for g in groups]
+    layers = tuple(tuple(g.layer_names) for g in groups) or ((),)
+    for g, spec in zip(groups, specs):
+        if "Mamba" in _spec_kind(spec):
+            unsupported = (f"KV cache group of {_spec_kind(spec)} (layers {list(g.layer_names)[:2]}...) holds "
+                           "per-request state, not per-block KV; models with state-space layers are not supported")
+    shapes = [GroupShape(int(s.block_size), attention=_is_attention(s),
+                         mamba_align=getattr(s, "mamba_cache_mode", "align") == "align",
+                         prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s in specs]
+    rank_sizes = tuple(int(s.block_size) for s in specs) or (cache_bs,)
+    hashing = bool(getattr(cache, "enable_prefix_caching", True)) or ktc is not None
+    try:
+        sizes = resolve_block_sizes(shapes, cache_bs, dcp, getattr(cache, "prefix_match_unit", None), hashing)
+    except ValueError as e:
+        unsupported = unsupported or f"vLLM's block sizes: {e}"
+        sizes = BlockSizes(cache_bs * dcp, cache_bs * dcp, tuple(s * dcp for s in rank_sizes))
+    if vllm_block_sizes is not None:
+        try:
+            sched, hbs = (int(x) for x in vllm_block_sizes())
+        except Exception as e:  # vLLM's own function refused the config
+            unsupported = unsupported or f"vLLM's resolve_kv_cache_block_sizes failed: {e}"
+        else:
+            if (sched, hbs) != (sizes.scheduler, sizes.hash):
+                notes.append(f"vLLM resolves block sizes to scheduler={sched} hash={hbs}; this connector's copy of "
+                             f"the rule gave {sizes.scheduler}/{sizes.hash}: using vLLM's")
+                sizes = BlockSizes(sched, hbs, sizes.groups)
+    if unsupported is None:
+        bad = [s for s in sizes.groups if s % sizes.hash]
+        if bad or math.lcm(*sizes.groups) != sizes.scheduler:
+            unsupported = (f"group block sizes {list(sizes.groups)} do not tile vLLM's hash size {sizes.hash} and "
+                           f"scheduler block size {sizes.scheduler}")
+    if pcp > 1 and len(groups) > 1:
+        unsupported = unsupported or "prefill context parallel with several KV cache groups (vLLM does not build it)"
+    if (tp * pp * pcp) > 1 and not hasattr(par, "tensor_parallel_size"):
+        unsupported = unsupported or "parallel sizes unreadable"
 
     cache_dtype = str(getattr(cache, "cache_dtype", "auto"))
+    dynamic_scales = bool(getattr(cache, "calculate_kv_scales", False))
     identity = {
         "engine": "vllm",
         "model": str(getattr(model, "model", "")),
         "revision": str(getattr(model, "revision", None)),
         "dtype": str(getattr(model, "dtype", "")),
+        "quantization": str(getattr(model, "quantization", None)),
+        "hf_overrides": str(getattr(model, "hf_overrides", None)),
+        "rope": [str(getattr(model, k, None)) for k in ("rope_scaling", "rope_theta")],
+        "attention_backend": _attention_backend(vllm_config, env),
+        "kv_layout": str(kv_layout),
         "kv_cache_dtype": cache_dtype,
-        "hash_block_size": hash_block_size,
-        "groups": [{"block_size": b, "spec": s} for b, s in zip(block_sizes, spec_names)],
+        # Scales computed from the first batch differ per engine start: such
+        # an engine shares nothing with another (nor with its next start).
+        "kv_scales": f"dynamic:{secrets.token_hex(8)}" if dynamic_scales else "checkpoint",
+        "hash_block_size": sizes.hash,
+        "scheduler_block_size": sizes.scheduler,
+        "groups": [_spec_identity(s) for s in specs],
         "hash_algo": algo,
         # vLLM seeds its chained hashes from PYTHONHASHSEED; unset, the seed is
         # random per engine and no other engine can hit its blocks anyway.
         "hash_seed": env.get("PYTHONHASHSEED", "<random>"),
-        "tp_size": int(getattr(par, "tensor_parallel_size", 1) or 1),
-        "pp_size": int(getattr(par, "pipeline_parallel_size", 1) or 1),
-        "dcp_size": int(getattr(par, "decode_context_parallel_size", 1) or 1),
-        "pcp_size": int(getattr(par, "prefill_context_parallel_size", 1) or 1),
+        "parallel": {"tp": tp, "pp": pp, "pcp": pcp, "dcp": dcp},
     }
     hb = int(extra.get("hash_bytes", hash_bytes_for(algo)))
     rlf = extra.get("request_level_failures")
+    full = all(_full_attention(s) for s in specs)
     return ConnectorSettings(
         socket=str(extra.get("socket") or env.get("KVOFFLOADD_SOCKET") or default_socket()),
-        hash_block_size=hash_block_size,
-        group_block_sizes=block_sizes,
+        block_sizes=sizes,
+        rank_block_sizes=rank_sizes,
         group_layers=layers,
+        full_attention=full,
         hash_bytes=hb,
         num_blocks=getattr(kv_cache_config, "num_blocks", None),
         identity=identity,
-        tp_size=identity["tp_size"],
-        pp_size=identity["pp_size"],
-        sync_stores=bool(extra.get("sync_stores", sync)),
-        timeout_s=float(extra.get("timeout_s", 5.0)),
-        drain_timeout_s=float(extra.get("drain_timeout_s", 30.0)),
+        tp_size=tp,
+        pp_size=pp,
+        pcp_size=pcp,
+        dcp_size=dcp,
+        sync_stores=bool(extra.get("sync_stores", not full)),
+        timeout_s=float(extra.get("timeout_s", 1.0)),
+        lookup_wait_s=float(extra.get("lookup_wait_ms", 0)) / 1000.0,
+        lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
+        lease_ms=int(extra.get("lease_ms", 0)),
         request_level_failures=None if rlf is None else bool(rlf),
-        failure_policy=str(getattr(ktc, "kv_load_failure_policy", "recompute")),
+        failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")),
+        kv_layout=kv_layout,
+        unsupported=unsupported,
+        notes=notes,
         extra=extra,
     )

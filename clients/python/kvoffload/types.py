@@ -205,10 +205,12 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class Completions:
-    """Jobs finished since the last call, and how many are still running."""
+    """Jobs finished since the last call, how many are still running, and
+    whether more results are queued (call again without waiting)."""
 
     results: tuple[JobResult, ...]
     pending: int
+    more: bool = False
 
 
 @dataclass(frozen=True)

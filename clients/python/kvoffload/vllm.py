@@ -1,25 +1,25 @@
 """KVOffloadConnector: a vLLM v1 KV connector backed by kvoffloadd.
 
-Load it into vLLM by module path::
+Load it into vLLM by module path (docs/vllm.md has the full line)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVOffloadConnector",
         "kv_connector_module_path": "kvoffload.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/run/user/1000/kvoffloadd/kvoffloadd.sock"}}'
 
-This is the only module of the package that imports vLLM (and torch, on the
-worker, for CUDA events). It reads vLLM's configuration
-(:mod:`kvoffload.settings`) and forwards each of vLLM's calls to the
-vLLM-free halves in :mod:`kvoffload.connector`; see docs/vllm.md.
-
-Written against the KVConnectorBase_V1 interface of vLLM main at commit
-003df2961dd8830c317a61f9745ccd557da9fa06 (base.py), plus the newer
-``get_transfer_results`` / ``KVConnectorTransferResults`` hook where the
-installed vLLM has it.
+This is the only module of the package that imports vLLM (and torch, on a
+CUDA worker, lazily). It reads vLLM's configuration (:mod:`kvoffload.settings`)
+and forwards each of vLLM's calls to the vLLM-free halves
+(:mod:`kvoffload.scheduler_side`, :mod:`kvoffload.worker_side`). Hooks a
+vLLM version lacks are detected by import, never assumed: written against
+vLLM main's ``KVConnectorBase_V1`` read at commits 003df29 and 13f4ad0
+(docs/vllm.md says which parts come from which).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (vLLM is required here)
@@ -38,11 +38,34 @@ try:  # newer vLLM: request-level load failures
 except ImportError:
     KVConnectorTransferResults = None  # type: ignore[assignment]
 
-from .connector import SchedulerSide, StepPlan, WorkerSide
-from .regions import regions_from_kv_caches
-from .settings import settings_from_vllm
+try:  # worker -> scheduler metadata (store acknowledgements)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:
+    KVConnectorWorkerMetadata = None  # type: ignore[assignment]
 
-__all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata"]
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorHandshakeMetadata = object  # type: ignore[assignment,misc]
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorStats = KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
+
+try:
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+except ImportError:
+    resolve_kv_cache_block_sizes = None  # type: ignore[assignment]
+
+from . import stats as _stats
+from .plan import StepPlan
+from .regions import regions_from_kv_caches
+from .scheduler_side import SchedulerSide
+from .settings import settings_from_vllm
+from .worker_side import WorkerSide
+
+__all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata", "KVOffloadHandshake"]
 
 log = logging.getLogger("kvoffload.vllm")
 
@@ -54,13 +77,187 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _worker_ranks() -> tuple[int, int]:
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+@dataclass
+class KVOffloadHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells the scheduler once, after registering: its rank
+    and the fingerprint it registered under (None: it could not, and the
+    engine must not offer hits)."""
 
-        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except Exception:  # not initialised (single process tests)
-        return 0, 0
+    rank: dict = field(default_factory=dict)
+    fingerprint: bytes | None = None
+    reason: str = ""
+
+
+if KVConnectorWorkerMetadata is not None:
+
+    @dataclass
+    class KVOffloadWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+        """Per request, per rank: the plan step up to which its stores drained."""
+
+        drained: dict = field(default_factory=dict)
+        registered: dict = field(default_factory=dict)  # rank -> whether its worker holds a registration
+
+        def aggregate(self, other: "KVOffloadWorkerMeta") -> "KVOffloadWorkerMeta":
+            self.registered.update(getattr(other, "registered", {}))
+            for rid, by_rank in getattr(other, "drained", {}).items():
+                cur = self.drained.setdefault(rid, {})
+                for rank, seq in by_rank.items():
+                    cur[rank] = max(cur.get(rank, 0), seq)
+            return self
+
+
+if KVConnectorStats is not None:
+
+    @dataclass
+    class KVOffloadConnectorStats(KVConnectorStats):  # type: ignore[misc]
+        """An interval of kvoffload.stats data (a plain dict: it crosses processes)."""
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: Any) -> "KVOffloadConnectorStats":
+            self.data = _stats.aggregate(dict(self.data or {}) or None, getattr(other, "data", None))
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            return _stats.reduce(self.data or {})
+
+        def is_empty(self) -> bool:
+            return _stats.is_empty(self.data)
+
+
+if KVConnectorPromMetrics is not None:
+
+    class KVOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        """kvoffload's series in vLLM's own /metrics, per engine."""
+
+        def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list, per_engine_labelvalues: dict):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            ln = list(labelnames)
+            self._values = per_engine_labelvalues
+
+            def counter(name: str, doc: str, extra: tuple = ()):
+                return self._counter_cls(name=name, documentation=doc, labelnames=ln + list(extra))
+
+            def hist(name: str, doc: str):
+                return self._histogram_cls(name=name, documentation=doc, labelnames=ln,
+                                           buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0])
+
+            self.hit_tokens = counter("vllm:kvoffload_hit_tokens", "Prompt tokens offered from kvoffloadd, by tier.",
+                                      ("tier",))
+            self.lookups = counter("vllm:kvoffload_lookups", "Lookups answered by kvoffloadd.")
+            self.lookup_timeouts = counter("vllm:kvoffload_lookup_timeouts",
+                                           "Lookups treated as a miss because the daemon was slow.")
+            self.bytes = counter("vllm:kvoffload_transferred_bytes", "Bytes copied by kvoffloadd, by direction.",
+                                 ("direction",))
+            self.blocks = counter("vllm:kvoffload_transferred_blocks", "Blocks copied by kvoffloadd, by direction.",
+                                  ("direction",))
+            self.failed = counter("vllm:kvoffload_failed_blocks", "Blocks that failed to load or store, by status.",
+                                  ("direction", "status"))
+            self.skipped = counter("vllm:kvoffload_stores_skipped_blocks",
+                                   "Blocks not stored because the daemon was down or vLLM reused them first.")
+            self.latency = {k: hist(f"vllm:kvoffload_{k}", f"kvoffload {k.split('_')[0]} latency.")
+                            for k in _stats.SAMPLE_KEYS}
+
+        def _labels(self, metric: Any, engine_idx: int, *extra: Any) -> Any:
+            return metric.labels(*self._values[engine_idx], *extra)
+
+        def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+            d = transfer_stats_data or {}
+            for tier, n in (d.get("hit_tokens") or {}).items():
+                self._labels(self.hit_tokens, engine_idx, tier).inc(n)
+            if d.get("lookups_total"):
+                self._labels(self.lookups, engine_idx).inc(d["lookups_total"])
+            if d.get("lookup_timeouts_total"):
+                self._labels(self.lookup_timeouts, engine_idx).inc(d["lookup_timeouts_total"])
+            for direction, bk, nk in (("load", "bytes_loaded_total", "blocks_loaded_total"),
+                                      ("store", "bytes_stored_total", "blocks_stored_total")):
+                if d.get(bk):
+                    self._labels(self.bytes, engine_idx, direction).inc(d[bk])
+                if d.get(nk):
+                    self._labels(self.blocks, engine_idx, direction).inc(d[nk])
+            for key, n in (d.get("failed_blocks") or {}).items():
+                direction, _, status = key.partition(":")
+                self._labels(self.failed, engine_idx, direction, status).inc(n)
+            if d.get("stores_skipped_total"):
+                self._labels(self.skipped, engine_idx).inc(d["stores_skipped_total"])
+            for k, h in self.latency.items():
+                m = self._labels(h, engine_idx)
+                for v in d.get(k) or ():
+                    m.observe(v)
+
+
+def _worker_rank(num_ranks: int, pcp: int, dcp: int) -> dict:
+    """This worker's place in the engine. With one rank it is (0, 0, 0); with
+    several, a rank vLLM will not tell is an error, never a guess."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        tp_group = getattr(ps, "get_tp_group", None)
+        tp = int(tp_group().rank_in_group) if tp_group else int(ps.get_tensor_model_parallel_rank())
+        pp = int(ps.get_pp_group().rank_in_group)
+        pcp_rank = int(ps.get_pcp_group().rank_in_group) if pcp > 1 else 0
+        dcp_rank = int(ps.get_dcp_group().rank_in_group) if dcp > 1 else 0
+    except Exception as e:
+        if num_ranks > 1:
+            raise RuntimeError(f"cannot read this worker's parallel ranks from vLLM ({e!r})") from None
+        return {"tp": 0, "pp": 0, "pcp": 0, "dcp": 0}
+    return {"tp": tp, "pp": pp, "pcp": pcp_rank, "dcp": dcp_rank}
+
+
+class _ReadyEvents:
+    """IPC events recorded on the engine's current CUDA stream for the
+    daemon's copies to wait on (a Store: after the forward pass wrote the
+    blocks; a Load: after the work still reading its destination blocks).
+    Each is held until every job sent with it is done. Uses
+    kvoffload.cuda_ipc's pool where the package has it; torch only on a CUDA
+    worker, imported here."""
+
+    def __init__(self):
+        self._pool: Any = None
+        self._held: list[tuple[list[int], Any]] = []
+
+    def record(self) -> tuple[bytes, Any]:
+        try:
+            if self._pool is None:
+                try:
+                    from .cuda_ipc import IpcEventPool  # type: ignore[import-not-found]
+
+                    self._pool = IpcEventPool()
+                except ImportError:
+                    self._pool = False
+            if self._pool:
+                handle, token = self._pool.record()
+                return bytes(handle), token
+            import torch
+
+            ev = torch.cuda.Event(interprocess=True)
+            ev.record()
+            return bytes(ev.ipc_handle()), ev
+        except Exception as e:  # pragma: no cover - needs a GPU
+            log.debug("kvoffload: no IPC event (%s); synchronizing the stream instead", e)
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            return b"", None
+
+    def hold(self, job_ids: list[int], held: Any, done) -> None:
+        if held is not None:
+            if job_ids:
+                self._held.append((job_ids, held))
+            else:
+                self._release(held)
+        keep = []
+        for ids, h in self._held:
+            if done(ids):
+                self._release(h)
+            else:
+                keep.append((ids, h))
+        self._held = keep
+
+    def _release(self, held: Any) -> None:
+        if self._pool and not hasattr(held, "record"):
+            self._pool.release(held)
 
 
 _BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHMA is not None else ())
@@ -69,9 +266,9 @@ _BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHM
 class KVOffloadConnector(*_BASES):  # type: ignore[misc]
     """Offloads KV blocks to kvoffloadd and loads prefixes back from it.
 
-    Scheduler side: one ``Lookup`` (per KV cache group) answers
+    Scheduler side: Lookups on a background thread answer
     ``get_num_new_matched_tokens``; loads are asynchronous. Worker side:
-    one ``Load``, one ``Store`` and one ``Completions`` per step.
+    one Load and one Store per step, sent and settled off the step.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any | None = None):
@@ -79,55 +276,117 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             super().__init__(vllm_config, role, kv_cache_config)
         except TypeError:  # older vLLM: (vllm_config, role)
             super().__init__(vllm_config, role)
-        self.settings = settings_from_vllm(vllm_config, kv_cache_config)
-        s = self.settings
+        resolver = None
+        if resolve_kv_cache_block_sizes is not None and kv_cache_config is not None:
+            def resolver():
+                return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        self.settings = s = settings_from_vllm(vllm_config, kv_cache_config, vllm_block_sizes=resolver,
+                                               kv_layout=type(self).get_required_kvcache_layout(vllm_config))
+        for note in s.notes:
+            log.warning("kvoffload: %s", note)
         num_groups = len(s.group_block_sizes)
+        rlf = s.request_level_failures
+        if rlf is None:
+            rlf = num_groups > 1 and KVConnectorTransferResults is not None
+        self._request_level = rlf
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._events: list[tuple[list[int], Any]] = []
+        self._worker_off: str | None = s.unsupported
+        self._rank: dict | None = None
+        self._fingerprint: bytes | None = None
+        self._events = _ReadyEvents()
         self._cuda = False
+        self._stats = _stats.StatsRecorder()
         if role == KVConnectorRole.SCHEDULER:
+            offer = s.unsupported is None
+            if s.unsupported is not None:
+                log.error("kvoffload: offloading disabled for this engine: %s", s.unsupported)
+            elif num_groups > 1 and not rlf:
+                offer = False
+                log.warning("kvoffload: this vLLM reports failed loads only per block, which it cannot map back to "
+                            "requests of a model with %d KV cache groups: no external hits are offered (blocks are "
+                            "still stored for engines that can load them)", num_groups)
+            if s.failure_policy == "fail":
+                log.warning("kvoffload: kv_load_failure_policy is \"fail\": a load that fails (a block evicted or "
+                            "corrupt on disk, the daemon restarting) ends its request with an error; set "
+                            "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute instead")
             self._scheduler = SchedulerSide(
-                s.socket, s.all_fingerprints(), s.hash_block_size, s.group_block_sizes, s.hash_bytes,
-                timeout_s=s.timeout_s,
+                s.socket, s.num_ranks, s.hash_block_size, s.group_block_sizes, s.hash_bytes,
+                offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
+                lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
             )
-            log.info("kvoffload: scheduler side on %s, %d ranks, unit %d tokens, policy %s",
-                     s.socket, len(s.all_fingerprints()), self._scheduler.keys.unit_tokens, s.failure_policy)
+            log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
+                     s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
         else:
-            tp_rank, pp_rank = _worker_ranks()
-            rlf = s.request_level_failures
-            if rlf is None:
-                rlf = num_groups > 1 and KVConnectorTransferResults is not None
-            self._worker = WorkerSide(
-                s.socket, s.fingerprint(tp_rank, pp_rank), num_groups,
-                client_name=f"vllm worker tp{tp_rank} pp{pp_rank}",
-                request_level_failures=rlf, sync_stores=s.sync_stores,
-                timeout_s=max(s.timeout_s, 10.0), drain_timeout_s=s.drain_timeout_s,
-            )
+            try:
+                self._rank = _worker_rank(s.num_ranks, s.pcp_size, s.dcp_size)
+            except RuntimeError as e:
+                self._worker_off = self._worker_off or str(e)
+                log.error("kvoffload: offloading disabled for this engine: %s", e)
 
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a store dropped on preemption is a future miss.
         return False
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # One byte order for every engine that may share blocks: HND (heads
+        # outermost within a block), which vLLM's attention backends support.
+        # MLA caches have no head dimension to order.
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is None or getattr(mc, "use_mla", False):
+            return None
+        return "HND"
+
     # ------------------------------------------------------------------
     # Worker side
     # ------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
-        s = self.settings
-        num_blocks = s.num_blocks
-        if num_blocks is None:
-            raise ValueError("kvoffload: kv_cache_config.num_blocks is needed to read the KV layout")
-        groups = s.group_layers if any(s.group_layers) else (tuple(kv_caches),)
-        kv = regions_from_kv_caches(kv_caches, groups, int(num_blocks), s.hash_bytes)
-        self._cuda = kv.device == "cuda"
-        self._worker.register(kv)
+    def _null_worker(self) -> WorkerSide:
+        """A worker half that never registers: it drops stores, fails loads
+        (none are planned: the scheduler offers nothing) and reports finished
+        requests, so vLLM never waits on it."""
+        return WorkerSide(self.settings.socket, b"", len(self.settings.group_block_sizes),
+                          request_level_failures=self._request_level, stats=self._stats)
 
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        if self._worker is not None and isinstance(kv_connector_metadata, KVOffloadConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata.plan)
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._worker_off is not None or self._rank is None:
+            self._worker = self._null_worker()
+            return
+        s = self.settings
+        try:
+            if s.num_blocks is None:
+                raise ValueError("kv_cache_config.num_blocks is needed to read the KV layout")
+            groups = s.group_layers if any(s.group_layers) else (tuple(kv_caches),)
+            kv = regions_from_kv_caches(kv_caches, groups, int(s.num_blocks), s.hash_bytes,
+                                        group_block_sizes=s.rank_block_sizes)
+        except Exception as e:
+            # A layout this connector cannot map never kills the worker.
+            self._worker_off = f"cannot map this worker's KV caches: {e}"
+            log.error("kvoffload: offloading disabled for this engine: %s", self._worker_off)
+            self._worker = self._null_worker()
+            return
+        self._cuda = kv.device == "cuda"
+        fp = s.fingerprint(self._rank, kv.geometry)
+        r = self._rank
+        self._worker = WorkerSide(
+            s.socket, fp, len(s.group_block_sizes), rank=(r["pp"], r["pcp"], r["tp"]),
+            client_name=f"vllm worker tp{r['tp']} pp{r['pp']} pcp{r['pcp']}",
+            request_level_failures=self._request_level, sync_stores=s.sync_stores, stats=self._stats,
+        )
+        self._worker.track_drains = KVConnectorWorkerMetadata is not None
+        self._worker.register(kv)
+        if self._worker.refused is not None:
+            self._worker_off = f"the daemon refused the KV caches: {self._worker.refused}"
+        else:
+            self._fingerprint = fp
+
+    def get_handshake_metadata(self) -> Any:
+        if self._scheduler is not None:
+            return None
+        return KVOffloadHandshake(rank=dict(self._rank or {}), fingerprint=self._fingerprint,
+                                  reason=self._worker_off or "")
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
@@ -135,10 +394,24 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVOffloadConnectorMetadata) else None
 
+    def handle_preemptions(self, preempted: Any) -> None:
+        """Current vLLM passes the step's metadata; older passes the ids."""
+        if self._worker is None:
+            return
+        if isinstance(preempted, KVOffloadConnectorMetadata):
+            ids = preempted.plan.preempted
+        elif isinstance(preempted, (set, frozenset, list, tuple)):
+            ids = set(preempted)
+        else:
+            ids = set(getattr(preempted, "preempted_req_ids", None) or ())
+        self._worker.handle_preemptions(ids)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is not None and self._worker is not None:
-            self._worker.start_load_kv(plan)
+        if plan is None or self._worker is None:
+            return
+        handle, held = self._events.record() if (self._cuda and plan.loads) else (b"", None)
+        self._events.hold(self._worker.start_load_kv(plan, ready_event=handle), held, self._worker.jobs_done)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous (load_async=True): vLLM schedules a request
@@ -149,30 +422,12 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         # Blocks are stored once per step, in wait_for_save.
         return
 
-    def _ready_event(self) -> tuple[bytes, Any]:
-        if not self._cuda:
-            return b"", None
-        import torch
-
-        try:
-            ev = torch.cuda.Event(interprocess=True)
-            ev.record()
-            return bytes(ev.ipc_handle()), ev
-        except Exception as e:  # pragma: no cover - needs a GPU
-            log.debug("kvoffload: no IPC event (%s); synchronizing the stream instead", e)
-            torch.cuda.current_stream().synchronize()
-            return b"", None
-
     def wait_for_save(self) -> None:
         plan = self._plan()
         if plan is None or self._worker is None or not plan.stores:
             return
-        handle, ev = self._ready_event()
-        ids = self._worker.wait_for_save(plan, ready_event=handle)
-        if ev is not None and ids:
-            # The daemon waits on the event; keep it alive until its stores drained.
-            self._events.append((ids, ev))
-        self._events = [(i, e) for i, e in self._events if not self._worker.jobs_done(i)]
+        handle, held = self._events.record() if self._cuda else (b"", None)
+        self._events.hold(self._worker.wait_for_save(plan, ready_event=handle), held, self._worker.jobs_done)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
@@ -193,6 +448,31 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
             )
 
+    if KVConnectorWorkerMetadata is not None:
+
+        def build_connector_worker_meta(self):
+            if self._worker is None or self._worker_off is not None:
+                return None
+            return KVOffloadWorkerMeta(drained=self._worker.drained_stores(),
+                                       registered={self._worker.rank: self._worker.registered()})
+
+    if KVConnectorStats is not None:
+
+        def get_kv_connector_stats(self):
+            data = self._stats.take()
+            return KVOffloadConnectorStats(data=data) if data else None
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict | None = None):
+            return KVOffloadConnectorStats(data=dict(data or {}))
+
+    if KVConnectorPromMetrics is not None:
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list,
+                               per_engine_labelvalues: dict):
+            return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -202,6 +482,23 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
     # ------------------------------------------------------------------
     # Scheduler side
     # ------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        self._take_handshakes(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+        self._take_handshakes(metadata)
+
+    def _take_handshakes(self, metadata: dict) -> None:
+        if self._scheduler is None:
+            return
+        by_rank = {}
+        for m in (metadata or {}).values():
+            if isinstance(m, KVOffloadHandshake):
+                by_rank[tuple(sorted(m.rank.items())) or ("?", id(m))] = m.fingerprint
+                if m.fingerprint is None:
+                    log.error("kvoffload: worker %s: %s", m.rank, m.reason or "not registered")
+        self._scheduler.set_worker_fingerprints(by_rank)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -217,7 +514,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(getattr(connector_output, "finished_recving", None))
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -226,3 +523,6 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+    def take_events(self):
+        return ()

@@ -4,7 +4,9 @@ The daemon binary is $KVOFFLOADD_BIN, else bin/kvoffloadd at the repository
 root, built with `go build -o bin/kvoffloadd ./cmd/kvoffloadd` when missing.
 Each daemon runs with --metrics-addr "" on a socket in a fresh directory,
 is waited for through the gRPC health service, and is stopped with SIGTERM;
-the fixture fails the test if it does not exit 0.
+the fixture fails the test if it does not exit 0. Its directory (socket,
+log, disk tier) is removed on every path, the daemon killed first if it
+still runs (tmpdirs.py); a disk tier gets 64 MiB unless the test says.
 """
 
 from __future__ import annotations
@@ -14,20 +16,27 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-PKG_ROOT = HERE.parent  # clients/python
-REPO_ROOT = PKG_ROOT.parent.parent
+REPO_ROOT = HERE.parent.parent.parent
+# The package under test: clients/python, or $KVOFFLOAD_PKG (a directory
+# holding another version's kvoffload/, to run these tests against it).
+PKG_ROOT = Path(os.environ.get("KVOFFLOAD_PKG") or HERE.parent)
 
 if str(PKG_ROOT) not in sys.path:
     sys.path.insert(0, str(PKG_ROOT))
 
 import kvoffload  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import tmpdirs  # noqa: E402
+
+# Directories of earlier sessions that were killed before they could clean up.
+tmpdirs.sweep()
 
 
 def daemon_binary() -> Path:
@@ -53,27 +62,71 @@ def daemon_help() -> str:
 
 
 class Daemon:
-    """A running kvoffloadd."""
+    """A running kvoffloadd. ``restart`` starts a new process on the same
+    socket and flags (and disk directory, when the flags name one);
+    ``pause``/``resume`` stop and continue it (SIGSTOP/SIGCONT): a daemon
+    that hangs without dying."""
 
-    def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB"):
-        self.dir = tempfile.mkdtemp(prefix="kvo-")
-        self.socket = os.path.join(self.dir, "run", "kv.sock")
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        self._log = open(self.log_path, "wb")
-        cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
-               "--log-level", "debug", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self._clients: list[kvoffload.Client] = []
-        probe = self.client()
+    def __init__(self, args: list[str] = (), cpu_bytes: str = "64MiB", log_level: str = "debug"):
+        self.dir = tmpdirs.make()
+        try:
+            self.socket = os.path.join(self.dir, "run", "kv.sock")
+            self.log_path = os.path.join(self.dir, "daemon.log")
+            self._log = open(self.log_path, "wb")
+            args = [a.replace("{dir}", self.dir) for a in args]
+            if "--disk-dir" in args and "--disk-bytes" not in args:
+                args += ["--disk-bytes", "64MiB"]  # not the daemon's default: tests run side by side
+            self._cmd = [str(daemon_binary()), "--socket", self.socket, "--cpu-bytes", cpu_bytes, "--metrics-addr", "",
+                         "--log-level", log_level, *args]
+            for flag, val in zip(self._cmd, self._cmd[1:]):
+                if flag == "--disk-dir":
+                    os.makedirs(val, exist_ok=True)
+            self._clients: list[kvoffload.Client] = []
+            self.restarts = 0
+            self._start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        tmpdirs.adopt(self.dir, self.proc)
+        probe = kvoffload.Client(self.socket)
         try:
             probe.wait_ready(timeout=15)
         except kvoffload.KVOffloadError as e:
             self.proc.kill()
+            self.proc.wait()
             raise RuntimeError(f"kvoffloadd did not come up: {e}\n{self.log()}") from None
+        finally:
+            probe.close()
+
+    def restart(self, timeout: float = 15.0) -> int:
+        """SIGTERM (the daemon drains), wait, start again; returns the old exit code."""
+        self.resume()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.restarts += 1
+        self._start()
+        return rc
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def client(self, **kw) -> kvoffload.Client:
+        """A client whose connection is up: on a loaded machine a first call
+        can otherwise fail UNAVAILABLE while the connection is still made."""
         c = kvoffload.Client(self.socket, **kw)
         self._clients.append(c)
+        c.wait_ready(timeout=30)
         return c
 
     def log(self) -> str:
@@ -84,7 +137,11 @@ class Daemon:
 
     def stop(self, timeout: float = 15.0) -> int:
         for c in self._clients:
-            c.close()
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - the daemon is stopped whatever a client does
+                pass
+        self.resume()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -96,13 +153,19 @@ class Daemon:
         return rc
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Kills the daemon if it still runs and removes its directory."""
+        log = getattr(self, "_log", None)
+        if log is not None and not log.closed:
+            log.close()
+        tmpdirs.remove(self.dir)
 
 
 def _stop_checked(d: Daemon) -> None:
-    rc = d.stop()
-    log = d.log()
-    d.cleanup()
+    try:
+        rc = d.stop()
+        log = d.log()
+    finally:
+        d.cleanup()
     assert rc == 0, f"kvoffloadd exited {rc} on SIGTERM\n{log}"
 
 
@@ -110,8 +173,10 @@ def _stop_checked(d: Daemon) -> None:
 def daemon():
     """One daemon shared by the tests that use distinct fingerprints."""
     d = Daemon()
-    yield d
-    _stop_checked(d)
+    try:
+        yield d
+    finally:
+        _stop_checked(d)
 
 
 @pytest.fixture
@@ -119,14 +184,33 @@ def fresh_daemon():
     """A daemon of the test's own; call it with extra flags or not at all."""
     started: list[Daemon] = []
 
-    def start(*args: str, cpu_bytes: str = "64MiB") -> Daemon:
-        d = Daemon(list(args), cpu_bytes=cpu_bytes)
+    def start(*args: str, cpu_bytes: str = "64MiB", log_level: str = "debug") -> Daemon:
+        d = Daemon(list(args), cpu_bytes=cpu_bytes, log_level=log_level)
         started.append(d)
         return d
 
-    yield start
-    for d in started:
-        _stop_checked(d)
+    try:
+        yield start
+    finally:
+        errors = []
+        for d in started:
+            try:
+                _stop_checked(d)
+            except AssertionError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def scratch_dir():
+    """A directory removed after the test on every path (tmpdirs.py), for
+    what outlives one daemon: a disk tier two daemons share in turn."""
+    path = tmpdirs.make("scratch-")
+    try:
+        yield path
+    finally:
+        tmpdirs.remove(path)
 
 
 @pytest.fixture

@@ -200,11 +200,11 @@ def test_unregister_and_unavailable(fresh_daemon, shm, fingerprint):
     gone.close()
 
 
-def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint, tmp_path):
+def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint, scratch_dir):
     """A block on disk whose read fails (an injected EIO) comes back as a
     failed load of exactly its engine block id, IO_ERROR, and is never
     offered again."""
-    disk_dir = str(tmp_path)
+    disk_dir = scratch_dir
     flags = ["--disk-dir", disk_dir, "--disk-bytes", "16MiB", "--write-through"]
     r, layout, regions = kv_region(shm)
     hs = keys(4, fingerprint)
@@ -274,3 +274,26 @@ def test_completions_stay_until_the_next_call_acknowledges_them(client, shm, fin
     # The client's next call acknowledges it: nothing is left.
     assert client.completions(reg.registration_id).results == ()
     assert list(raw(0).results) == []
+
+
+def test_a_new_registration_reads_its_results_from_the_start(fresh_daemon, shm, fingerprint):
+    """completions() acknowledges the seq it last returned per registration
+    id. A restarted daemon gives the same ids out again, from seq 1: a client
+    that kept the old cursor would acknowledge, and so drop, the new
+    registration's first results unread."""
+    r, layout, regions = kv_region(shm)
+    hs = keys(4, fingerprint)
+    d = fresh_daemon()
+    c = d.client()
+    reg = c.register(fingerprint, layout, regions)
+    c.store(reg.registration_id, [kv.Job(i + 1, [hs[i]], [i]) for i in range(3)])
+    got = set()
+    assert wait_for(lambda: got.update(x.job_id for x in c.completions(reg.registration_id, wait_ms=100).results)
+                    or got == {1, 2, 3})
+    d.restart()
+    assert wait_for(lambda: c.healthy(), timeout=10)
+    reg2 = c.register(fingerprint, layout, regions)
+    assert reg2.registration_id == reg.registration_id  # the case this test is about
+    c.store(reg2.registration_id, [kv.Job(1, [hs[3]], [3])])
+    res = wait_for(lambda: c.completions(reg2.registration_id, wait_ms=100).results, timeout=3)
+    assert [x.job_id for x in res] == [1], "the new registration's first result was acknowledged before it was read"

@@ -5,6 +5,7 @@ field names (helpers.py)."""
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 from helpers import (
@@ -25,17 +26,20 @@ NB = 40
 
 class Harness:
     """A scheduler side and ``tp`` worker sides, each worker with its own
-    engine memory, its own connection and its own namespace."""
+    engine memory, its own connection and its own namespace. Lookups wait
+    for their answer (``lookup_wait_s``) so each ask is answered at once."""
 
     def __init__(self, daemon, shm, fp: bytes, *, block_sizes=(4,), layers=None, tp=1, request_level=False,
-                 hash_block_size=4):
+                 hash_block_size=4, lease_ms=0):
         layers = layers or {0: ["layers.0.attn", "layers.1.attn"]}
         self.fps = [fp + b"/tp%d" % r for r in range(tp)]
         self.daemon = daemon
-        self.sched = SchedulerSide(daemon.socket, self.fps, hash_block_size, block_sizes, 32, namespace_retry_s=0)
+        self.sched = SchedulerSide(daemon.socket, tp, hash_block_size, block_sizes, 32, lookup_wait_s=5.0,
+                                   namespace_retry_s=0, lease_ms=lease_ms)
+        self.sched.set_worker_fingerprints({(r,): f for r, f in enumerate(self.fps)})
         self.engines = [Engine(shm, layers, block_sizes, NB) for _ in range(tp)]
-        self.workers = [WorkerSide(daemon.socket, f, len(block_sizes), request_level_failures=request_level)
-                        for f in self.fps]
+        self.workers = [WorkerSide(daemon.socket, f, len(block_sizes), rank=(r,), request_level_failures=request_level)
+                        for r, f in enumerate(self.fps)]
         for w, e in zip(self.workers, self.engines):
             w.register(regions_from_kv_caches(e.kv_caches, e.layer_groups(), NB, 32))
         self.sent: list[set[str]] = [set() for _ in range(tp)]
@@ -43,15 +47,20 @@ class Harness:
         self.failed: list[set[int]] = [set() for _ in range(tp)]
         self.failed_reqs: list[set[str]] = [set() for _ in range(tp)]
 
+    def ask(self, req, num_computed=0):
+        """get_num_new_matched_tokens until it answers (vLLM asks every step)."""
+        return wait_for(lambda: (lambda r: r if r[0] is not None else None)(
+            self.sched.get_num_new_matched_tokens(req, num_computed)))
+
     def step(self, out: SchedulerOutput | None = None, forward=None) -> StepPlan:
         """One engine step: build the plan in the scheduler, ship it (pickled,
         as vLLM does) to every worker, run the worker calls in vLLM's order."""
         out = out or SchedulerOutput()
         plan = self.sched.build_connector_meta(out)
         shipped = pickle.loads(pickle.dumps(plan))
-        all_recv = None
+        drained: dict = {}
         for i, (w, e) in enumerate(zip(self.workers, self.engines)):
-            w.handle_preemptions(shipped)
+            w.handle_preemptions(shipped.preempted)
             w.start_load_kv(shipped)
             if forward:
                 forward(e)
@@ -61,11 +70,12 @@ class Harness:
             self.recv[i] |= r or set()
             self.failed[i] |= w.get_block_ids_with_load_errors()
             self.failed_reqs[i] |= w.take_failed_requests()
-            all_recv = set(r or ()) if all_recv is None else all_recv & set(r or ())
-        self.sched.update_connector_output(all_recv)
+            for rid, by_rank in w.drained_stores().items():  # vLLM's worker metadata
+                drained.setdefault(rid, {}).update(by_rank)
+        self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(drained=drained)))
         return plan
 
-    def run_until(self, pred, timeout=5.0):
+    def run_until(self, pred, timeout=10.0):
         return wait_for(lambda: (self.step(), pred())[1], timeout=timeout)
 
     def idle(self):
@@ -94,7 +104,7 @@ def harness(daemon, shm, fingerprint):
 def prefill(h: Harness, req: Request, blocks: list[int], tag=b""):
     """Schedules a new request with no external tokens for its whole prompt
     and runs the step: the forward pass writes every block it computes."""
-    assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert h.ask(req) == (0, False)
     h.sched.update_state_after_alloc(req, KVCacheBlocks(blocks), 0)
     out = SchedulerOutput(scheduled_new_reqs=[NewRequestData(req.request_id, (list(blocks),))],
                           num_scheduled_tokens={req.request_id: req.num_tokens})
@@ -106,6 +116,12 @@ def prefill(h: Harness, req: Request, blocks: list[int], tag=b""):
     plan = h.step(out, forward)
     req.num_computed_tokens = req.num_tokens  # vLLM's _update_after_schedule
     return plan
+
+
+def leased(loads):
+    """The loads with their lease ids zeroed, to compare with expected jobs
+    (test_loads_name_the_lease_their_lookup_took checks the leases)."""
+    return {rid: [GroupJob(j.group, j.hashes, j.block_ids) for j in jobs] for rid, jobs in loads.items()}
 
 
 def test_key_mapper_units_and_group_keys():
@@ -123,7 +139,7 @@ def test_fingerprint_covers_every_identity_field():
     base = {"model": "m", "dtype": "float16", "hash_algo": "sha256", "hash_seed": "0", "tp_rank": 0}
     fp = namespace_fingerprint(base)
     assert fp == namespace_fingerprint(dict(reversed(list(base.items()))))
-    assert 1 <= len(fp) <= 256 and fp.startswith(b"kvoffload.vllm/1:")
+    assert 1 <= len(fp) <= 256 and fp.startswith(b"kvoffload.vllm/2:")
     for k, v in [("model", "n"), ("dtype", "bfloat16"), ("hash_algo", "xxhash"), ("hash_seed", "1"), ("tp_rank", 1)]:
         assert namespace_fingerprint({**base, k: v}) != fp
 
@@ -134,25 +150,24 @@ def test_store_then_hit_then_load_back_bytes(harness):
     r1 = Request("r1", tokens)  # 5 full blocks of 4 tokens
     plan = prefill(h, r1, [1, 2, 3, 4, 5, 6])
     assert plan.stores == {"r1": [GroupJob(0, r1.block_hashes[:5], [1, 2, 3, 4, 5])]}
-    assert plan.loads == {}
+    assert leased(plan.loads) == {}
     assert h.run_until(h.idle)
-    assert h.workers[0].counters["blocks_stored"] == 5
+    h.step()  # the workers' acknowledgements reach the scheduler
 
-    # r1 ends: its stores may be in flight, so vLLM keeps its blocks until a
-    # worker reports it finished sending.
-    assert h.sched.request_finished(r1) == (True, None)
+    # r1 ends with every store drained and acknowledged: vLLM frees its
+    # blocks at once (nothing in flight reads them).
+    assert h.sched.request_finished(r1) == (False, None)
     plan = h.step(SchedulerOutput(finished_req_ids={"r1"}))
-    assert plan.delay_free == {"r1"}
-    assert h.sent[0] == {"r1"}
+    assert plan.delay_free == set()
 
     # r2 shares r1's first 20 tokens: 5 blocks are offered, loaded async.
     r2 = Request("r2", tokens[:20] + [99] * 9)
     assert r2.block_hashes[:5] == r1.block_hashes[:5]
-    assert h.sched.get_num_new_matched_tokens(r2, 0) == (20, True)
-    assert h.sched.get_num_new_matched_tokens(r2, 0) == (20, True)  # side-effect free
+    assert h.ask(r2, 0) == (20, True)
+    assert h.ask(r2, 0) == (20, True)  # side-effect free
     h.sched.update_state_after_alloc(r2, KVCacheBlocks([10, 11, 12, 13, 14, 15, 16, 17]), 20)
     plan = h.step()  # r2 waits for its KV: not scheduled this step
-    assert plan.loads == {"r2": [GroupJob(0, r2.block_hashes[:5], [10, 11, 12, 13, 14])]}
+    assert leased(plan.loads) == {"r2": [GroupJob(0, r2.block_hashes[:5], [10, 11, 12, 13, 14])]}
     assert h.run_until(lambda: "r2" in h.recv[0])
     assert h.failed[0] == set()
     e = h.engines[0]
@@ -167,6 +182,50 @@ def test_store_then_hit_then_load_back_bytes(harness):
     assert plan.stores == {"r2": [GroupJob(0, r2.block_hashes[5:7], [15, 16])]}
 
 
+def test_loads_name_the_lease_their_lookup_took():
+    """With ``lease_ms`` the lookup takes a lease and each load of the
+    request names it, so a daemon that honours it keeps what it offered (the
+    daemon on main honours a lease only over the connection that took it:
+    docs/vllm.md, Limits)."""
+    from fake_daemon import FakeDaemon
+
+    from kvoffload.regions import KVRegistration
+    from kvoffload.types import Layout, Segment
+
+    fake = FakeDaemon()
+    fake.hit = True
+    sched = SchedulerSide(fake.socket, 1, 4, (4,), 32, lookup_wait_s=5.0, lease_ms=10_000)
+    sched.set_worker_fingerprints({(0,): b"fp"})
+    w = WorkerSide(fake.socket, b"fp", 1)
+    try:
+        assert wait_for(lambda: sched.namespace_ids())
+        r = Request("l1", list(range(50, 63)))
+        assert wait_for(lambda: (lambda x: x if x[0] is not None else None)(sched.get_num_new_matched_tokens(r, 0))) \
+            == (12, True)
+        sched.update_state_after_alloc(r, KVCacheBlocks([5, 6, 7, 8]), 12)
+        plan = sched.build_connector_meta(SchedulerOutput())
+        assert [j.lease_id for j in plan.loads["l1"]] == [1001]
+        w.register(KVRegistration(Layout(32, [Segment(0, 64)]), [], [], NB, "cpu"))
+        w.start_load_kv(plan)
+        assert wait_for(lambda: fake.calls)
+        (_, req), = fake.calls
+        assert [j.lease_id for j in req.jobs] == [1001]
+        # Without lease_ms (the default), nothing is leased.
+        sched2 = SchedulerSide(fake.socket, 1, 4, (4,), 32, lookup_wait_s=5.0)
+        sched2.set_worker_fingerprints({(0,): b"fp"})
+        assert wait_for(lambda: sched2.namespace_ids())
+        r2 = Request("l2", list(range(50, 63)))
+        before = fake.leases
+        assert wait_for(lambda: (lambda x: x if x[0] is not None else None)(sched2.get_num_new_matched_tokens(r2, 0))) \
+            == (12, True)
+        assert fake.leases == before
+        sched2.close()
+    finally:
+        w.shutdown()
+        sched.close()
+        fake.stop()
+
+
 def test_failed_load_reports_exactly_the_failed_engine_blocks(harness, client):
     h = harness()
     r1 = Request("a", list(range(100, 126)))  # 6 full blocks
@@ -174,7 +233,7 @@ def test_failed_load_reports_exactly_the_failed_engine_blocks(harness, client):
     assert h.run_until(h.idle)
 
     r2 = Request("b", list(range(100, 126)) + [7])
-    assert h.sched.get_num_new_matched_tokens(r2, 0) == (24, True)
+    assert h.ask(r2, 0) == (24, True)
     # Between the lookup and the load, two blocks of the prefix are evicted.
     ns = h.workers[0].namespace_id
     assert client.invalidate([ns], [r1.block_hashes[1], r1.block_hashes[4]]) == 2
@@ -196,25 +255,25 @@ def test_full_prompt_hit_leaves_the_last_token_and_local_prefix_is_skipped(harne
     prefill(h, Request("p", toks), [1, 2, 3, 4, 5])
     assert h.run_until(h.idle)
     # All 20 tokens are cached, but vLLM must compute at least one: 16 offered.
-    assert h.sched.get_num_new_matched_tokens(Request("q", toks), 0) == (16, True)
+    assert h.ask(Request("q", toks), 0) == (16, True)
     # 8 tokens already in vLLM's own prefix cache: only blocks 2..3 come from us.
     q = Request("q2", toks + [1, 2, 3])
-    assert h.sched.get_num_new_matched_tokens(q, 8) == (12, True)
+    assert h.ask(q, 8) == (12, True)
     h.sched.update_state_after_alloc(q, KVCacheBlocks([31, 32, 33, 34, 35, 36]), 12)
     plan = h.step()
-    assert plan.loads == {"q2": [GroupJob(0, q.block_hashes[2:5], [33, 34, 35])]}
+    assert leased(plan.loads) == {"q2": [GroupJob(0, q.block_hashes[2:5], [33, 34, 35])]}
     assert h.run_until(lambda: "q2" in h.recv[0])
     assert h.failed[0] == set()
     # An unaligned local prefix, and a miss, offer nothing.
-    assert h.sched.get_num_new_matched_tokens(q, 6) == (0, False)
-    assert h.sched.get_num_new_matched_tokens(Request("z", list(range(40))), 0) == (0, False)
+    assert h.ask(q, 6) == (0, False)
+    assert h.ask(Request("z", list(range(40))), 0) == (0, False)
 
 
 def test_chunked_prefill_decode_and_preemption(harness):
     h = harness()
     toks = list(range(500, 530))
     r = Request("c", toks[:30])
-    h.sched.get_num_new_matched_tokens(r, 0)
+    h.ask(r, 0)
     h.sched.update_state_after_alloc(r, KVCacheBlocks([1, 2, 3]), 0)
     # Chunk 1: 10 tokens -> 2 full blocks.
     out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("c", ([1, 2, 3],))], num_scheduled_tokens={"c": 10})
@@ -237,26 +296,24 @@ def test_chunked_prefill_decode_and_preemption(harness):
                           num_scheduled_tokens={"c": 10})
     plan = h.step(out)
     assert plan.stores == {"c": [GroupJob(0, r.block_hashes[5:7], [12, 13])]}
-    # No store since the preemption drained... until this one: delay free.
-    assert h.sched.request_finished(r) == (True, None)
 
 
 def test_every_rank_must_hold_a_block(harness):
     h = harness(tp=2)
     toks = list(range(700, 713))
     r = Request("t", toks)
-    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert h.ask(r, 0) == (0, False)
     h.sched.update_state_after_alloc(r, KVCacheBlocks([1, 2, 3, 4]), 0)
     # Only rank 0 stores (rank 1's store is skipped): nothing is offered.
     out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("t", ([1, 2, 3, 4],))], num_scheduled_tokens={"t": 13})
     plan = h.sched.build_connector_meta(out)
     h.workers[0].wait_for_save(plan)
     assert wait_for(lambda: (h.workers[0].get_finished(set()), h.workers[0].pending() == 0)[1])
-    assert h.sched.get_num_new_matched_tokens(Request("u", toks), 0) == (0, False)
+    assert h.ask(Request("u", toks), 0) == (0, False)
     # Rank 1 stores too: now the prefix counts.
     h.workers[1].wait_for_save(plan)
     assert wait_for(lambda: (h.workers[1].get_finished(set()), h.workers[1].pending() == 0)[1])
-    assert h.sched.get_num_new_matched_tokens(Request("u", toks), 0) == (12, True)
+    assert h.ask(Request("u2", toks), 0) == (12, True)
 
 
 def test_hybrid_groups_carry_the_group_in_every_key(harness, client):
@@ -264,7 +321,7 @@ def test_hybrid_groups_carry_the_group_in_every_key(harness, client):
     h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
     toks = list(range(900, 926))  # 6 hashes -> 3 units of 8 tokens
     r = Request("h", toks)
-    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert h.ask(r, 0) == (0, False)
     g0, g1 = [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14]
     h.sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
     out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("h", (g0, g1))], num_scheduled_tokens={"h": 26})
@@ -285,7 +342,7 @@ def test_hybrid_groups_carry_the_group_in_every_key(harness, client):
     assert client.lookup([ns], [hs[0]], group=1).ready == 0
 
     r2 = Request("h2", toks + [5])
-    assert h.sched.get_num_new_matched_tokens(r2, 0) == (24, True)
+    assert h.ask(r2, 0) == (24, True)
     d0, d1 = [21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]
     h.sched.update_state_after_alloc(r2, KVCacheBlocks(d0, d1), 24)
     h.step()
@@ -299,7 +356,7 @@ def test_hybrid_groups_carry_the_group_in_every_key(harness, client):
     # request-level failures when there are several groups).
     client.invalidate([ns], [hs[3]], group=1)
     r3 = Request("h3", toks + [6])
-    assert h.sched.get_num_new_matched_tokens(r3, 0) == (8, True)  # only the first unit is whole
+    assert h.ask(r3, 0) == (8, True)  # only the first unit is whole
     client.invalidate([ns], [hs[0]], group=0)
     h.sched.update_state_after_alloc(r3, KVCacheBlocks(d0, d1), 8)
     h.step()
@@ -313,11 +370,11 @@ def test_null_blocks_are_skipped(harness):
     prefill(h, Request("n0", toks), [1, 2, 3, 4, 5])
     assert h.run_until(h.idle)
     r = Request("n1", toks + [1])
-    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    assert h.ask(r, 0) == (20, True)
     # Block 0 is vLLM's null block (e.g. out of a sliding window): not loaded.
     h.sched.update_state_after_alloc(r, KVCacheBlocks([0, 0, 8, 9, 10, 11]), 20)
     plan = h.step()
-    assert plan.loads == {"n1": [GroupJob(0, r.block_hashes[2:5], [8, 9, 10])]}
+    assert leased(plan.loads) == {"n1": [GroupJob(0, r.block_hashes[2:5], [8, 9, 10])]}
 
 
 def test_daemon_gone(fresh_daemon, shm, fingerprint):
@@ -327,16 +384,16 @@ def test_daemon_gone(fresh_daemon, shm, fingerprint):
     prefill(h, Request("g0", toks), [1, 2, 3, 4, 5, 6])
     assert h.run_until(h.idle)
     r = Request("g1", toks)
-    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    assert h.ask(r, 0) == (20, True)
     h.sched.update_state_after_alloc(r, KVCacheBlocks([11, 12, 13, 14, 15, 16]), 20)
-    # The daemon stops before the load goes out.
+    # The daemon stops before the load goes out: once its process is gone
+    # the load is reported failed, never before.
     d.proc.terminate()
     assert d.proc.wait(timeout=20) == 0
-    h.step()
-    assert "g1" in h.recv[0]
+    assert h.run_until(lambda: "g1" in h.recv[0])
     assert h.failed[0] == {11, 12, 13, 14, 15}
     # The scheduler answers "nothing" instead of raising.
-    assert h.sched.get_num_new_matched_tokens(Request("g2", toks), 0) == (0, False)
+    assert h.ask(Request("g2", toks), 0) == (0, False)
     h.close()
 
 
@@ -345,9 +402,11 @@ def test_request_finished_while_its_load_runs(harness):
     toks = list(range(80, 101))
     prefill(h, Request("w0", toks), [1, 2, 3, 4, 5, 6])
     assert h.run_until(h.idle)
-    assert h.sched.request_finished(Request("w0", toks)) == (True, None)
+    r0 = Request("w0", toks)
+    h.sched._state(r0).store_seq = h.sched._seq + 1  # a store planned that no worker acknowledged yet
+    assert h.sched.request_finished(r0) == (True, None)
     r = Request("w1", toks)
-    assert h.sched.get_num_new_matched_tokens(r, 0) == (20, True)
+    assert h.ask(r, 0) == (20, True)
     h.sched.update_state_after_alloc(r, KVCacheBlocks([11, 12, 13, 14, 15, 16]), 20)
     # Aborted while waiting for its KV: vLLM itself keeps the blocks until the
     # receive is reported, so the connector does not ask to delay them, and
@@ -370,3 +429,57 @@ def test_iter_scheduled_reads_old_and_new_field_names():
     old = ns(scheduled_new_reqs=[], scheduled_cached_reqs=ns(req_ids=["b"], new_block_ids=[([3],)],
                                                             resumed_from_preemption=[True]))
     assert list(iter_scheduled(old)) == [("b", ([3],), True)]
+
+
+def test_long_request_ids_are_cut_for_the_wire(harness):
+    # vLLM request ids are the client's; the daemon bounds the echo it keeps.
+    h = harness()
+    rid = "x" * 3000
+    toks = list(range(1200, 1213))
+    prefill(h, Request(rid, toks), [1, 2, 3, 4])
+    assert h.run_until(h.idle)
+    r = Request(rid + "b", toks)
+    assert h.ask(r, 0) == (12, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([5, 6, 7, 8]), 12)
+    h.step()
+    assert h.run_until(lambda: r.request_id in h.recv[0])
+    assert h.failed[0] == set()
+
+
+def test_wire_request_ids_are_bounded_distinct_and_utf8():
+    from kvoffload.worker_side import MAX_REQUEST_ID_BYTES, _wire_request_id
+
+    assert _wire_request_id("short") == "short"
+    a, b = "é" * 400 + "a", "é" * 400 + "b"  # 801 bytes each, a shared head, a 2-byte character at the cut
+    wa, wb = _wire_request_id(a), _wire_request_id(b)
+    assert wa != wb
+    for w in (wa, wb):
+        assert len(w.encode()) <= MAX_REQUEST_ID_BYTES
+        assert w.encode().decode() == w
+
+
+def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_daemon, shm, fingerprint):
+    """The daemon restarts while the worker has nothing in flight: the first
+    call after it is NOT_FOUND from another process. The worker registers
+    with the new daemon (once the old process is gone) and offloads again."""
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        toks = list(range(300, 321))
+        prefill(h, Request("x0", toks), [1, 2, 3, 4, 5, 6])
+        assert h.run_until(h.idle)
+        old = h.workers[0].registration_id
+        d.restart()
+        # The worker's connection is up again, to the new process: the first
+        # stores after the restart meet NOT_FOUND, not a broken connection.
+        assert wait_for(lambda: h.workers[0]._client.healthy(timeout=1.0), timeout=10)
+        for i in range(3):
+            prefill(h, Request(f"y{i}", list(range(400 + 30 * i, 421 + 30 * i))), [7, 8, 9, 10, 11, 12])
+        assert h.run_until(lambda: h.workers[0].registered() and h.workers[0].registration_id is not None
+                           and h.workers[0]._regs[h.workers[0].registration_id].daemon.pid == d.proc.pid)
+        assert old is not None
+        prefill(h, Request("z", list(range(700, 721))), [13, 14, 15, 16, 17, 18])
+        assert h.run_until(h.idle)
+        assert h.ask(Request("z2", list(range(700, 721))), 0) == (20, True)
+    finally:
+        h.close()

@@ -1,233 +1,339 @@
-"""KVOffloadConnector itself (kvoffload.vllm), against the real daemon.
+"""KVOffloadConnector (kvoffload.vllm) inside the vLLM stand-in, against the real daemon.
 
-vLLM is replaced by fake_vllm (the base class and the modules the connector
-imports); the calls are made in the order vLLM's scheduler and model runner
-make them, with stand-ins carrying vLLM's field names.
+Seeded random workloads run the stand-in engine (standin_engine.py) with the
+connector for every configuration it supports — hybrid groups, tensor and
+decode context parallel, kernel-block splits, MLA, async scheduling, older
+vLLM interfaces — with disk faults, a daemon restart and a hung daemon, and
+check after every step that every block holds what a run without
+offloading would. ``make soak-connector`` runs the same for as long as asked.
 """
 
 from __future__ import annotations
 
-import pickle
-from types import SimpleNamespace as ns
+import logging
+import threading
+import zlib
 
-import fake_vllm
 import pytest
-from helpers import Engine, KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
+import standin_vllm as sv
+from standin_engine import Config, Engine, Group, kv_cache_config, vllm_config
+from standin_run import connector_module, run
 
-from kvoffload.settings import hash_bytes_for, settings_from_vllm
+from kvoffload import stats as kstats
 
-NB = 40
-
-
-class FullAttentionSpec:
-    def __init__(self, block_size):
-        self.block_size = block_size
-
-
-class SlidingWindowSpec:
-    def __init__(self, block_size, sliding_window):
-        self.block_size, self.sliding_window = block_size, sliding_window
-
-
-class MambaSpec:
-    block_size = 4
-
-
-def vllm_config(socket, model, *, tp=1, extra=None, algo="sha256", policy="recompute"):
-    return ns(
-        model_config=ns(model=model, revision="main", dtype="bfloat16"),
-        cache_config=ns(block_size=4, cache_dtype="auto", prefix_caching_hash_algo=algo),
-        parallel_config=ns(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        kv_transfer_config=ns(kv_connector_extra_config={"socket": socket, **(extra or {})},
-                              kv_load_failure_policy=policy, is_kv_producer=True),
-    )
+# (name, config, stand-in switches): one line per supported shape.
+CONFIGS = [
+    ("plain", Config(), {}),
+    ("async-tp2", Config(tp=2, async_scheduling=True, num_blocks=48), {}),
+    ("hybrid-swa", Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=80), {}),
+    ("hybrid-async-chunked", Config(groups=[Group("full", 4, 1), Group("full", 8, 1)], async_scheduling=True,
+                                    long_prefill=12, num_blocks=160), {}),
+    ("dcp2-tp2", Config(tp=2, dcp=2, num_blocks=40), {}),
+    ("kernel-split-nhd", Config(groups=[Group("full", 8, 2)], kernel_block_size=2, layout="NHD"), {}),
+    ("mla", Config(groups=[Group("mla", 4, 2)], kernel_block_size=2), {}),
+    ("pcp2", Config(pcp=2), {}),
+    ("older-vllm", Config(transfer_results=False, worker_meta=False, old_preemptions=True, async_scheduling=True),
+     {"transfer_results": False, "worker_meta": False, "metrics": False, "resolver": False}),
+]
 
 
-def kv_cache_config(groups):
-    return ns(num_blocks=NB, kv_cache_groups=[ns(layer_names=list(n), kv_cache_spec=s) for n, s in groups])
+@pytest.mark.parametrize("name,cfg,switches", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_random_workload(daemon, shm, name, cfg, switches):
+    cfg.model = f"wl-{name}"
+    rep = run(cfg, daemon, shm, seed=zlib.crc32(name.encode()) % 1000, steps=120, switches=switches)
+    s = rep.summary()
+    assert s["errored"] == 0 and s["finished"] > 20, s
+    assert s["hit_tokens"] > 0, f"{name}: no external hit in the whole run: {s}"
+    assert s["positions_checked"] > 0
 
 
-@pytest.fixture
-def vllm_mod():
-    handles = []
+@pytest.mark.parametrize("name,cfg,switches", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]])
+def test_the_standin_alone_holds_the_right_kv(daemon, shm, name, cfg, switches):
+    """The stand-in engine with a connector that does nothing: its own block
+    pool, prefix cache, preemption, async scheduling and aborts pass its KV
+    check, so a failure with the real connector is the connector's."""
+    import copy
 
-    def load(**kw):
-        h = fake_vllm.install(**kw)
-        handles.append(h)
-        import kvoffload.vllm as mod
+    from standin_engine import Engine, Workload
 
-        return mod, h
+    cfg = copy.deepcopy(cfg)
+    with connector_module():
+        mod = sv.ns(KVOffloadConnector=sv.NullConnector)
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        wl = Workload(zlib.crc32(name.encode()) % 1000 + 1, eng.block_size)
+        try:
+            for _ in range(100):
+                wl.tick(eng)
+                eng.step()
+            while not eng.idle():
+                wl.tick(eng, stop_arrivals=True)
+                eng.step()
+            eng.drain()
+        finally:
+            eng.close()
+    assert eng.counters["positions_checked"] > 1000 and eng.counters["finished"] > 20, eng.counters
 
-    yield load
-    for h in reversed(handles):
-        fake_vllm.uninstall(h)
+
+def test_faults_restart_and_a_hang(fresh_daemon, shm):
+    """Disk read faults, a daemon restart (after it, blocks come back from
+    disk) and a hung daemon, in one seeded run."""
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through",
+                     "--fault-spec", "read-eio=0.1,short-read=0.05,bitflip=0.05,seed=3", log_level="warn")
+    cfg = Config(groups=[Group("full", 4, 2)], tp=2, async_scheduling=True, num_blocks=48, model="faults")
+    rep = run(cfg, d, shm, seed=7, steps=260, events={120: lambda eng: d.restart()}, hang=(180, 0.5))
+    s = rep.summary()
+    assert d.restarts == 1
+    assert s["errored"] == 0 and s["finished"] > 40, s
+    assert s["hit_tokens"] > 0, s
 
 
-class Engine1:
-    """vLLM with one scheduler and one worker, driving the connector class."""
+def test_a_hung_daemon_does_not_stall_serving(fresh_daemon, shm):
+    """SIGSTOP the daemon: requests keep being served (as misses) while it
+    is stopped. A watchdog resumes it after a minute: steps done before that
+    are what counts, so a connector that blocks on the daemon fails here."""
+    d = fresh_daemon()
+    cfg = Config(model="hang")
+    done_while_stopped = []
+    with connector_module() as mod:
+        from standin_engine import Workload
 
-    def __init__(self, mod, fake, daemon, shm, model, groups, extra=None):
-        self.fake = fake
-        cfg = vllm_config(daemon.socket, model, extra=extra)
-        kcc = kv_cache_config(groups)
-        self.sched = mod.KVOffloadConnector(cfg, fake.Role.SCHEDULER, kcc)
-        self.worker = mod.KVOffloadConnector(cfg, fake.Role.WORKER, kcc)
-        self.engine = Engine(shm, {g: list(n) for g, (n, _) in enumerate(groups)},
-                             [s.block_size for _, s in groups], NB)
-        self.worker.register_kv_caches(self.engine.kv_caches)
-        self.recv, self.sent, self.invalid, self.failed = set(), set(), set(), set()
+        eng = Engine(cfg, mod, d.socket, shm)
+        wl = Workload(11, eng.block_size)
+        try:
+            for _ in range(40):  # warm: blocks stored, hits happen
+                wl.tick(eng)
+                eng.step()
+            d.pause()
+            resumed = threading.Event()
+            watchdog = threading.Timer(60.0, lambda: (resumed.set(), d.resume()))
+            watchdog.start()
+            n0 = eng.counters["finished"]
+            for _ in range(200):
+                wl.tick(eng)
+                eng.step()
+                if not resumed.is_set():
+                    done_while_stopped.append(eng.counters["finished"] - n0)
+            watchdog.cancel()
+            d.resume()
+            while not eng.idle():
+                wl.tick(eng, stop_arrivals=True)
+                eng.step()
+        finally:
+            eng.close()
+    assert len(done_while_stopped) == 200, "steps stalled on the stopped daemon"
+    assert done_while_stopped[-1] > 0, "no request finished while the daemon was stopped"
 
-    def step(self, out=None, forward=None):
-        out = out or SchedulerOutput()
-        meta = self.sched.build_connector_meta(out)
-        meta = pickle.loads(pickle.dumps(meta))  # vLLM ships it to the workers
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        for layer in self.engine.kv_caches:
-            w.wait_for_layer_load(layer)
-        if forward:
-            forward(self.engine)
-        for layer, t in self.engine.kv_caches.items():
-            w.save_kv_layer(layer, t, None)
-        w.wait_for_save()
-        if hasattr(w, "get_transfer_results"):
-            r = w.get_transfer_results(out.finished_req_ids)
-            sent, recv, failed = r.finished_sending, r.finished_recving, r.failed_recving
-            assert failed <= recv  # a failed receive is also a finished one
+
+def test_skip_reading_prefix_cache_and_store_controls(daemon, shm):
+    cfg = Config(model="controls", prefix_caching=False)
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        try:
+            a = list(range(100, 130))
+
+            def serve(rid, prompt, **kw):
+                eng.add_request(rid, prompt, 1, **kw)
+                while not eng.idle():
+                    eng.step()
+
+            serve("a", a)
+            serve("b", a[:24] + [1], skip_reading_prefix_cache=True)  # prompt logprobs: no external hit
+            assert eng.counters["hit_tokens"] == 0
+            serve("c", a[:24] + [2])
+            assert eng.counters["hit_tokens"] == 24
+            # A request that asks not to be stored leaves nothing behind.
+            serve("d", list(range(400, 430)), kv_transfer_params={"kvoffload_store": "none"})
+            serve("e", list(range(400, 430)))
+            assert eng.counters["hit_tokens"] == 24
+            # Prompt only: the prompt is stored, the generated tokens are not.
+            p = list(range(600, 620))
+            eng.add_request("f", p, 9, kv_transfer_params={"kvoffload_store": "prompt"})
+            while not eng.idle():
+                eng.step()
+            eng.add_request("g", p, 1)
+            while not eng.idle():
+                eng.step()
+            assert eng.counters["hit_tokens"] == 24 + 16  # the whole prompt but its last token
+        finally:
+            eng.close()
+
+
+def test_finished_requests_keep_their_blocks_only_while_stores_run(daemon, shm):
+    """A request whose stores have all drained is freed at once: vLLM is not
+    told to keep its blocks for a finished_sending that changes nothing."""
+    cfg = Config(model="held", prefix_caching=False)
+    held = []
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        real = eng.sched_conn.request_finished_all_groups
+
+        def spy(req, ids):
+            r = real(req, ids)
+            held.append((req.request_id, r[0]))
+            return r
+
+        eng.sched_conn.request_finished_all_groups = spy
+        try:
+            # 16 prompt tokens stored in the first step, then decode steps
+            # that fill no new block; once every worker acknowledged the
+            # stores, the request ends (an abort): nothing is in flight.
+            sched = eng.sched_conn._scheduler
+            for i in range(3):
+                rid = f"h{i}"
+                eng.add_request(rid, list(range(1000 * i, 1000 * i + 16)), 3)
+                eng.step()
+                while not sched.stores_settled(rid):
+                    eng.step()
+                eng.abort(rid)
+                while not eng.idle():
+                    eng.step()
+        finally:
+            eng.close()
+    assert held == [("h0", False), ("h1", False), ("h2", False)], held
+
+
+def test_metrics_reach_vllm(daemon, shm):
+    """get_kv_connector_stats carries hits by tier, bytes and latencies;
+    build_kv_connector_stats aggregates the workers'; the Prometheus metrics
+    count them."""
+    cfg = Config(model="metrics", prefix_caching=False, tp=2)
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        agg = mod.KVOffloadConnector.build_kv_connector_stats()
+        real = eng.execute
+
+        def execute(out):
+            res = real(out)
+            return res
+
+        try:
+            seen = []
+            orig = eng.workers[0].get_kv_connector_stats
+
+            for w in eng.workers:
+                f = w.get_kv_connector_stats
+
+                def wrapped(f=f):
+                    st = f()
+                    if st is not None:
+                        seen.append(st)
+                    return st
+
+                w.get_kv_connector_stats = wrapped
+            a = list(range(100, 130))
+            for rid, p in (("a", a), ("b", a[:24] + [5])):
+                eng.add_request(rid, p, 1)
+                while not eng.idle():
+                    eng.step()
+            sched_stats = eng.sched_conn.get_kv_connector_stats()
+            assert orig is not None
+        finally:
+            eng.close()
+        for st in seen + [sched_stats]:
+            agg = agg.aggregate(st)
+        d = agg.data
+        assert d["hit_tokens"].get("cpu") == 24
+        assert d["blocks_stored_total"] >= 2 * 6 and d["bytes_stored_total"] > 0
+        assert d["blocks_loaded_total"] == 2 * 6 and d["bytes_loaded_total"] > 0
+        assert d["lookup_seconds"] and d["load_seconds"] and d["store_seconds"]
+        red = agg.reduce()
+        assert red["hit_tokens_cpu"] == 24 and "load_p99_ms" in red
+        prom = mod.KVOffloadConnector.build_prom_metrics(vllm_config(cfg, daemon.socket), sv.metric_types(),
+                                                         ["model_name", "engine"], {0: ["m", "0"]})
+        prom.observe(d, 0)
+        assert sv._Metric.registry["vllm:kvoffload_hit_tokens"].values[("m", "0", "cpu")] == 24
+        assert sv._Metric.registry["vllm:kvoffload_transferred_bytes"].values[("m", "0", "load")] > 0
+        assert sv._Metric.registry["vllm:kvoffload_load_seconds"].samples[("m", "0")]
+        assert kstats.is_empty(None)
+
+
+def test_settings_warnings_and_refusals(daemon, caplog):
+    cfg = Config(policy="fail", extra={"drain_timeout_s": 30})
+    with connector_module() as mod:
+        v, k = vllm_config(cfg, daemon.socket), kv_cache_config(cfg)
+        with caplog.at_level(logging.WARNING, logger="kvoffload"):
+            c = mod.KVOffloadConnector(v, sv.KVConnectorRole.SCHEDULER, k)
+        c.shutdown()
+        assert any('kv_load_failure_policy is "fail"' in m for m in caplog.messages)
+        assert any("drain_timeout_s is ignored" in m for m in caplog.messages)
+        v.kv_transfer_config.kv_connector_extra_config["sokcet"] = "/x"
+        with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
+            mod.KVOffloadConnector(v, sv.KVConnectorRole.SCHEDULER, k)
+        assert mod.KVOffloadConnector.get_required_kvcache_layout(v) == "HND"
+        v.model_config.use_mla = True
+        assert mod.KVOffloadConnector.get_required_kvcache_layout(v) is None
+        # A state-space model: offloading is off, the engine starts.
+        mamba = kv_cache_config(Config())
+        mamba.kv_cache_groups.append(sv.ns(layer_names=["m.0"], kv_cache_spec=sv.MambaSpec(4)))
+        v.kv_transfer_config.kv_connector_extra_config.pop("sokcet")
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvoffload"):
+            c = mod.KVOffloadConnector(v, sv.KVConnectorRole.SCHEDULER, mamba)
+        c.shutdown()
+        assert any("state-space" in m for m in caplog.messages)
+
+
+def test_loads_and_stores_carry_the_engines_ready_event(shm):
+    """On CUDA a Load carries an IPC event recorded on the compute stream
+    (the copies wait for the engine's work before them), as a Store does;
+    each event is held until the jobs sent with it are done. Without a GPU:
+    a stand-in torch and a daemon that records what it is sent."""
+    import sys
+    import types
+
+    from fake_daemon import FakeDaemon
+    from helpers import wait_for
+    from standin_engine import RankMemory
+
+    from kvoffload.plan import GroupJob, StepPlan
+    from kvoffload.worker_side import WorkerSide
+
+    recorded, made = [], []
+
+    class Event:
+        def __init__(self, interprocess=False, **kw):
+            assert interprocess
+            self.n = len(made)
+            made.append(self)
+
+        def record(self, stream=None):
+            recorded.append(self)
+
+        def ipc_handle(self):
+            return bytes([self.n]) * 64
+
+    fake_torch = types.ModuleType("torch")
+    fake_torch.cuda = types.SimpleNamespace(Event=Event)
+    fake = FakeDaemon()
+    saved = sys.modules.get("torch")
+    sys.modules["torch"] = fake_torch
+    try:
+        with connector_module() as mod:
+            cfg = Config(model="events")
+            w = WorkerSide(fake.socket, b"fp", 1)
+            mem = RankMemory(shm, cfg, 0)
+            from kvoffload.regions import regions_from_kv_caches
+
+            w.register(regions_from_kv_caches(mem.kv_caches, [["g0.l0", "g0.l1"]], cfg.num_blocks, 32))
+            events = mod._ReadyEvents()
+            plan = StepPlan(seq=1, loads={"a": [GroupJob(0, [b"\1" * 32], [3], 0)]},
+                            stores={"b": [GroupJob(0, [b"\2" * 32], [4], 0)]})
+            handle, held = events.record()
+            events.hold(w.start_load_kv(plan, ready_event=handle), held, w.jobs_done)
+            handle2, held2 = events.record()
+            events.hold(w.wait_for_save(plan, ready_event=handle2), held2, w.jobs_done)
+            assert wait_for(lambda: len(fake.calls) == 2)
+            assert [(c, r.ready_event) for c, r in fake.calls] == [("Load", bytes([0]) * 64), ("Store", bytes([1]) * 64)]
+            assert len(events._held) == 2  # alive while the daemon has not finished the jobs
+            fake.finish()
+            assert wait_for(lambda: w.pending() == 0)
+            events.hold([], None, w.jobs_done)
+            assert events._held == []
+            w.shutdown()
+    finally:
+        fake.stop()
+        if saved is None:
+            sys.modules.pop("torch", None)
         else:
-            sent, recv = (set(x or ()) for x in w.get_finished(out.finished_req_ids))
-            failed = set()
-        invalid = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        self.sched.update_connector_output(ns(finished_recving=recv, finished_sending=sent))
-        self.recv |= recv
-        self.sent |= sent
-        self.invalid |= invalid
-        self.failed |= failed
-        return meta
+            sys.modules["torch"] = saved
 
-    def until(self, pred):
-        return wait_for(lambda: (self.step(), pred())[1])
-
-    def close(self):
-        self.worker.shutdown()
-        self.sched.shutdown()
-
-
-def test_connector_class_store_hit_load_and_failure(vllm_mod, daemon, shm, fingerprint, client):
-    mod, fake = vllm_mod()
-    assert issubclass(mod.KVOffloadConnector, fake_vllm.SupportsHMA)
-    e = Engine1(mod, fake, daemon, shm, fingerprint.decode(), [(["l.0", "l.1"], FullAttentionSpec(4))])
-    assert e.worker.requires_kv_delivery is False
-    toks = list(range(1000, 1022))
-    r1 = Request("r1", toks)
-    assert e.sched.get_num_new_matched_tokens(r1, 0) == (0, False)
-    e.sched.update_state_after_alloc(r1, KVCacheBlocks([1, 2, 3, 4, 5, 6]), 0)
-    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("r1", ([1, 2, 3, 4, 5, 6],))],
-                          num_scheduled_tokens={"r1": 22})
-    e.step(out, lambda eng: [eng.write(0, b, bytes([b])) for b in range(1, 7)])
-    r1.num_computed_tokens = 22
-    assert e.sched.request_finished(r1, [1, 2, 3, 4, 5, 6]) == (True, None)
-    e.step(SchedulerOutput(finished_req_ids={"r1"}))
-    assert e.until(lambda: "r1" in e.sent)
-
-    r2 = Request("r2", toks[:20] + [1, 2])
-    assert e.sched.get_num_new_matched_tokens(r2, 0) == (20, True)
-    e.sched.update_state_after_alloc(r2, KVCacheBlocks([11, 12, 13, 14, 15, 16]), 20)
-    e.step()
-    assert e.until(lambda: "r2" in e.recv)
-    assert e.invalid == set() and e.failed == set()
-    assert [e.engine.read(0, b) for b in (11, 12, 13, 14, 15)] == [e.engine.read(0, b) for b in (1, 2, 3, 4, 5)]
-
-    # Evicted between Lookup and Load: exactly those engine blocks come back.
-    r3 = Request("r3", toks[:20] + [3, 4])
-    assert e.sched.get_num_new_matched_tokens(r3, 0) == (20, True)
-    ns_id = e.worker._worker.namespace_id
-    assert client.invalidate([ns_id], [r1.block_hashes[0], r1.block_hashes[3]]) == 2
-    e.sched.update_state_after_alloc(r3, KVCacheBlocks([21, 22, 23, 24, 25, 26]), 20)
-    e.step()
-    assert e.until(lambda: "r3" in e.recv)
-    assert e.invalid == {21, 24}
-    assert e.failed == set()  # one KV cache group: block-level reporting
-    e.close()
-
-
-def test_connector_class_hybrid_reports_request_level_failures(vllm_mod, daemon, shm, fingerprint, client):
-    mod, fake = vllm_mod()
-    groups = [(["full.0"], FullAttentionSpec(4)), (["swa.0"], SlidingWindowSpec(8, 64))]
-    e = Engine1(mod, fake, daemon, shm, fingerprint.decode(), groups)
-    assert e.worker._worker.request_level_failures and e.worker._worker.sync_stores
-    toks = list(range(2000, 2026))
-    r1 = Request("h1", toks)
-    e.sched.get_num_new_matched_tokens(r1, 0)
-    g0, g1 = [1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]
-    e.sched.update_state_after_alloc(r1, KVCacheBlocks(g0, g1), 0)
-    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("h1", (g0, g1))], num_scheduled_tokens={"h1": 26})
-    meta = e.step(out, lambda eng: ([eng.write(0, b, b"a%d" % b) for b in g0], [eng.write(1, b, b"b%d" % b) for b in g1]))
-    assert [j.group for j in meta.plan.stores["h1"]] == [0, 1]
-    assert e.worker._worker.pending() == 0  # sliding window: stores drained within the step
-
-    r2 = Request("h2", toks + [9])
-    assert e.sched.get_num_new_matched_tokens(r2, 0) == (24, True)
-    assert client.invalidate([e.worker._worker.namespace_id], [r1.block_hashes[3]], group=1) == 1
-    e.sched.update_state_after_alloc(r2, KVCacheBlocks([21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]), 24)
-    e.step()
-    assert e.until(lambda: "h2" in e.recv)
-    assert e.failed == {"h2"} and e.invalid == set()
-    e.close()
-
-
-def test_connector_class_with_older_vllm_api(vllm_mod, daemon, shm, fingerprint, client):
-    mod, fake = vllm_mod(with_transfer_results=False)
-    assert not hasattr(mod.KVOffloadConnector, "get_transfer_results")
-    e = Engine1(mod, fake, daemon, shm, fingerprint.decode(), [(["l.0"], FullAttentionSpec(4))])
-    r1 = Request("o1", list(range(3000, 3013)))
-    e.sched.get_num_new_matched_tokens(r1, 0)
-    e.sched.update_state_after_alloc(r1, KVCacheBlocks([1, 2, 3, 4]), 0)
-    e.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData("o1", ([1, 2, 3, 4],))], num_scheduled_tokens={"o1": 13}))
-    assert e.until(lambda: e.worker._worker.pending() == 0)
-    r2 = Request("o2", list(range(3000, 3013)))
-    assert e.sched.get_num_new_matched_tokens(r2, 0) == (12, True)
-    client.invalidate([e.worker._worker.namespace_id], [r1.block_hashes[2]])
-    e.sched.update_state_after_alloc(r2, KVCacheBlocks([5, 6, 7, 8]), 12)
-    e.step()
-    assert e.until(lambda: "o2" in e.recv)
-    assert e.invalid == {7}
-    e.close()
-
-
-def test_settings_and_fingerprints(daemon):
-    cfg = vllm_config("/x.sock", "org/m", tp=2)
-    groups = kv_cache_config([(["a"], FullAttentionSpec(16))])
-    s = settings_from_vllm(cfg, groups, env={"PYTHONHASHSEED": "0"})
-    assert s.socket == "/x.sock" and s.hash_bytes == 32 and s.group_block_sizes == (16,)
-    fps = s.all_fingerprints()
-    assert len(fps) == 2 and len(set(fps)) == 2 and fps[1] == s.fingerprint(1, 0)
-    # Every identity field changes the fingerprint.
-    other = settings_from_vllm(cfg, groups, env={"PYTHONHASHSEED": "1"})
-    assert other.fingerprint(0, 0) != s.fingerprint(0, 0)
-    cfg2 = vllm_config("/x.sock", "org/m", tp=2, algo="xxhash")
-    s2 = settings_from_vllm(cfg2, groups, env={"PYTHONHASHSEED": "0"})
-    assert s2.hash_bytes == 16 == hash_bytes_for("xxhash_cbor") and s2.fingerprint(0, 0) != s.fingerprint(0, 0)
-    assert not s.sync_stores
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
-        settings_from_vllm(vllm_config("/x", "m", extra={"sokcet": 1}), groups)
-    with pytest.raises(ValueError, match="not supported"):
-        settings_from_vllm(cfg, kv_cache_config([(["m"], MambaSpec())]))
-
-
-def test_worker_fingerprint_matches_the_schedulers_entry_for_its_rank(vllm_mod, daemon, shm, fingerprint):
-    mod, fake = vllm_mod(tp_rank=1)
-    cfg = vllm_config(daemon.socket, fingerprint.decode(), tp=2)
-    kcc = kv_cache_config([(["l.0"], FullAttentionSpec(4))])
-    sched = mod.KVOffloadConnector(cfg, fake.Role.SCHEDULER, kcc)
-    worker = mod.KVOffloadConnector(cfg, fake.Role.WORKER, kcc)
-    assert worker._worker.fingerprint == sched._scheduler.fingerprints[1] != sched._scheduler.fingerprints[0]
-    # Only rank 1 registered: nothing is offered until rank 0 registers too.
-    eng = Engine(shm, {0: ["l.0"]}, [4], NB)
-    worker.register_kv_caches(eng.kv_caches)
-    assert sched._scheduler.namespace_ids() is None
-    worker.shutdown()
-    sched.shutdown()

@@ -1,0 +1,594 @@
+"""The scheduler half of the vLLM connector, free of vLLM.
+
+It answers ``get_num_new_matched_tokens`` from Lookups made on a background
+thread (:mod:`kvoffload.background`), never on vLLM's scheduling loop: the
+first ask for a request queues one lookup and waits a few milliseconds for
+it; if the daemon has not answered by then the request is deferred (vLLM
+asks again next step, ``None``), and a daemon that is down or slow is a
+miss. A hit holds what it promised: the Lookup takes a lease on the blocks,
+and the load names it. It turns the scheduler's allocation into load jobs and
+each step's newly computed full blocks into store jobs, and says in
+``request_finished`` whether vLLM must keep a request's blocks for stores
+still in flight.
+
+The namespaces it looks in are the ones every worker actually registered:
+each worker reports its fingerprint (which covers its tensors' byte order)
+through vLLM's handshake metadata, and nothing is offered until all have,
+nor ever when a worker could not register.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .background import _DOWN_CODES, Background
+from .client import Client
+from .errors import KVOffloadError
+from .keys import KeyMapper, check_hash_granularity
+from .plan import GroupJob, StepPlan, as_groups, iter_scheduled
+from .stats import StatsRecorder
+from .types import Tier
+
+__all__ = ["SchedulerSide", "RequestControls", "request_controls"]
+
+log = logging.getLogger("kvoffload.scheduler")
+
+
+@dataclass(frozen=True)
+class RequestControls:
+    """Per-request choices from ``kv_transfer_params`` (docs/vllm.md)."""
+
+    load: bool = True
+    store: str = "all"  # "all", "prompt" (prompt tokens only) or "none"
+
+
+def request_controls(request: Any) -> RequestControls:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if not isinstance(params, Mapping):
+        return RequestControls()
+    store = params.get("kvoffload_store", "all")
+    if store not in ("all", "prompt", "none"):
+        store = "all"
+    load = params.get("kvoffload_load", True) is not False
+    return RequestControls(load=load, store=store)
+
+
+@dataclass
+class _Lookup:
+    """One request's lookup: batched, sent, then answered."""
+
+    key: tuple  # (start unit, end unit, namespace ids)
+    hashes: list
+    peek: bool
+    created: float
+    submitted: float = 0.0  # 0: waits for this step's batch
+    done: bool = False  # set last, by the background thread
+    error: BaseException | None = None
+    hit_units: int = 0
+    ready_before: int = 0  # units of the local prefix the daemon already holds
+    leases: dict[int, int] = field(default_factory=dict)
+    tiers: list = field(default_factory=list)
+    took: float = 0.0
+    answered_at: float = 0.0
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    block_ids: list[list[int | None]]
+    next_store_unit: int = 0
+    store_seq: int = 0  # last step whose plan stored blocks of this request
+    controls: RequestControls = field(default_factory=RequestControls)
+
+
+class SchedulerSide:
+    """The scheduler half. Not thread-safe: vLLM calls it from one thread.
+
+    Args:
+        socket: the daemon's unix socket.
+        num_ranks: how many workers register (every rank's namespace must hold
+            a block for it to count).
+        hash_block_size: tokens per vLLM block hash (see kvoffload.keys).
+        group_block_sizes: tokens per scheduler block of each KV cache group.
+        hash_bytes: length of vLLM's block hashes (32 for sha256, 16 xxhash).
+        offer_hits: False to never offer external hits (stores still go).
+        null_block_id: vLLM's null block (block 0 of the pool), never moved.
+        lookup_wait_s: how long the scheduling loop may wait for a lookup
+            (0: never; the request is deferred a step instead).
+        lookup_deadline_s: after this long unanswered, a lookup is a miss.
+        lease_ms: how long a Lookup's lease holds the blocks it offered
+            (0: no lease). Off by default: the daemon honours a lease only
+            over the connection that took it, and vLLM's workers load over
+            their own (docs/vllm.md, Limits).
+    """
+
+    def __init__(
+        self,
+        socket: str,
+        num_ranks: int,
+        hash_block_size: int,
+        group_block_sizes: Sequence[int],
+        hash_bytes: int,
+        *,
+        offer_hits: bool = True,
+        null_block_id: int | None = 0,
+        client: Client | None = None,
+        rpc_timeout_s: float = 1.0,
+        lookup_wait_s: float = 0.0,
+        lookup_deadline_s: float = 0.2,
+        lease_ms: int = 0,
+        miss_ttl_s: float = 0.5,
+        namespace_refresh_s: float = 30.0,
+        namespace_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        stats: StatsRecorder | None = None,
+    ):
+        self.keys = KeyMapper(hash_block_size, group_block_sizes)
+        self.num_ranks = int(num_ranks)
+        self.hash_bytes = hash_bytes
+        self.offer_hits = offer_hits
+        self.null_block_id = null_block_id
+        self._client = client or Client(socket, timeout=rpc_timeout_s)
+        self._rpc_timeout = rpc_timeout_s
+        self._clock = clock
+        self._io = Background(self._client, "kvoffload-scheduler", slow_after_s=lookup_deadline_s, clock=clock)
+        self._wait = lookup_wait_s
+        self._deadline = lookup_deadline_s
+        self._lease_ms = int(lease_ms)
+        self._miss_ttl = miss_ttl_s
+        self._ns_refresh = namespace_refresh_s
+        self._ns_retry = namespace_retry_s
+        self.stats = stats or StatsRecorder()
+        self.disabled: str | None = None
+        self.stores_off = False  # no worker can store: plan none
+        self._fingerprints: dict[tuple, bytes] | None = None
+        self._ns_ids: list[int] | None = None
+        self._ns_task: Any = None
+        self._ns_next = 0.0
+        self._reqs: dict[str, _ReqState] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._matched: dict[str, _Lookup] = {}
+        self._looked_up: set[str] = set()
+        self._loads: dict[str, list[GroupJob]] = {}
+        self._batch: list[_Lookup] = []
+        self._load_blocks: dict[str, set[int]] = {}  # request -> engine blocks of its load in flight
+        self._no_hits: set[str] = set()  # requests whose load failed: computed, not loaded again
+        self._unregistered: set = set()  # ranks whose worker reports no registration
+        self._delay_free: set[str] = set()
+        self._settled: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained
+        self._seq = 0
+        self._asked_blind = 0
+        self._warned: set[str] = set()
+
+    # -- helpers ----------------------------------------------------------
+
+    def close(self) -> None:
+        self._io.close()
+        self._client.close()
+
+    def disable(self, reason: str) -> None:
+        """Stops offering hits for good (stores go on): a configuration this
+        connector cannot serve safely, found at run time."""
+        if self.disabled is None:
+            self.disabled = reason
+            log.error("kvoffload: external hits disabled: %s", reason)
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def set_worker_fingerprints(self, by_rank: Mapping[tuple, bytes | None]) -> None:
+        """The fingerprint each worker registered under, by rank, from vLLM's
+        handshake metadata. A rank that reports None could not register:
+        nothing is offered then."""
+        if len(by_rank) != self.num_ranks:
+            self.disable(f"{len(by_rank)} workers reported a registration, the engine has {self.num_ranks} ranks")
+            self.stores_off = True
+            return
+        failed = [r for r, fp in by_rank.items() if not fp]
+        if failed:
+            self.disable(f"workers {sorted(failed, key=str)} could not register their KV caches with the daemon")
+            self.stores_off = True
+            return
+        self._fingerprints = {r: bytes(fp) for r, fp in by_rank.items()}
+        self._ns_ids, self._ns_next = None, 0.0
+        self.namespace_ids()  # resolve now, before the first request asks
+        log.info("kvoffload: %d workers registered; looking up blocks in their namespaces", len(by_rank))
+
+    def namespace_ids(self) -> list[int] | None:
+        """Every rank's namespace id, resolved on the background thread and
+        refreshed every ``namespace_refresh_s``; None until all resolve."""
+        if self._fingerprints is None:
+            self._asked_blind += 1
+            if self._asked_blind == 1000:
+                self._warn_once("handshake", "kvoffload: no worker has reported its registration through vLLM's "
+                                "handshake metadata after 1000 lookups (this vLLM may not deliver it): no external "
+                                "hits are offered, blocks are still stored")
+            return None
+        now = self._clock()
+        t = self._ns_task
+        if t is not None and t.done.is_set():
+            self._ns_task = None
+            ids = t.result if t.error is None else None
+            if ids and all(ids):
+                self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+            else:
+                self._ns_ids, self._ns_next = None, now + self._ns_retry
+        if self._ns_task is None and now >= self._ns_next and self._io.healthy():
+            fps = [self._fingerprints[r] for r in sorted(self._fingerprints)]
+            timeout = self._rpc_timeout
+            self._ns_task = self._io.submit(lambda c: c.resolve(fps, timeout=timeout))
+        return self._ns_ids
+
+    def _hashes(self, request: Any, publishable: bool = False) -> list[bytes] | None:
+        hashes = getattr(request, "block_hashes", None)
+        if not hashes:
+            return []
+        if publishable:
+            n = getattr(request, "num_publishable_block_hashes", None)
+            if n is not None:
+                hashes = hashes[: max(0, int(n))]
+                if not hashes:
+                    return []
+        h0 = hashes[0]
+        if not isinstance(h0, (bytes, bytearray)) or len(h0) != self.hash_bytes:
+            self.disable(
+                f"block hashes are {type(h0).__name__} of {len(h0) if isinstance(h0, (bytes, bytearray)) else '?'} "
+                f"bytes, the namespace uses {self.hash_bytes}-byte hashes"
+            )
+            return None
+        return hashes
+
+    def _state(self, request: Any) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _ReqState(request, [[] for _ in range(self.keys.num_groups)], controls=request_controls(request))
+            self._reqs[request.request_id] = st
+        else:
+            st.request = request
+        return st
+
+    def _jobs(self, hashes: Sequence[bytes], groups: Sequence[Sequence[int | None]], start: int, end: int,
+              leases: Mapping[int, int] | None = None) -> list[GroupJob]:
+        jobs = []
+        for g in range(self.keys.num_groups):
+            blocks = self.keys.block_range(g, start, end)
+            ids = groups[g]
+            keys = self.keys.keys(hashes, g, blocks)
+            pairs = [(k, ids[i]) for k, i in zip(keys, blocks) if ids[i] is not None and ids[i] != self.null_block_id]
+            if pairs:
+                jobs.append(GroupJob(g, [k for k, _ in pairs], [int(b) for _, b in pairs],
+                                     (leases or {}).get(g, 0)))
+        return jobs
+
+    # -- lookups ------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Sends the lookups vLLM asked for since the last flush, all at once."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        now = self._clock()
+        for rec in batch:
+            rec.submitted = now
+        self._io.submit(self._batch_fn(batch))
+
+    def _batch_fn(self, batch: list[_Lookup]):
+        """What the background thread runs: every lookup of the batch in one
+        round trip. Per request and group, its keys in [start, end) with a
+        lease; and, when the engine already holds a local prefix, whether the
+        daemon holds it too (a peek)."""
+        keys, lease_ms, timeout = self.keys, self._lease_ms, self._rpc_timeout
+
+        def run(client: Client) -> None:
+            t0 = time.monotonic()
+            calls, spans = [], []
+            for rec in batch:
+                start, end, ns = rec.key
+                first = len(calls)
+                for g in range(keys.num_groups):
+                    calls.append((ns, keys.keys(rec.hashes, g, keys.block_range(g, start, end)), g, lease_ms, rec.peek))
+                for g in range(keys.num_groups if start > 0 else 0):
+                    calls.append((ns, keys.keys(rec.hashes, g, keys.block_range(g, 0, start)), g, 0, True))
+                spans.append((first, len(calls)))
+            try:
+                results = client.lookup_many(calls, timeout=timeout)
+            except BaseException as e:
+                for rec in batch:
+                    rec.error, rec.done = e, True
+                raise
+            took = time.monotonic() - t0
+            down = None
+            for rec, (a, b) in zip(batch, spans):
+                rs = results[a:b]
+                errs = [r for r in rs if isinstance(r, KVOffloadError)]
+                if errs:
+                    rec.error = errs[0]
+                    down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
+                else:
+                    start, end, _ = rec.key
+                    G = keys.num_groups
+                    rec.hit_units = min([end - start] + [rs[g].ready // keys.blocks_per_unit[g] for g in range(G)])
+                    rec.leases = {g: rs[g].lease_id for g in range(G) if rs[g].lease_id}
+                    rec.tiers = list(rs[0].tiers)
+                    rec.ready_before = min([start] + [r.ready // keys.blocks_per_unit[g]
+                                                      for g, r in enumerate(rs[G:])])
+                rec.took = took
+                rec.done = True
+            if down is not None:
+                raise down
+
+        return run
+
+    def _answer(self, rid: str, rec: _Lookup) -> tuple[int, bool]:
+        U = self.keys.unit_tokens
+        if rec.answered_at == 0.0:
+            rec.answered_at = self._clock()
+            if rec.error is not None:
+                rec.hit_units = 0
+                e = rec.error
+                if not isinstance(e, KVOffloadError):
+                    log.error("kvoffload: lookup failed: %r", e)
+                else:
+                    self._warn_once(f"lookup:{e.code}", "kvoffload: Lookup failed (%s); treating it as a miss", e)
+                    self._ns_next = 0.0  # namespaces may have changed: resolve again
+            else:
+                self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
+        if rec.hit_units <= 0:
+            self._matched.pop(rid, None)
+            return 0, False
+        self._matched[rid] = rec
+        return rec.hit_units * U, True
+
+    def _tier_tokens(self, tiers: Sequence[Any], hit_units: int) -> dict[str, int]:
+        """Hit tokens by the tier group 0's blocks came from."""
+        out: dict[str, int] = {}
+        n = self.keys.blocks_per_unit[0] * hit_units
+        bs = self.keys.block_sizes[0]
+        for t in list(tiers)[:n]:
+            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "disk"
+            out[name] = out.get(name, 0) + bs
+        return out
+
+    def _fresh(self, rec: _Lookup, now: float) -> bool:
+        if rec.hit_units > 0:
+            # A hit holds while its lease does (half of it), else a while.
+            ttl = self._lease_ms / 2000.0 if self._lease_ms else 2 * self._miss_ttl
+            return now < rec.answered_at + ttl
+        return now < rec.answered_at + self._miss_ttl
+
+    # -- vLLM's scheduler-side calls ---------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose blocks the daemon holds
+        in every rank's namespace, as (tokens, True) (they load
+        asynchronously), (0, False) for none, or (None, False) when the
+        answer is not back yet (vLLM asks again next step). At least the last
+        prompt token is always left to compute."""
+        if self.disabled is not None or not self.offer_hits:
+            return 0, False
+        rid = request.request_id
+        if getattr(request, "skip_reading_prefix_cache", False) or not request_controls(request).load:
+            return 0, False
+        if rid in self._no_hits or self._unregistered:
+            return 0, False
+        hashes = self._hashes(request)
+        if not hashes:
+            return 0, False
+        if not check_hash_granularity(len(hashes), int(request.num_tokens), self.keys.hash_block_size):
+            self.disable(
+                f"request {rid} has {len(hashes)} block hashes for {request.num_tokens} tokens: vLLM does not hash "
+                f"every {self.keys.hash_block_size} tokens as this connector computed (see docs/vllm.md, hash block size)"
+            )
+            return 0, False
+        U = self.keys.unit_tokens
+        if num_computed_tokens % U:
+            return 0, False
+        start = num_computed_tokens // U
+        end = self.keys.units_in(len(hashes), int(request.num_tokens) - 1)
+        if end <= start:
+            return 0, False
+        ns = self.namespace_ids()
+        if not ns:
+            # Being resolved (just started, or after a daemon restart): ask again.
+            return (None, False) if self._ns_task is not None and self._io.healthy() else (0, False)
+        now = self._clock()
+        key = (start, end, tuple(ns))
+        rec = self._lookups.get(rid)
+        if rec is not None and rec.key == key:
+            if rec.done:
+                if rec.answered_at == 0.0 or self._fresh(rec, now):
+                    return self._answer(rid, rec)
+            elif rec.submitted and (now - rec.submitted >= self._deadline or not self._io.healthy()):
+                self._lookups.pop(rid, None)
+                self.stats.lookup_timeout()
+                return 0, False
+            else:
+                return self._await(rid, rec)
+        if not self._io.healthy():
+            return 0, False
+        peek = rid in self._looked_up
+        self._looked_up.add(rid)
+        rec = _Lookup(key, list(hashes), peek, now)
+        self._lookups[rid] = rec
+        self._batch.append(rec)
+        return self._await(rid, rec)
+
+    def _await(self, rid: str, rec: _Lookup) -> tuple[int | None, bool]:
+        """Asks again next step (None), unless ``lookup_wait_s`` lets the loop
+        wait that long for the answer now."""
+        if self._wait > 0:
+            self._flush()
+            end = time.monotonic() + self._wait
+            while not rec.done and time.monotonic() < end:
+                time.sleep(0.0002)
+            if rec.done:
+                return self._answer(rid, rec)
+        return None, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plans the load of ``num_external_tokens`` tokens into the blocks
+        vLLM just allocated (``blocks`` holds every block of the request)."""
+        rid = request.request_id
+        st = self._state(request)
+        rec = self._matched.pop(rid, None)
+        self._lookups.pop(rid, None)
+        # Blocks the daemon already holds (the local prefix it has, what this
+        # load brings) are not stored again; a local prefix it lacks is.
+        holds_prefix = rec is not None and rec.ready_before >= rec.key[0]
+        if rec is not None:
+            st.next_store_unit = max(st.next_store_unit, rec.key[0] if holds_prefix else rec.ready_before)
+        if num_external_tokens <= 0:
+            return
+        U = self.keys.unit_tokens
+        start = rec.key[0] if rec is not None else int(getattr(request, "num_computed_tokens", 0)) // U
+        end = start + num_external_tokens // U
+        groups = self._alloc_block_ids(blocks)
+        hashes = self._hashes(request) or []
+        fits = (rec is not None and num_external_tokens % U == 0 and end <= start + rec.hit_units
+                and self.keys.units_in(len(hashes)) >= end
+                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)))
+        if fits:
+            jobs = self._jobs(hashes, groups, start, end, rec.leases)
+        else:
+            # vLLM now waits for this request's load. Nothing can be loaded,
+            # so every block it allocated for those tokens is reported failed
+            # (no keys: the worker fails them without asking the daemon).
+            log.error("kvoffload: request %s: cannot map %d external tokens onto its blocks; reporting them failed",
+                      rid, num_external_tokens)
+            end = start + -(-num_external_tokens // U)
+            jobs = []
+            for g in range(self.keys.num_groups):
+                rng = self.keys.block_range(g, start, end)
+                ids = [b for b in groups[g][rng.start:rng.stop] if b is not None and b != self.null_block_id]
+                jobs.append(GroupJob(g, [], ids))
+        self._loads[rid] = jobs
+        self._load_blocks[rid] = {b for j in jobs for b in j.block_ids}
+        if holds_prefix:
+            st.next_store_unit = max(st.next_store_unit, end)
+
+    def _alloc_block_ids(self, blocks: Any) -> list[list[int | None]]:
+        per_group = getattr(blocks, "blocks", None)
+        if per_group is not None:
+            out = []
+            for grp in per_group:
+                out.append([None if getattr(b, "is_null", False) else int(b.block_id) for b in grp])
+            return as_groups(out, self.keys.num_groups)
+        return as_groups(blocks.get_block_ids(), self.keys.num_groups)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """This step's plan: the loads planned since the last step, a store of
+        every full unit the step completes, the preempted requests, and the
+        requests whose blocks vLLM keeps until their stores drain."""
+        self._flush()
+        self._seq += 1
+        plan = StepPlan(seq=self._seq, loads=self._loads,
+                        preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        self._loads = {}
+        for rid in plan.preempted:
+            st = self._reqs.get(rid)
+            if st is not None:
+                # Workers drain or drop this request's stores before vLLM
+                # reuses its blocks; the resumed request brings new block ids.
+                st.block_ids = [[] for _ in range(self.keys.num_groups)]
+        num_sched = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for rid, new_ids, replace in iter_scheduled(scheduler_output):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_groups = as_groups(new_ids, self.keys.num_groups)
+            if replace:
+                st.block_ids = new_groups
+            else:
+                for g, ids in enumerate(new_groups):
+                    st.block_ids[g].extend(ids)
+            if st.controls.store == "none" or self.stores_off:
+                continue
+            req = st.request
+            done_tokens = min(int(req.num_computed_tokens) + int(num_sched.get(rid, 0)), int(req.num_tokens))
+            if st.controls.store == "prompt":
+                done_tokens = min(done_tokens, int(getattr(req, "num_prompt_tokens", done_tokens)))
+            hashes = self._hashes(req, publishable=True)
+            if not hashes:
+                continue
+            end = self.keys.units_in(len(hashes), done_tokens)
+            for g in range(self.keys.num_groups):
+                end = min(end, len(st.block_ids[g]) // self.keys.blocks_per_unit[g])
+            if end <= st.next_store_unit:
+                continue
+            jobs = self._jobs(hashes, st.block_ids, st.next_store_unit, end)
+            st.next_store_unit = end
+            if jobs:
+                plan.stores[rid] = jobs
+                st.store_seq = self._seq
+        plan.delay_free, self._delay_free = self._delay_free, set()
+        return plan
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Reads the workers' reports: failed loads (their requests are not
+        offered hits again: a block that failed may fail again), and, where
+        vLLM carries worker metadata, which ranks are registered and the
+        acknowledgements of drained stores."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        bad_blocks = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if bad_blocks:
+            failed |= {rid for rid, blocks in self._load_blocks.items() if blocks & bad_blocks}
+        for rid in failed:
+            if rid in self._reqs:
+                self._no_hits.add(rid)
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._load_blocks.pop(rid, None)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rank, ok in (getattr(meta, "registered", None) or {}).items():
+            if ok:
+                self._unregistered.discard(rank)
+            else:
+                self._unregistered.add(rank)
+        drained = getattr(meta, "drained", None)
+        if not drained:
+            return
+        for rid, by_rank in drained.items():
+            if rid not in self._reqs:
+                continue
+            cur = self._settled.setdefault(rid, {})
+            for rank, seq in by_rank.items():
+                cur[rank] = max(cur.get(rank, 0), seq)
+
+    def stores_settled(self, rid: str) -> bool:
+        """Whether every rank reported the request's stores drained up to
+        the last step that planned one."""
+        st = self._reqs.get(rid)
+        if st is None or st.store_seq == 0:
+            return True
+        by_rank = self._settled.get(rid, {})
+        return len(by_rank) >= self.num_ranks and min(by_rank.values()) >= st.store_seq
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """True when stores of this request may still be in flight: vLLM then
+        keeps its blocks until every worker reports it finished sending."""
+        rid = request.request_id
+        settled = self.stores_settled(rid)
+        self._reqs.pop(rid, None)
+        self._settled.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._looked_up.discard(rid)
+        self._no_hits.discard(rid)
+        self._load_blocks.pop(rid, None)
+        # A load still planned or in flight is not ours to wait for: vLLM
+        # keeps the blocks of a request finished while waiting for remote KV
+        # until a worker reports it finished receiving (which it will).
+        if settled:
+            return False, None
+        self._delay_free.add(rid)
+        return True, None
+
+    def pending_lookups(self) -> int:
+        return sum(1 for r in self._lookups.values() if not r.done)
+
+    def healthy(self) -> bool:
+        return self._io.healthy()

@@ -1,0 +1,744 @@
+"""The worker half of the vLLM connector, free of vLLM.
+
+vLLM's model runner calls it from its step loop; it never calls the daemon
+from there. Each step's loads and stores become one batch queued for the
+*sender* thread (one Load, one Store RPC per step), and the *poller* thread
+reads Completions and settles jobs. The step calls only take a lock and
+read or queue.
+
+A job's engine blocks go back to vLLM (a finished load, a drained store, a
+failed block) only when nothing of the daemon can touch them any more:
+
+- the daemon reported the job (Completions), or
+- it refused the call that carried it (the whole call: nothing ran), or
+- the job was never sent (dropped from the queue), or
+- the daemon said the registration is gone (NOT_FOUND) after draining it,
+  and it was the same daemon process, or
+- that daemon process has exited (a pidfd on it, see daemon_process.py).
+
+A call that timed out or lost its connection may have been accepted, so
+its jobs stay in flight until one of the above. A daemon that hangs
+therefore holds the blocks of the jobs it had accepted: a preempted
+request with such stores waits for them (``handle_preemptions``), and a
+finished one keeps its blocks (``request_finished``) — never is a block
+reused while a copy from or into it may still run. Everything queued but
+not sent when the daemon stops answering is dropped (stores) or failed
+(loads, so vLLM recomputes), and nothing new is queued until it answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .client import Client
+from .daemon_process import DaemonProcess, daemon_pid
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVOffloadError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from .plan import GroupJob, StepPlan
+from .regions import KVRegistration
+from .stats import StatsRecorder
+from .types import Job, JobResult, Op
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("kvoffload.worker")
+
+# A whole call refused with these ran nothing.
+_REFUSED = (InvalidArgument, FailedPrecondition, ResourceExhausted, PermissionDenied, NotFound)
+
+
+@dataclass
+class _Job:
+    rid: str
+    op: Op
+    group: int
+    block_ids: list[int]
+    hashes: list[bytes]
+    lease_id: int = 0
+    seq: int = 0  # plan step of a store
+    reg: int = 0  # the registration it was sent on (0: not sent)
+    queued_at: float = 0.0
+    sent_at: float = 0.0  # when the call that carried it returned (answered or not)
+
+
+@dataclass
+class _Batch:
+    op: Op
+    jids: list[int]
+    ready_event: bytes = b""
+
+
+@dataclass
+class _Reg:
+    """A registration the daemon may still run jobs of."""
+
+    id: int
+    namespace_id: int
+    daemon: DaemonProcess
+    unreachable_since: float | None = None
+    jobs: set[int] = field(default_factory=set)
+    quiet: int = 0  # Completions answers in a row with nothing pending and nothing more
+
+
+class WorkerSide:
+    """The worker half: one registration, one Load and one Store per step.
+
+    Args:
+        socket: the daemon's unix socket.
+        fingerprint: this rank's namespace fingerprint.
+        num_groups: KV cache groups of the model.
+        rank: this worker's rank tuple, reported in store acknowledgements.
+        request_level_failures: report a failed load as a failed request
+            (``take_failed_requests``) instead of engine block ids.
+        sync_stores: ``wait_for_save`` waits until the step's stores are
+            drained or dropped (vLLM may free a running request's blocks, as
+            it does for sliding-window groups).
+        rpc_timeout_s: deadline of a Load or Store call on the sender thread
+            (None: none; the call ends when the daemon answers or the
+            connection breaks, so its outcome is never in doubt while the
+            daemon runs).
+        unknown_daemon_grace_s: when the daemon's pid is not visible (another
+            pid namespace), how long it must be unreachable before its jobs
+            are taken as dead.
+    """
+
+    def __init__(
+        self,
+        socket: str,
+        fingerprint: bytes,
+        num_groups: int,
+        *,
+        rank: tuple = (0,),
+        client_name: str = "vllm worker",
+        request_level_failures: bool = False,
+        sync_stores: bool = False,
+        client: Client | None = None,
+        rpc_timeout_s: float | None = None,
+        register_timeout_s: float = 10.0,
+        poll_wait_ms: int = 50,
+        suspect_after_s: float = 1.0,
+        sync_queue_wait_s: float = 0.05,
+        reregister_after_s: float = 1.0,
+        unknown_daemon_grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        stats: StatsRecorder | None = None,
+        pid_probe: Callable[[str], int | None] = daemon_pid,
+    ):
+        self.fingerprint = bytes(fingerprint)
+        self.num_groups = num_groups
+        self.rank = tuple(rank)
+        self.client_name = client_name
+        self.request_level_failures = request_level_failures
+        self.sync_stores = sync_stores
+        self._socket = socket
+        self._client = client or Client(socket, timeout=None)
+        self._rpc_timeout = rpc_timeout_s
+        self._register_timeout = register_timeout_s
+        self._poll_wait_ms = poll_wait_ms
+        self._suspect_after = suspect_after_s
+        self._sync_queue_wait = sync_queue_wait_s
+        self._rereg_after = reregister_after_s
+        self._unknown_grace = unknown_daemon_grace_s
+        self._clock = clock
+        self._pid_probe = pid_probe
+        self.stats = stats or StatsRecorder()
+        self._cv = threading.Condition()
+        self._kv: KVRegistration | None = None
+        self.refused: str | None = None  # registration refused for good
+        self.registration_id: int | None = None
+        self.namespace_id: int | None = None
+        self._regs: dict[int, _Reg] = {}
+        self._next_rereg = 0.0
+        self._next_job = 1
+        self._jobs: dict[int, _Job] = {}
+        self._queue: deque[_Batch] = deque()
+        self._send_started: float | None = None
+        self._poll_started: float | None = None
+        self._down_since: float | None = None  # a call failed: the daemon is not answering
+        self._use_leases = True
+        self._pending_loads: Counter[str] = Counter()
+        self._pending_stores: Counter[str] = Counter()
+        self._store_out: dict[str, Counter[int]] = {}
+        self._store_seen: dict[str, int] = {}
+        self._drain_dirty: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._report_blocks: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self._failed_done: set[str] = set()
+        self._await_send: set[str] = set()
+        self._finished_seen: dict[str, int] = {}
+        self._calls = 0
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        # Store acknowledgements are kept only for a vLLM that carries them
+        # (worker metadata); the shell turns this off otherwise.
+        self.track_drains = True
+
+    # -- registration -----------------------------------------------------
+
+    def register(self, kv: KVRegistration) -> bool:
+        """Registers the worker's KV memory and starts the transfer threads.
+        A refusal is logged, not raised: the engine runs on without
+        offloading. The daemon being down is retried in the background."""
+        self._kv = kv
+        ok = self._register()
+        if not self._threads and self.refused is None:
+            for name, fn in (("kvoffload-sender", self._send_loop), ("kvoffload-poller", self._poll_loop)):
+                t = threading.Thread(target=fn, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+        return ok
+
+    def _register(self) -> bool:
+        kv = self._kv
+        if kv is None or self.refused is not None:
+            return False
+        for _ in range(3):
+            pid = self._pid_probe(self._socket)
+            try:
+                reg = self._client.register(self.fingerprint, kv.layout, kv.regions, self.client_name,
+                                            timeout=self._register_timeout)
+            except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
+                self.refused = str(e)
+                log.error("kvoffload: the daemon refused this worker's KV caches (%s); offloading is off for this "
+                          "engine", e)
+                return False
+            except KVOffloadError as e:
+                log.warning("kvoffload: Register failed (%s); retrying in the background", e)
+                with self._cv:
+                    self._next_rereg = self._clock() + self._rereg_after
+                return False
+            if self._pid_probe(self._socket) == pid:
+                break
+            # The daemon restarted between the probe and the call: the
+            # registration may belong to either; make another.
+            log.info("kvoffload: the daemon restarted during Register; registering again")
+        with self._cv:
+            self.registration_id, self.namespace_id = reg.registration_id, reg.namespace_id
+            self._regs[reg.registration_id] = _Reg(reg.registration_id, reg.namespace_id, DaemonProcess(pid))
+            self._down_since = None
+            self._cv.notify_all()
+        log.info("kvoffload: registered %d regions (%s) as registration %d in namespace %d%s (daemon pid %s)",
+                 len(kv.regions), kv.device, reg.registration_id, reg.namespace_id,
+                 " (joined existing)" if reg.joined_existing else "", pid)
+        return True
+
+    # -- bookkeeping (callers hold self._cv) -----------------------------------
+
+    def _new_job(self, rid: str, op: Op, gj: GroupJob, seq: int = 0) -> int:
+        jid = self._next_job
+        self._next_job += 1
+        self._jobs[jid] = _Job(rid, op, gj.group, list(gj.block_ids), list(gj.hashes), gj.lease_id, seq,
+                               queued_at=self._clock())
+        if op == Op.LOAD:
+            self._pending_loads[rid] += 1
+        else:
+            self._pending_stores[rid] += 1
+            self._store_out.setdefault(rid, Counter())[seq] += 1
+        return jid
+
+    def _settle(self, jid: int, result: JobResult | None = None, *, failed_all: bool = False,
+                dropped: bool = False) -> None:
+        """The job's blocks are vLLM's again: it finished, failed whole, or was never sent."""
+        j = self._jobs.pop(jid, None)
+        if j is None:
+            return
+        if j.reg and j.reg in self._regs:
+            self._regs[j.reg].jobs.discard(jid)
+        took = self._clock() - j.queued_at
+        if j.op == Op.LOAD:
+            failed = list(j.block_ids) if failed_all or dropped or result is None else result.failed_block_ids
+            if failed:
+                self._failed_reqs.add(j.rid)
+                self._failed_blocks.update(failed)
+                why = "not sent" if dropped else ("whole job" if result is None else
+                                                  sorted({f.status.name for f in result.failures}))
+                log.info("kvoffload: request %s: %d blocks failed to load (%s)", j.rid, len(failed), why)
+            self.stats.transfer(True, took, len(j.block_ids) - len(failed), result.bytes if result else 0,
+                                _failure_counts(result, len(failed), dropped))
+            self._pending_loads[j.rid] -= 1
+            if self._pending_loads[j.rid] <= 0:
+                del self._pending_loads[j.rid]
+                self._recv_done.add(j.rid)
+        else:
+            nfail = len(j.block_ids) if failed_all or dropped or result is None else len(result.failures)
+            if dropped:
+                self.stats.stores_skipped(len(j.block_ids))
+            else:
+                self.stats.transfer(False, took, len(j.block_ids) - nfail, result.bytes if result else 0,
+                                    _failure_counts(result, nfail, False))
+            self._pending_stores[j.rid] -= 1
+            if self._pending_stores[j.rid] <= 0:
+                del self._pending_stores[j.rid]
+            out = self._store_out.get(j.rid)
+            if out is not None:
+                out[j.seq] -= 1
+                if out[j.seq] <= 0:
+                    del out[j.seq]
+                if not out:
+                    del self._store_out[j.rid]
+            if self.track_drains:
+                self._drain_dirty.add(j.rid)
+        self._cv.notify_all()
+
+    def _lose_registration(self, reg: _Reg, why: str) -> None:
+        """Nothing of this registration runs any more: settle its jobs."""
+        jobs = sorted(reg.jobs)
+        if jobs:
+            log.warning("kvoffload: registration %d is gone (%s); %d jobs in flight reported failed", reg.id, why,
+                        len(jobs))
+        for jid in jobs:
+            self._settle(jid, failed_all=True)
+        reg.daemon.close()
+        self._regs.pop(reg.id, None)
+        if self.registration_id == reg.id:
+            self.registration_id = None
+            self._next_rereg = self._clock() + self._rereg_after
+
+    def _suspect(self) -> bool:
+        """The daemon is not answering: a call failed, or has run too long."""
+        now = self._clock()
+        if self._down_since is not None:
+            return True
+        if self._send_started is not None and now - self._send_started > self._suspect_after:
+            return True
+        return (self._poll_started is not None
+                and now - self._poll_started > self._suspect_after + self._poll_wait_ms / 1000.0)
+
+    def _drop_queued(self, pred: Callable[[_Job], bool]) -> int:
+        """Takes the jobs ``pred`` picks out of the unsent batches: they never ran."""
+        n = 0
+        for b in self._queue:
+            keep = []
+            for jid in b.jids:
+                j = self._jobs.get(jid)
+                if j is not None and pred(j):
+                    self._settle(jid, dropped=True)
+                    n += 1
+                elif j is not None:
+                    keep.append(jid)
+            b.jids = keep
+        self._queue = deque(b for b in self._queue if b.jids)
+        return n
+
+    # -- the sender thread -------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                batch = self._queue.popleft()
+                reg = self._regs.get(self.registration_id) if self.registration_id is not None else None
+                jobs = [(jid, self._jobs[jid]) for jid in batch.jids if jid in self._jobs]
+                if reg is None or self._down_since is not None:
+                    for jid, _ in jobs:
+                        self._settle(jid, dropped=True)
+                    continue
+                for jid, j in jobs:
+                    j.reg = reg.id
+                    reg.jobs.add(jid)
+                self._send_started = self._clock()
+                use_leases = self._use_leases
+            if jobs:
+                self._send(batch, reg, jobs, use_leases)
+            with self._cv:
+                self._send_started = None
+                self._cv.notify_all()
+
+    def _send(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]], use_leases: bool) -> None:
+        def wire(leases: bool) -> list[Job]:
+            return [Job(job_id=jid, hashes=j.hashes, block_ids=j.block_ids, group=j.group,
+                        request_id=_wire_request_id(j.rid), lease_id=j.lease_id if leases else 0) for jid, j in jobs]
+
+        call = self._client.load if batch.op == Op.LOAD else self._client.store
+        # No deadline, and wait for the connection rather than fail unsent:
+        # the call ends when the daemon answered or the connection broke.
+        kw: dict[str, Any] = {"timeout": self._rpc_timeout, "wait_for_ready": True}
+        if batch.ready_event:
+            kw["ready_event"] = batch.ready_event
+        try:
+            try:
+                call(reg.id, wire(use_leases), **kw)
+            except (PermissionDenied, FailedPrecondition, InvalidArgument) as e:
+                if not use_leases or not any(j.lease_id for _, j in jobs) or "lease" not in e.message.lower():
+                    raise
+                # Leases are refused here (another connection took them):
+                # the blocks are loaded without, as before leases existed.
+                log.warning("kvoffload: the daemon refuses the scheduler's leases (%s); loading without them", e)
+                with self._cv:
+                    self._use_leases = False
+                call(reg.id, wire(False), **kw)
+        except NotFound as e:
+            same = self._same_daemon(reg)  # a socket probe: not under the lock
+            with self._cv:
+                for jid, _ in jobs:
+                    self._settle(jid, failed_all=True)
+                # The same process drained it, or its process is gone (a
+                # restart while nothing was in flight: no poll saw it).
+                if reg.id in self._regs and (same or reg.daemon.exited()):
+                    self._lose_registration(reg, str(e))
+        except _REFUSED as e:
+            log.error("kvoffload: %s of %d jobs refused (%s); their blocks are reported failed",
+                      batch.op.name.title(), len(jobs), e)
+            with self._cv:
+                for jid, _ in jobs:
+                    self._settle(jid, failed_all=True)
+        except (Unavailable, DeadlineExceeded, Cancelled, KVOffloadError) as e:
+            # The daemon may have accepted the call: the jobs stay in flight
+            # until the daemon reports them, forgets the registration, or exits.
+            if not self._stop:
+                log.warning("kvoffload: %s of %d jobs: no answer (%s); waiting for the daemon to settle them",
+                            batch.op.name.title(), len(jobs), e)
+            with self._cv:
+                if self._down_since is None:
+                    self._down_since = self._clock()
+                self._drop_unsent_locked()
+        finally:
+            with self._cv:
+                now = self._clock()
+                for jid, j in jobs:
+                    j.sent_at = now
+                reg.quiet = 0
+
+    def _drop_unsent_locked(self) -> None:
+        """The daemon stopped answering: what is queued is dropped (stores)
+        or failed (loads: vLLM recomputes), never sent late."""
+        n = self._drop_queued(lambda j: True)
+        if n:
+            log.warning("kvoffload: the daemon is not answering; %d queued jobs dropped", n)
+
+    def _same_daemon(self, reg: _Reg) -> bool:
+        """Whether the daemon answering on the socket is the process that
+        holds the registration (its NOT_FOUND then means drained)."""
+        return reg.daemon.pid is not None and self._pid_probe(self._socket) == reg.daemon.pid
+
+    # -- the poller thread ---------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stop:
+                    return
+                for r in [r for r in self._regs.values() if not r.jobs and r.id != self.registration_id]:
+                    r.daemon.close()  # an old registration with nothing left in flight
+                    del self._regs[r.id]
+                regs = [r for r in self._regs.values() if r.jobs]
+                need_reg = (self.registration_id is None and self._kv is not None and self.refused is None
+                            and self._clock() >= self._next_rereg)
+                probe = not regs and not need_reg and self._down_since is not None
+                if not regs and not need_reg and not probe:
+                    timeout = None
+                    if self.registration_id is None and self._kv is not None and self.refused is None:
+                        timeout = max(0.01, self._next_rereg - self._clock())
+                    self._cv.wait(timeout if timeout is not None else 1.0)
+                    continue
+            if need_reg:
+                if not self._register():
+                    with self._cv:
+                        self._cv.wait(self._rereg_after)
+                continue
+            if probe:
+                # Nothing in flight to poll: ask the daemon's health until it answers.
+                try:
+                    ok = self._client.healthy(timeout=1.0)
+                except KVOffloadError:
+                    ok = False
+                with self._cv:
+                    if ok:
+                        self._down_since = None
+                    else:
+                        self._cv.wait(0.2)
+                continue
+            for reg in regs:
+                self._poll_one(reg, self._poll_wait_ms if len(regs) == 1 else 0)
+
+    def _poll_one(self, reg: _Reg, wait_ms: int) -> None:
+        with self._cv:
+            self._poll_started = self._clock()
+        try:
+            c = self._client.completions(reg.id, wait_ms=wait_ms)
+        except NotFound as e:
+            same = self._same_daemon(reg)  # a socket probe: not under the lock
+            with self._cv:
+                self._poll_started = None
+                if reg.id not in self._regs:
+                    return
+                if reg.daemon.exited() or same:
+                    self._lose_registration(reg, f"{e.message}; drained")
+                else:
+                    # Another daemon answers: the registration's may still be
+                    # draining. Wait for it to exit.
+                    self._cv.wait(0.05)
+            return
+        except KVOffloadError as e:
+            with self._cv:
+                self._poll_started = None
+                if self._down_since is None and not self._stop:
+                    self._down_since = self._clock()
+                    self._drop_unsent_locked()
+                now = self._clock()
+                if reg.unreachable_since is None:
+                    reg.unreachable_since = now
+                if reg.daemon.exited():
+                    self._lose_registration(reg, "the daemon process exited")
+                elif not reg.daemon.known and now - reg.unreachable_since >= self._unknown_grace:
+                    self._lose_registration(reg, f"the daemon (pid unknown) unreachable for {self._unknown_grace:.0f}s")
+                elif not self._stop:
+                    if not isinstance(e, (Unavailable, DeadlineExceeded, Cancelled)):
+                        log.warning("kvoffload: Completions failed (%s)", e)
+                    self._cv.wait(0.02)
+            return
+        with self._cv:
+            self._poll_started = None
+            self._down_since = None
+            reg.unreachable_since = None
+            for r in c.results:
+                self._settle(r.job_id, r)
+            self._settle_orphans(reg, c)
+
+    def _settle_orphans(self, reg: _Reg, c: Any) -> None:
+        """The registration's daemon, running and answering, has nothing
+        pending and no result left for it: every job whose call returned (a
+        while ago, and the daemon answered twice since) and that it never
+        reported ran already or never arrived (a call that failed unsent, a
+        result an older daemon lost). Nothing copies into or out of its
+        blocks: it is reported failed."""
+        if c.pending or getattr(c, "more", False):
+            reg.quiet = 0
+            return
+        reg.quiet += 1
+        if reg.quiet < 2:
+            return
+        now = self._clock()
+        stale = [jid for jid in reg.jobs if jid in self._jobs and 0 < self._jobs[jid].sent_at <= now - 1.0]
+        if stale:
+            log.warning("kvoffload: registration %d: the daemon holds nothing for %d jobs it never reported; "
+                        "reported failed", reg.id, len(stale))
+        for jid in stale:
+            self._settle(jid, failed_all=True)
+
+    # -- vLLM's worker-side calls -------------------------------------------
+
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        """vLLM is about to give these requests' blocks to others: their
+        unsent stores are dropped, and the sent ones are waited for."""
+        victims = set(preempted or ())
+        if not victims:
+            return
+        with self._cv:
+            self._drop_queued(lambda j: j.rid in victims and j.op == Op.STORE)
+            self._wait_locked(lambda: not any(self._pending_stores.get(r) for r in victims),
+                              f"stores of preempted requests {sorted(victims)[:4]}")
+
+    def _wait_locked(self, done: Callable[[], bool], what: str) -> None:
+        """Waits, with no deadline, for copies that may still read or write
+        blocks vLLM is about to reuse. Only a daemon that stopped answering
+        with those jobs accepted makes this wait long; it is logged."""
+        t0 = self._clock()
+        warned = t0
+        while not done():
+            self._cv.wait(0.5)
+            now = self._clock()
+            if now - warned >= 5.0:
+                warned = now
+                log.warning("kvoffload: waiting %.0fs for %s: the daemon accepted them and has not finished", now - t0,
+                            what)
+
+    def start_load_kv(self, plan: StepPlan, ready_event: bytes = b"") -> list[int]:
+        """Queues every load of the step as one Load. ``ready_event`` (CUDA)
+        is recorded on the engine's stream now: the copies wait for it.
+        Returns the job ids queued."""
+        with self._cv:
+            self._await_send |= plan.delay_free
+            if not plan.loads:
+                return []
+            jids: list[int] = []
+            for rid, gjobs in plan.loads.items():
+                real = [gj for gj in gjobs if gj.hashes]
+                for gj in gjobs:
+                    if not gj.hashes and gj.block_ids:
+                        # Planned without keys: fail those blocks.
+                        self._failed_blocks.update(gj.block_ids)
+                        self._failed_reqs.add(rid)
+                if not real:
+                    self._recv_done.add(rid)
+                    continue
+                jids.extend(self._new_job(rid, Op.LOAD, gj) for gj in real)
+            if not jids:
+                return []
+            if self.registration_id is None or self._suspect():
+                for jid in jids:
+                    self._settle(jid, dropped=True)
+                return []
+            self._queue.append(_Batch(Op.LOAD, jids, ready_event))
+            self._cv.notify_all()
+            return jids
+
+    def wait_for_save(self, plan: StepPlan, ready_event: bytes = b"") -> list[int]:
+        """Queues every store of the step as one Store (after the forward pass
+        wrote the blocks; on CUDA ``ready_event`` orders the copies after it).
+        Returns the job ids (see :meth:`jobs_done`)."""
+        with self._cv:
+            if not plan.stores:
+                return []
+            jids = [self._new_job(rid, Op.STORE, gj, plan.seq) for rid, gjobs in plan.stores.items() for gj in gjobs]
+            for rid in plan.stores:
+                self._store_seen[rid] = max(self._store_seen.get(rid, 0), plan.seq)
+            if self.registration_id is None or self._suspect():
+                for jid in jids:
+                    self._settle(jid, dropped=True)
+                return []
+            batch = _Batch(Op.STORE, jids, ready_event)
+            self._queue.append(batch)
+            self._cv.notify_all()
+            if self.sync_stores:
+                ids = set(jids)
+
+                def queued() -> bool:
+                    return any(b is batch for b in self._queue)
+
+                self._cv.wait_for(lambda: not queued() or not (ids & self._jobs.keys()), self._sync_queue_wait)
+                if queued():
+                    # Not sent yet (the sender is stuck on the daemon): never
+                    # send it, vLLM may reuse these blocks from the next step.
+                    self._drop_queued(lambda j: j.seq == plan.seq and j.op == Op.STORE)
+                self._wait_locked(lambda: not (ids & self._jobs.keys()), "the stores of a sliding-window step")
+            return jids
+
+    def jobs_done(self, job_ids: Iterable[int]) -> bool:
+        """True when none of ``job_ids`` is still in flight."""
+        with self._cv:
+            return not any(j in self._jobs for j in job_ids)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No RPC. Returns (finished sending, finished receiving): requests
+        vLLM kept for their stores whose stores are all drained or dropped,
+        and requests whose loads all finished (failed ones included; their
+        failed blocks are in ``get_block_ids_with_load_errors``)."""
+        with self._cv:
+            self._calls += 1
+            for rid in finished_req_ids or ():
+                self._finished_seen[rid] = self._calls
+            recving, self._recv_done = self._recv_done, set()
+            self._failed_done |= self._failed_reqs & recving
+            self._failed_reqs -= recving
+            # Failed blocks go out no later than their request's finished
+            # receive: in this very pass (vLLM reads them right after).
+            self._report_blocks |= self._failed_blocks
+            self._failed_blocks = set()
+            sending = {r for r in self._await_send if r in self._finished_seen and not self._pending_stores.get(r)}
+            self._await_send -= sending
+            for r in sending:
+                self._finished_seen.pop(r, None)
+            stale = [r for r, n in self._finished_seen.items() if r not in self._await_send and self._calls - n > 64]
+            for r in stale:
+                del self._finished_seen[r]
+                self._store_seen.pop(r, None)
+            return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine block ids whose load failed, as of the last get_finished
+        (empty in request-level mode, where ``take_failed_requests`` reports
+        them)."""
+        with self._cv:
+            blocks, self._report_blocks = self._report_blocks, set()
+            return set() if self.request_level_failures else blocks
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests reported finished receiving (by :meth:`get_finished`) with
+        at least one block that failed to load, since the last call (always
+        empty unless ``request_level_failures``)."""
+        with self._cv:
+            reqs, self._failed_done = self._failed_done, set()
+            return reqs if self.request_level_failures else set()
+
+    def drained_stores(self) -> dict[str, dict[tuple, int]]:
+        """Per request whose stores changed since the last call, the last plan
+        step up to which all its stores have drained (or were dropped):
+        vLLM's worker metadata carries it to the scheduler."""
+        with self._cv:
+            out = {}
+            for rid in self._drain_dirty:
+                seen = self._store_seen.get(rid, 0)
+                outstanding = self._store_out.get(rid)
+                out[rid] = {self.rank: (min(outstanding) - 1) if outstanding else seen}
+            self._drain_dirty = set()
+            return out
+
+    def registered(self) -> bool:
+        with self._cv:
+            return self.registration_id is not None
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._jobs)
+
+    def suspect(self) -> bool:
+        with self._cv:
+            return self._suspect()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Waits a little for jobs in flight, unregisters and stops the threads."""
+        with self._cv:
+            self._drop_queued(lambda j: True)
+            self._cv.wait_for(lambda: not self._jobs, timeout_s)
+            reg = self.registration_id
+        if reg is not None:
+            try:
+                self._client.unregister(reg, timeout=timeout_s)
+            except KVOffloadError as e:
+                log.info("kvoffload: Unregister: %s", e)
+        with self._cv:
+            self._stop = True
+            self.registration_id = None
+            self._cv.notify_all()
+        self._client.close()  # cancels a call a thread is blocked in
+        for t in self._threads:
+            t.join(timeout_s)
+        with self._cv:
+            for r in list(self._regs.values()):
+                r.daemon.close()
+            self._regs.clear()
+
+
+# The daemon bounds request_id (it only echoes it; jobs are matched by id).
+MAX_REQUEST_ID_BYTES = 512
+
+
+def _wire_request_id(rid: str) -> str:
+    """``rid``, or for a longer one its head and a hash of the whole: within
+    the bound, and two long ids that share a head still read apart in the
+    daemon's logs and results."""
+    raw = rid.encode()
+    if len(raw) <= MAX_REQUEST_ID_BYTES:
+        return rid
+    tag = "#" + hashlib.sha256(raw).hexdigest()[:16]
+    return raw[:MAX_REQUEST_ID_BYTES - len(tag)].decode(errors="ignore") + tag
+
+
+def _failure_counts(result: JobResult | None, nfail: int, dropped: bool) -> dict[str, int]:
+    if dropped:
+        return {"NOT_SENT": nfail} if nfail else {}
+    if result is None:
+        return {"CALL_FAILED": nfail} if nfail else {}
+    c: Counter[str] = Counter(f.status.name if hasattr(f.status, "name") else str(f.status) for f in result.failures)
+    return dict(c)

@@ -1,0 +1,309 @@
+"""The connector against the ways it could load wrong KV, crash, or stall.
+
+Each test drives ``kvoffload.vllm.KVOffloadConnector`` only through vLLM's
+interface (the stand-in vLLM of standin_vllm.py and standin_engine.py) and
+the real daemon, so it can be pointed at another version of the package:
+``KVOFFLOAD_PKG=/path/to/old/clients/python pytest test_vllm_defects.py``
+(docs/vllm.md: every test here fails on the connector of 1cdeed3).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import standin_vllm as sv
+from fake_daemon import FakeDaemon
+from helpers import FakeTensor, wait_for
+from standin_engine import (
+    Config,
+    Engine,
+    EngineCrash,
+    Group,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+    Hasher,
+    RankMemory,
+    kv_cache_config,
+    vllm_config,
+)
+from standin_run import connector_module
+
+
+def settle(eng: Engine, max_steps: int = 3000) -> None:
+    """Steps until every request has finished and its blocks are back."""
+    for _ in range(max_steps):
+        if eng.idle():
+            return
+        eng.step()
+    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
+
+
+def serve(eng: Engine, *prompts: list[int], max_tokens: int = 1, prefix: str = "q", **kw) -> None:
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{prefix}{i}", p, max_tokens, **kw)
+    settle(eng)
+
+
+def toks(n: int, base: int) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+@pytest.fixture
+def engine(daemon, shm):
+    """Builds stand-in engines over the connector; closes them after the test."""
+    made = []
+    ctx = []
+
+    def make(cfg: Config, socket: str | None = None, **switches) -> Engine:
+        # Hits must come from the daemon: vLLM's own prefix cache is off.
+        cfg.prefix_caching = False
+        if not ctx:
+            c = connector_module(**switches)
+            ctx.append((c, c.__enter__()))
+        eng = Engine(cfg, ctx[0][1], socket or daemon.socket, shm)
+        made.append(eng)
+        return eng
+
+    yield make
+    for e in made:
+        e.close()
+    for c, _ in ctx:
+        c.__exit__(None, None, None)
+
+
+# -- 1. hash granularity --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups,pmu", [
+    ([Group("full", 8, 2), Group("full", 8, 1)], 4),  # prefix_match_unit finer than the blocks
+    ([Group("full", 8, 1), Group("full", 12, 1)], None),  # hash = gcd(8, 12) = 4, unit 24
+])
+def test_keys_use_the_hash_size_vllm_resolves(engine, groups, pmu):
+    cfg = Config(groups=groups, prefix_match_unit=pmu, num_blocks=96, max_batched_tokens=128, model=f"m1-{pmu}")
+    eng = engine(cfg)
+    assert eng.hash_block_size == 4
+    u = eng.block_size
+    a = toks(2 * u + 4, 100)
+    serve(eng, a, prefix="a")
+    # Shares only the first 4 tokens (one hash) with a: no key may match.
+    b = a[:4] + toks(2 * u, 7000)
+    # Shares a whole unit: that one may load.
+    c = a[:u] + toks(u + 4, 8000)
+    serve(eng, b, c, prefix="b")
+    assert eng.counters["hit_tokens"] == u
+
+
+def test_decode_context_parallel_scales_the_block(engine):
+    # DCP=2 over TP=2: vLLM hashes and schedules blocks of 2 x 4 tokens.
+    cfg = Config(groups=[Group("full", 4, 2)], tp=2, dcp=2, num_blocks=64, model="m1-dcp")
+    eng = engine(cfg)
+    assert eng.hash_block_size == 8 == eng.block_size
+    a = toks(40, 300)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:32] + toks(5, 9000), prefix="b")
+    assert eng.counters["hit_tokens"] == 32  # whole 8-token blocks, on both ranks
+
+
+# -- 2. kernel blocks smaller than vLLM's blocks --------------------------------------
+
+
+@pytest.mark.parametrize("kind,layout", [("full", "HND"), ("full", "NHD"), ("mla", "HND")])
+def test_kernel_block_splits_are_mapped(engine, kind, layout):
+    cfg = Config(groups=[Group(kind, 8, 2)], kernel_block_size=2, layout=layout, num_blocks=48,
+                 model=f"m2-{kind}-{layout}")
+    eng = engine(cfg)
+    a = toks(30, 500)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [1, 2, 3], prefix="b")
+    assert eng.counters["hit_tokens"] == 24
+
+
+def test_a_layout_it_cannot_map_turns_offloading_off_without_killing_the_worker(daemon, shm, caplog):
+    cfg = Config(model="m2-bad")
+    with connector_module() as mod:
+        vcfg, kcc = vllm_config(cfg, daemon.socket), kv_cache_config(cfg)
+        w = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
+        s = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
+        # No dimension of num_blocks (or a multiple) blocks: nothing to map.
+        r = shm(4096)
+        bad = {f"g0.l{i}": FakeTensor(r.address, (2, 7, 4, 2, 4), element_size=2) for i in range(2)}
+        with caplog.at_level(logging.ERROR, logger="kvoffload"):
+            w.register_kv_caches(bad)
+        errors = [m for m in caplog.messages if "offloading disabled" in m]
+        assert len(errors) == 1, caplog.messages
+        hs = w.get_handshake_metadata()
+        s.set_xfer_handshake_metadata({0: hs})
+        h = Hasher(4, 32, "0")
+        req = Request("x", toks(20, 1), 1, h, b"s" * 8)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        w.shutdown()
+        s.shutdown()
+
+
+# -- 3. what changes a block's bytes is in its identity --------------------------------
+
+
+def test_an_engine_with_another_byte_order_never_loads_these_blocks(engine):
+    a = toks(30, 600)
+    e1 = engine(Config(layout="NHD", model="m3"))
+    serve(e1, a, prefix="a")
+    e1.close()
+    # The same model restarted with a backend that orders a block HND.
+    e2 = engine(Config(layout="HND", model="m3"))
+    serve(e2, a[:24] + [5, 6, 7], prefix="b")
+    assert e2.counters["hit_tokens"] == 0
+
+
+def test_every_field_that_changes_the_bytes_changes_the_fingerprint():
+    from kvoffload.settings import settings_from_vllm
+
+    cfg = Config()
+    kcc = kv_cache_config(cfg)
+
+    def fp(mutate=None, env=None, geometry=(("g", 1),), rank=None):
+        v = vllm_config(cfg, "/x.sock")
+        if mutate:
+            mutate(v)
+        s = settings_from_vllm(v, kcc, env=env or {"PYTHONHASHSEED": "0"})
+        return s.fingerprint(rank or {"tp": 0, "pp": 0, "pcp": 0, "dcp": 0}, geometry)
+
+    base = fp()
+    assert base == fp()
+    variants = {
+        "model": lambda v: setattr(v.model_config, "model", "other"),
+        "revision": lambda v: setattr(v.model_config, "revision", "v2"),
+        "dtype": lambda v: setattr(v.model_config, "dtype", "float16"),
+        "quantization": lambda v: setattr(v.model_config, "quantization", "fp8"),
+        "hf_overrides": lambda v: setattr(v.model_config, "hf_overrides", {"rope_theta": 1e6}),
+        "rope_scaling": lambda v: setattr(v.model_config, "rope_scaling", {"type": "yarn"}),
+        "kv_cache_dtype": lambda v: setattr(v.cache_config, "cache_dtype", "fp8_e4m3"),
+        "kv_scales": lambda v: setattr(v.cache_config, "calculate_kv_scales", True),
+        "hash_algo": lambda v: setattr(v.cache_config, "prefix_caching_hash_algo", "xxhash"),
+        "tp": lambda v: setattr(v.parallel_config, "tensor_parallel_size", 2),
+        "pcp": lambda v: setattr(v.parallel_config, "prefill_context_parallel_size", 2),
+        "dcp": lambda v: setattr(v.parallel_config, "decode_context_parallel_size", 2),
+        "attention_backend": lambda v: setattr(v, "attention_config", sv.ns(backend="FLASHINFER")),
+    }
+    for name, m in variants.items():
+        assert fp(m) != base, name
+    assert fp(env={"PYTHONHASHSEED": "1"}) != base
+    assert fp(env={"PYTHONHASHSEED": "0", "VLLM_ATTENTION_BACKEND": "FLASHINFER"}) != base
+    assert fp(geometry=(("g", 2),)) != base
+    for k in ("tp", "pp", "pcp", "dcp"):
+        assert fp(rank={"tp": 0, "pp": 0, "pcp": 0, "dcp": 0, k: 1}) != base, k
+
+
+# -- 4. every rank is its own namespace, and an unknown rank is an error ----------------
+
+
+def test_prefill_context_parallel_ranks_do_not_share_blocks(engine):
+    eng = engine(Config(pcp=2, model="m4-pcp"))
+    a = toks(30, 700)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [9, 9], prefix="b")
+    assert eng.counters["hit_tokens"] == 24
+
+
+def test_a_worker_that_cannot_tell_its_rank_turns_offloading_off(engine, caplog):
+    sv.Ranks.broken = True
+    with caplog.at_level(logging.ERROR, logger="kvoffload"):
+        eng = engine(Config(tp=2, model="m4-broken"))
+    assert any("offloading disabled" in m for m in caplog.messages)
+    a = toks(30, 800)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [9, 9], prefix="b")
+    assert eng.counters["hit_tokens"] == 0
+
+
+# -- 5. hybrid models on a vLLM that reports failures per block ---------------------------
+
+
+def _invalidate_after_alloc(eng: Engine, daemon) -> None:
+    """Drops every cached block between the lookup and the load, as an
+    eviction would: the load then fails."""
+    sc = eng.sched_conn
+    real = sc.update_state_after_alloc
+    c = daemon.client()
+
+    def wrapped(request, blocks, n):
+        real(request, blocks, n)
+        if n:
+            ids = [ns.namespace_id for ns in c.stats().namespaces]
+            c.invalidate(ids)
+
+    sc.update_state_after_alloc = wrapped
+
+
+def test_hybrid_model_on_vllm_without_request_level_failures_offers_no_hits(engine, daemon):
+    cfg = Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], transfer_results=False,
+                 num_blocks=96, model="m5")
+    eng = engine(cfg, transfer_results=False)
+    _invalidate_after_alloc(eng, daemon)
+    a = toks(40, 900)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:32] + [3, 3], prefix="b")  # vLLM would crash on a block-level failure here
+    assert eng.counters["hit_tokens"] == 0
+
+
+def test_hybrid_model_failures_are_per_request_where_vllm_has_them(engine, fresh_daemon):
+    # Every disk read fails once the daemon restarted: blocks are then only on disk.
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through", "--fault-spec", "read-eio=1,seed=1")
+    cfg = Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=96, model="m5b")
+    eng = engine(cfg, socket=d.socket)
+    a = toks(40, 950)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:32] + [3, 3], prefix="b")
+    assert eng.counters["hit_tokens"] == 32 and eng.counters["load_failures"] == 0
+    d.restart()
+    for i in range(20):
+        serve(eng, a[:32] + [4, i], prefix=f"c{i}-")
+        if eng.counters["load_failures"]:
+            break
+    assert eng.counters["load_failures"] >= 1  # failed requests recomputed; every block checked
+
+
+# -- 6. preemption never lets vLLM reuse blocks a store may still read --------------------
+
+
+def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
+    fake = FakeDaemon()
+    try:
+        cfg = Config(model="m6", extra={"drain_timeout_s": 0.3})
+        with connector_module() as mod:
+            vcfg, kcc = vllm_config(cfg, fake.socket), kv_cache_config(cfg)
+            sched = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
+            worker = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
+            mem = RankMemory(shm, cfg, 0)
+            worker.register_kv_caches(mem.kv_caches)
+            hs = worker.get_handshake_metadata()
+            if hs is not None:
+                sched.set_xfer_handshake_metadata({0: hs})
+            req = Request("a", toks(17, 1), 4, Hasher(4, 32, "0"), b"s" * 8)
+            sched.update_state_after_alloc(req, sv.ns(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 0)
+            out = SchedulerOutput(seq=1, scheduled_new_reqs=[NewRequestData("a", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
+                                  num_scheduled_tokens={"a": 17})
+            meta = sched.build_connector_meta(out)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()  # the daemon accepts the store and keeps reading
+            worker.get_finished(set())
+            worker.clear_connector_metadata()
+            assert wait_for(lambda: fake.pending())
+            req.num_computed_tokens = 17
+            meta = sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
+            t = threading.Thread(target=worker.handle_preemptions, args=(meta,))
+            t.start()
+            t.join(1.0)
+            returned_early = not t.is_alive()
+            fake.finish()
+            t.join(10)
+            assert not t.is_alive()
+            worker.shutdown()
+            sched.shutdown()
+    finally:
+        fake.stop()
+    assert not returned_early, "handle_preemptions returned while the daemon could still read the blocks"
+
