@@ -67,6 +67,38 @@ func (e *Entry) Offerable() bool {
 	return e.State == Ready && (e.CPU != NoSlot || e.Disk != NoSlot)
 }
 
+// Tiers is the set of tiers that hold a block as a Lookup offers it.
+type Tiers uint8
+
+// The tiers of Tiers.
+const (
+	InCPU Tiers = 1 << iota
+	InDisk
+)
+
+// Tiers reports where the block is ready: where a Lookup offers it from.
+// A block still being written is in no tier.
+func (e *Entry) Tiers() Tiers {
+	if e.State != Ready {
+		return 0
+	}
+	var t Tiers
+	if e.CPU != NoSlot {
+		t |= InCPU
+	}
+	if e.Disk != NoSlot {
+		t |= InDisk
+	}
+	return t
+}
+
+// Observer learns every change of a key's Tiers, under the key's shard lock,
+// so the changes of one key reach it in the order they happened. It must be
+// quick and must not call back into the index.
+type Observer interface {
+	TiersChanged(k *Key, before, after Tiers)
+}
+
 // Holds reports whether a tier holds the block or a disk write of it is in
 // flight: an entry that holds nothing is removed.
 func (e *Entry) Holds() bool {
@@ -111,6 +143,22 @@ type shard struct {
 // Index is safe for concurrent use.
 type Index struct {
 	shards [numShards]shard
+	obs    Observer // set before use (Observe), then only read
+}
+
+// Shards is the number of shards: ScanShard's range.
+const Shards = numShards
+
+// Observe makes o learn every change of a key's Tiers from now on. Call it
+// before the index is shared.
+func (ix *Index) Observe(o Observer) { ix.obs = o }
+
+// changed tells the observer of a change of k's tiers; the caller holds
+// k's shard lock.
+func (ix *Index) changed(k *Key, before, after Tiers) {
+	if before != after && ix.obs != nil {
+		ix.obs.TiersChanged(k, before, after)
+	}
 }
 
 // New returns an empty index.
@@ -224,9 +272,13 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	pos, ok := s.find(k, h)
 	if ok {
 		r := s.rec(s.table[pos] - 1)
+		before := r.e.Tiers()
 		if !fn(&r.e, true) {
 			s.remove(pos)
+			ix.changed(k, before, 0)
+			return
 		}
+		ix.changed(k, before, r.e.Tiers())
 		return
 	}
 	// A shard-owned scratch entry: a local would escape through fn.
@@ -246,6 +298,7 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	if s.n*4 > len(s.table)*3 {
 		s.grow()
 	}
+	ix.changed(k, 0, e.Tiers())
 }
 
 // Range calls fn for every entry, one shard at a time under its lock, in no
@@ -263,8 +316,12 @@ func (ix *Index) Range(fn func(k *Key, e *Entry) (keep bool)) {
 				if r.e.State == stateFree {
 					continue
 				}
+				before := r.e.Tiers()
 				if !fn(&r.key, &r.e) {
 					drop = append(drop, r.key)
+					ix.changed(&r.key, before, 0)
+				} else {
+					ix.changed(&r.key, before, r.e.Tiers())
 				}
 			}
 		}
@@ -275,6 +332,25 @@ func (ix *Index) Range(fn func(k *Key, e *Entry) (keep bool)) {
 		}
 		s.mu.Unlock()
 	}
+}
+
+// ScanShard calls fn for the key and tiers of every entry of shard i that
+// is in a tier, then done, all under the shard's lock: what fn sees and what
+// done records are one moment of that shard, between two changes the
+// observer learns of. fn and done must not call back into the index.
+func (ix *Index) ScanShard(i int, fn func(k *Key, t Tiers), done func()) {
+	s := &ix.shards[i]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, chunk := range s.slab {
+		for j := range chunk {
+			r := &chunk[j]
+			if t := r.e.Tiers(); t != 0 {
+				fn(&r.key, t)
+			}
+		}
+	}
+	done()
 }
 
 // Len is the number of entries.

@@ -142,3 +142,119 @@ func BenchmarkLookup512(b *testing.B) {
 	}
 	b.ReportMetric(float64(ix.MemBytes())/n, "bytes/entry")
 }
+
+// replay is an Observer that keeps what its changes say each key holds.
+type replay struct {
+	t    *testing.T
+	held map[Key]Tiers
+}
+
+func (r *replay) TiersChanged(k *Key, before, after Tiers) {
+	if r.held[*k] != before {
+		r.t.Fatalf("key %v: change from %b, but the changes so far say %b", k.Hash[:8], before, r.held[*k])
+	}
+	if after == 0 {
+		delete(r.held, *k)
+		return
+	}
+	r.held[*k] = after
+}
+
+// TestObserverReplay drives random changes of state and slots through Mutate
+// and Range and checks that the observer's changes, replayed, say exactly
+// what the index holds: every key's tiers, and no key more.
+func TestObserverReplay(t *testing.T) {
+	ix := New()
+	rp := &replay{t: t, held: map[Key]Tiers{}}
+	ix.Observe(rp)
+	r := rand.New(rand.NewPCG(3, 4))
+	slot := func() uint32 {
+		if r.IntN(3) == 0 {
+			return NoSlot
+		}
+		return r.Uint32() >> 1
+	}
+	check := func(step int) {
+		n := 0
+		ix.Range(func(k *Key, e *Entry) bool {
+			if tt := e.Tiers(); tt != 0 {
+				n++
+				if rp.held[*k] != tt {
+					t.Fatalf("step %d: key %v holds %b, the changes say %b", step, k.Hash[:8], tt, rp.held[*k])
+				}
+			}
+			return true
+		})
+		if n != len(rp.held) {
+			t.Fatalf("step %d: %d keys in a tier, the changes say %d", step, n, len(rp.held))
+		}
+	}
+	for step := 0; step < 50000; step++ {
+		k := key(uint32(r.IntN(2)), 0, uint64(r.IntN(5000)))
+		switch op := r.IntN(100); {
+		case op < 70:
+			ix.Mutate(&k, func(e *Entry, found bool) bool {
+				e.State = State(1 + r.IntN(2)) // Writing or Ready
+				e.CPU, e.Disk = slot(), slot()
+				return r.IntN(8) != 0
+			})
+		case op < 99:
+			del(ix, k)
+		default:
+			// A chunk move or a whole-namespace drop: Range changes
+			// and deletes many at once.
+			lo := r.Uint32() >> 1
+			ix.Range(func(k *Key, e *Entry) bool {
+				if e.CPU != NoSlot && e.CPU < lo {
+					e.CPU = NoSlot
+				}
+				return e.CPU != NoSlot || e.Disk != NoSlot
+			})
+		}
+		if step%4999 == 0 {
+			check(step)
+		}
+	}
+	check(-1)
+}
+
+// TestScanShard checks a scan of every shard sees each key in a tier once,
+// with its tiers, and no key being written.
+func TestScanShard(t *testing.T) {
+	ix := New()
+	want := map[Key]Tiers{}
+	for i := uint64(0); i < 3000; i++ {
+		k := key(1, 0, i)
+		ix.Mutate(&k, func(e *Entry, _ bool) bool {
+			switch i % 3 {
+			case 0:
+				e.State, e.CPU = Ready, uint32(i)
+				want[k] = InCPU
+			case 1:
+				e.State, e.CPU, e.Disk = Ready, uint32(i), uint32(i)
+				want[k] = InCPU | InDisk
+			default:
+				e.CPU = uint32(i) // Writing: in no tier
+			}
+			return true
+		})
+	}
+	got := map[Key]Tiers{}
+	dones := 0
+	for i := 0; i < Shards; i++ {
+		ix.ScanShard(i, func(k *Key, tt Tiers) {
+			if _, dup := got[*k]; dup {
+				t.Fatalf("key %v seen twice", k.Hash[:8])
+			}
+			got[*k] = tt
+		}, func() { dones++ })
+	}
+	if dones != Shards || len(got) != len(want) {
+		t.Fatalf("%d dones, %d keys; want %d, %d", dones, len(got), Shards, len(want))
+	}
+	for k, tt := range want {
+		if got[k] != tt {
+			t.Fatalf("key %v: scanned %b, want %b", k.Hash[:8], got[k], tt)
+		}
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/events"
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
@@ -142,8 +143,10 @@ type Config struct {
 	// cached block is kept before it goes (its id with it); 0 means
 	// DefaultNamespaceLinger, negative means at the next sweep.
 	NamespaceLinger time.Duration
-	Logger          *slog.Logger
-	Registerer      prometheus.Registerer
+	// Events sizes the stream of what the tiers hold (events.Hub).
+	Events     events.Config
+	Logger     *slog.Logger
+	Registerer prometheus.Registerer
 
 	// Remote, when set, adds the shared remote tier behind the local ones.
 	Remote *RemoteConfig
@@ -161,6 +164,7 @@ type Service struct {
 	log *slog.Logger
 	lim Limits
 	ix  *index.Index
+	ev  *events.Hub // every change of a block's tiers, for subscribers
 	cpu *cpu.Tier
 	dma dma.Engine
 	m   *metrics
@@ -256,6 +260,9 @@ func New(cfg Config) (*Service, error) {
 		cfg.NamespaceLinger = DefaultNamespaceLinger
 	}
 	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{}), linger: cfg.NamespaceLinger}
+	// Before anything can change the index (the disk tier's recovery
+	// files blocks from openDisk on).
+	s.ev = events.New(s.ix, cfg.Events)
 	s.m = newMetrics(cfg.Registerer)
 	s.mu.byPrint = map[string]*Namespace{}
 	s.mu.byID = map[uint32]*Namespace{}
@@ -325,8 +332,15 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 			func() float64 { return float64(s.dma.QueueDepth()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_index_entries", Help: "Entries in the block index."},
 			func() float64 { return float64(s.ix.Len()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_event_subscribers", Help: "Event streams open (WatchEvents and the --events-zmq publisher)."},
+			func() float64 { return float64(s.ev.Subscribers()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_events_lost_total", Help: "Times an event subscriber fell behind the buffer and started over from a snapshot."},
+			func() float64 { return float64(s.ev.Lost()) }),
 	)
 }
+
+// Events is the stream of what the tiers hold (docs/events.md).
+func (s *Service) Events() *events.Hub { return s.ev }
 
 // CPU exposes the CPU tier (for stats and tests).
 func (s *Service) CPU() *cpu.Tier { return s.cpu }
@@ -492,6 +506,7 @@ func (s *Service) newNamespaceLocked(fingerprint []byte, l layout.Layout) (*Name
 	ns.idleSince = time.Now()
 	s.mu.byID[ns.ID] = ns
 	s.mu.byPrint[string(fingerprint)] = ns
+	s.ev.SetHashLen(ns.ID, l.HashBytes)
 	s.m.namespaces.Inc()
 	return ns, nil
 }
@@ -520,6 +535,7 @@ func (ns *Namespace) dropClasses() {
 func (s *Service) dropNamespaceLocked(ns *Namespace) {
 	delete(s.mu.byID, ns.ID)
 	delete(s.mu.byPrint, string(ns.Fingerprint))
+	s.ev.SetHashLen(ns.ID, 0)
 	ns.dropClasses()
 	s.m.namespaces.Dec()
 }
@@ -834,10 +850,15 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	var dropped []index.Key
 	var want map[index.Key]struct{}
 	all := map[uint32]bool{}
+	var ids []uint32 // the namespaces reset, for the event hub
 	if keys == nil {
 		for _, ns := range nss {
 			all[ns.ID] = true
+			ids = append(ids, ns.ID)
 		}
+		// Subscribers learn one reset of each namespace, not a removal
+		// per block.
+		s.ev.BeginReset(ids)
 	} else {
 		want = make(map[index.Key]struct{}, n*len(nss))
 		for _, ns := range nss {
@@ -856,6 +877,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			dropped = append(dropped, *k)
 			return false
 		})
+		s.ev.EndReset(ids)
 	} else {
 		for k := range want {
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {

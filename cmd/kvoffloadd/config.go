@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/dma/host"
+	"github.com/kvoffloadd/kvoffloadd/events"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
@@ -54,6 +55,14 @@ type config struct {
 	maxConnections          int
 	maxConnectionsPerUID    int
 	maxInflightRequestBytes uint64
+
+	// The daemon's own publisher of vLLM KV events (docs/events.md).
+	eventsZMQ          string
+	eventsZMQExpose    bool
+	eventsZMQTopic     string
+	eventsZMQFormat    string
+	eventsZMQHashes    string
+	eventsZMQBlockSize int
 
 	cuda cudaConfig // the CUDA build's flags (copier_cuda.go); empty otherwise
 
@@ -149,6 +158,10 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		diskQueueDepth:  8,
 		diskDirect:      "require",
 
+		eventsZMQFormat:    "map",
+		eventsZMQHashes:    "int",
+		eventsZMQBlockSize: 16,
+
 		maxRegistrations:        offload.DefaultLimits.MaxRegistrations,
 		maxRegistrationsPerUID:  offload.DefaultLimits.MaxRegistrationsPerUID,
 		maxRegions:              offload.DefaultLimits.MaxRegions,
@@ -190,6 +203,12 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once their background recovery has ended (see docs/faults.md).")
+	fs.StringVar(&c.eventsZMQ, "events-zmq", "", "publish what the tiers hold as vLLM KV events (BlockStored/BlockRemoved with medium CPU or DISK, AllBlocksCleared) on a ZeroMQ PUB socket bound here: tcp://127.0.0.1:PORT or ipc://PATH; empty disables. See docs/events.md.")
+	fs.BoolVar(&c.eventsZMQExpose, "events-zmq-expose", false, "let --events-zmq bind beyond loopback (a router in another pod). The events name the hashes of cached prefixes, never tokens or block bytes.")
+	fs.StringVar(&c.eventsZMQTopic, "events-zmq-topic", "", "first frame of every --events-zmq message (vLLM's topic; llm-d expects kv@POD@MODEL).")
+	fs.StringVar(&c.eventsZMQFormat, "events-zmq-format", c.eventsZMQFormat, "event encoding: map (vLLM main: each event a map with its class under \"type\") or array (vLLM up to 0.23: positional arrays).")
+	fs.StringVar(&c.eventsZMQHashes, "events-zmq-hashes", c.eventsZMQHashes, "block hashes as int (the last 8 bytes, big-endian, vLLM's default) or bytes (as the client sent them, vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).")
+	fs.IntVar(&c.eventsZMQBlockSize, "events-zmq-block-size", c.eventsZMQBlockSize, "BlockStored's block_size: the engine's tokens per block (the daemon does not know it).")
 	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
@@ -296,6 +315,20 @@ func (c *config) validate() error {
 		}
 		c.faultPlan = p
 	}
+	if c.eventsZMQ != "" {
+		if err := checkEventsEndpoint(c.eventsZMQ, c.eventsZMQExpose); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.eventsZMQFormat != "map" && c.eventsZMQFormat != "array" {
+		bad("--events-zmq-format %q: want map or array", c.eventsZMQFormat)
+	}
+	if c.eventsZMQHashes != "int" && c.eventsZMQHashes != "bytes" {
+		bad("--events-zmq-hashes %q: want int or bytes", c.eventsZMQHashes)
+	}
+	if c.eventsZMQBlockSize < 1 {
+		bad("--events-zmq-block-size %d: want at least 1", c.eventsZMQBlockSize)
+	}
 	if err := c.cuda.validate(); err != nil {
 		errs = append(errs, err)
 	}
@@ -308,4 +341,36 @@ func (c *config) limits() offload.Limits {
 	l.MaxRegistrations, l.MaxRegistrationsPerUID = c.maxRegistrations, c.maxRegistrationsPerUID
 	l.MaxRegions, l.MaxRegionsPerUID = c.maxRegions, c.maxRegionsPerUID
 	return l
+}
+
+// checkEventsEndpoint accepts ipc://PATH and tcp://HOST:PORT, HOST a
+// loopback address unless exposed.
+func checkEventsEndpoint(ep string, expose bool) error {
+	if p, ok := strings.CutPrefix(ep, "ipc://"); ok {
+		if !filepath.IsAbs(p) {
+			return fmt.Errorf("--events-zmq %q: want ipc:// and an absolute path", ep)
+		}
+		return nil
+	}
+	hp, ok := strings.CutPrefix(ep, "tcp://")
+	if !ok {
+		return fmt.Errorf("--events-zmq %q: want tcp://HOST:PORT or ipc://PATH", ep)
+	}
+	host, _, err := net.SplitHostPort(hp)
+	if err != nil {
+		return fmt.Errorf("--events-zmq %q: want tcp://HOST:PORT", ep)
+	}
+	if ip := net.ParseIP(host); !expose && host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+		return fmt.Errorf("--events-zmq %q: want a loopback address such as tcp://127.0.0.1:5557, or add --events-zmq-expose to publish beyond this host", ep)
+	}
+	return nil
+}
+
+// eventsZMQConfig is the publisher's configuration from the flags.
+func (c *config) eventsZMQConfig(log *slog.Logger) events.ZMQConfig {
+	v := events.VLLM{BlockSize: c.eventsZMQBlockSize, BytesHashes: c.eventsZMQHashes == "bytes"}
+	if c.eventsZMQFormat == "array" {
+		v.Format = events.FormatArray
+	}
+	return events.ZMQConfig{Endpoint: c.eventsZMQ, Topic: c.eventsZMQTopic, VLLM: v, Logger: log}
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/events"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
@@ -123,9 +124,24 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	stopFaults := faultsAfterRecovery(svc.DiskRecovered(), startFaults)
+	// From the start: its first message is a reset, then the blocks the
+	// disk tier's recovery brings back as they come.
+	var pub *events.Publisher
+	if cfg.eventsZMQ != "" {
+		if pub, err = events.NewPublisher(svc.Events(), cfg.eventsZMQConfig(log)); err != nil {
+			stopFaults()
+			svc.Close()
+			copier.Close()
+			return err
+		}
+	}
 	closeAll := func() error {
 		stopFaults()
-		return errors.Join(svc.Close(), copier.Close())
+		var pubErr error
+		if pub != nil {
+			pubErr = pub.Close()
+		}
+		return errors.Join(pubErr, svc.Close(), copier.Close())
 	}
 
 	mode := os.FileMode(0o600)
@@ -167,7 +183,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
-		"max_request_bytes", srv.MaxRequestBytes(),
+		"max_request_bytes", srv.MaxRequestBytes(), "events_zmq", cfg.eventsZMQ,
 		"remote_seeds", strings.Join(cfg.remote.addrs, ","), "remote_write", cfg.remote.write, "remote_mac", cfg.remote.keyFile != "")
 
 	var runErr error

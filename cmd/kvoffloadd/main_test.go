@@ -35,7 +35,8 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
-		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes"} {
+		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes",
+		"-events-zmq", "-events-zmq-expose", "-events-zmq-topic", "-events-zmq-format", "-events-zmq-hashes", "-events-zmq-block-size"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -58,6 +59,13 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--metrics-addr", "0.0.0.0:9464"}, "loopback"},
 		{[]string{"--metrics-addr", ":9464"}, "--metrics-expose"},
 		{[]string{"--metrics-addr", "9464", "--metrics-expose"}, "want host:port"},
+		{[]string{"--events-zmq", "tcp://0.0.0.0:5557"}, "--events-zmq-expose"},
+		{[]string{"--events-zmq", "tcp://*:5557"}, "--events-zmq-expose"},
+		{[]string{"--events-zmq", "udp://127.0.0.1:5557"}, "want tcp://HOST:PORT or ipc://PATH"},
+		{[]string{"--events-zmq", "ipc://relative"}, "absolute path"},
+		{[]string{"--events-zmq-format", "json"}, "--events-zmq-format"},
+		{[]string{"--events-zmq-hashes", "hex"}, "--events-zmq-hashes"},
+		{[]string{"--events-zmq-block-size", "0"}, "--events-zmq-block-size"},
 		{[]string{"--log-level", "chatty"}, "--log-level"},
 		{[]string{"--log-format", "xml"}, "--log-format"},
 		{[]string{"--shutdown-timeout", "-1s"}, "--shutdown-timeout"},

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/dma/host"
+	"github.com/kvoffloadd/kvoffloadd/events"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
@@ -51,6 +52,8 @@ type Options struct {
 	Wrap func(dma.Engine) dma.Engine
 	// Quiet drops logs below warnings.
 	Quiet bool
+	// Events sizes the event hub (offload.Config.Events).
+	Events events.Config
 
 	// DiskDirs, when set, adds a disk tier with a slot file per dir.
 	DiskDirs       []string
@@ -127,6 +130,7 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		DMA:             copier,
 		Limits:          o.Limits,
 		NamespaceLinger: o.NamespaceLinger,
+		Events:          o.Events,
 		Logger:          log,
 		Registerer:      reg,
 	})

@@ -31,8 +31,10 @@ from .types import (
     BlockFailure,
     BlockStatus,
     Completions,
+    EventKind,
     Job,
     JobResult,
+    KVEvent,
     Layout,
     LookupResult,
     NamespaceStats,
@@ -45,7 +47,7 @@ from .types import (
     pack_hashes,
 )
 
-__all__ = ["Client", "MAX_MESSAGE_BYTES", "HEALTH_SERVING"]
+__all__ = ["Client", "EventStream", "MAX_MESSAGE_BYTES", "HEALTH_SERVING"]
 
 # The daemon refuses larger messages (rpc/server.MaxMessageBytes).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -160,6 +162,41 @@ def _region_pb(r: Region) -> pb.Region:
             )
         )
     return m
+
+
+class EventStream:
+    """A ``WatchEvents`` stream (docs/events.md): iterate it for lists of
+    :class:`KVEvent`; :meth:`cancel` (or leaving a ``with`` block) ends it, and
+    the iteration with it. It also ends, with :class:`KVOffloadError`
+    UNAVAILABLE, when the daemon shuts down."""
+
+    def __init__(self, call):
+        self._call = call
+        self._cancelled = False
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> list[KVEvent]:
+        try:
+            r = next(self._call)
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise from_rpc_error(e, "WatchEvents") from None
+        return [
+            KVEvent(e.seq, EventKind(e.kind), Tier(e.tier), e.namespace_id, e.group, bytes(e.hash)) for e in r.events
+        ]
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
 
 
 class Client:
@@ -462,6 +499,14 @@ class Client:
         if hashes is not None:
             req.keys.CopyFrom(_key_list(group, hashes))
         return self._call("Invalidate", req).removed
+
+    def watch_events(self, namespace_ids: Sequence[int] = (), *, max_events: int = 0) -> EventStream:
+        """Streams what the tiers hold of the namespaces (none: every
+        namespace): ALL_BLOCKS_CLEARED and a snapshot, then every change, in
+        order (docs/events.md). The stream has no deadline; cancel it when
+        done."""
+        req = pb.WatchEventsRequest(namespace_ids=list(namespace_ids), max_events=max_events)
+        return EventStream(self._stub.WatchEvents(req, timeout=None))
 
     def stats(self) -> Stats:
         """Tier use, namespaces and counters."""

@@ -55,6 +55,17 @@ class Tier(enum.IntEnum):
     CPU_AND_DISK = 3
 
 
+class EventKind(enum.IntEnum):
+    """What a :class:`KVEvent` says (kvoffload.v1.EventKind; docs/events.md)."""
+
+    UNSPECIFIED = 0
+    BLOCK_STORED = 1  # the block became ready in ``tier``
+    BLOCK_REMOVED = 2  # the block left ``tier``
+    ALL_BLOCKS_CLEARED = 3  # forget every block of the stream; a snapshot follows
+    EVENTS_LOST = 4  # the stream fell behind: a reset and a snapshot follow
+    CAUGHT_UP = 5  # every change up to ``seq`` has been sent
+
+
 class Op(enum.IntEnum):
     """A job's direction (kvoffload.v1.Op)."""
 
@@ -265,3 +276,17 @@ def pack_hashes(hashes: Sequence[bytes], hash_bytes: int | None = None) -> bytes
         if len(h) != want:
             raise InvalidArgument(None, f"hash {i} is {len(h)} bytes, want {want}", from_daemon=False)
     return b"".join(hs)
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One change of one block's tiers, or a marker (no block): an element of
+    :meth:`kvoffload.Client.watch_events`. ``seq`` is the change's place in
+    the daemon's sequence; along one stream it never decreases."""
+
+    seq: int
+    kind: EventKind
+    tier: Tier = Tier.NONE
+    namespace_id: int = 0
+    group: int = 0
+    hash: bytes = b""

@@ -264,6 +264,72 @@ func (RecoveryState) EnumDescriptor() ([]byte, []int) {
 	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{3}
 }
 
+type EventKind int32
+
+const (
+	EventKind_EVENT_KIND_UNSPECIFIED EventKind = 0
+	// The block became ready in tier: a Lookup offers it from there.
+	EventKind_EVENT_KIND_BLOCK_STORED EventKind = 1
+	// The block left tier (eviction, demotion, invalidation, a failed read).
+	EventKind_EVENT_KIND_BLOCK_REMOVED EventKind = 2
+	// Forget every block of the followed namespaces: a snapshot follows
+	// (BLOCK_STORED events, then CAUGHT_UP). The first event of a stream.
+	EventKind_EVENT_KIND_ALL_BLOCKS_CLEARED EventKind = 3
+	// The subscriber fell behind and changes were lost: ALL_BLOCKS_CLEARED
+	// and a snapshot follow at once.
+	EventKind_EVENT_KIND_EVENTS_LOST EventKind = 4
+	// Every change up to seq has been sent: the snapshot is complete, or the
+	// stream is idle.
+	EventKind_EVENT_KIND_CAUGHT_UP EventKind = 5
+)
+
+// Enum value maps for EventKind.
+var (
+	EventKind_name = map[int32]string{
+		0: "EVENT_KIND_UNSPECIFIED",
+		1: "EVENT_KIND_BLOCK_STORED",
+		2: "EVENT_KIND_BLOCK_REMOVED",
+		3: "EVENT_KIND_ALL_BLOCKS_CLEARED",
+		4: "EVENT_KIND_EVENTS_LOST",
+		5: "EVENT_KIND_CAUGHT_UP",
+	}
+	EventKind_value = map[string]int32{
+		"EVENT_KIND_UNSPECIFIED":        0,
+		"EVENT_KIND_BLOCK_STORED":       1,
+		"EVENT_KIND_BLOCK_REMOVED":      2,
+		"EVENT_KIND_ALL_BLOCKS_CLEARED": 3,
+		"EVENT_KIND_EVENTS_LOST":        4,
+		"EVENT_KIND_CAUGHT_UP":          5,
+	}
+)
+
+func (x EventKind) Enum() *EventKind {
+	p := new(EventKind)
+	*p = x
+	return p
+}
+
+func (x EventKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (EventKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvoffload_v1_kvoffload_proto_enumTypes[4].Descriptor()
+}
+
+func (EventKind) Type() protoreflect.EnumType {
+	return &file_kvoffload_v1_kvoffload_proto_enumTypes[4]
+}
+
+func (x EventKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use EventKind.Descriptor instead.
+func (EventKind) EnumDescriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{4}
+}
+
 // One piece of an engine block: the bytes of one region (a layer, or a
 // layer's K or V) for one KV cache group.
 type Segment struct {
@@ -2092,6 +2158,195 @@ func (x *DiskRecovery) GetElapsedMs() uint64 {
 	return 0
 }
 
+type WatchEventsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The namespaces to follow; empty follows every namespace, those made
+	// later included.
+	NamespaceIds []uint32 `protobuf:"varint,1,rep,packed,name=namespace_ids,json=namespaceIds,proto3" json:"namespace_ids,omitempty"`
+	// At most this many events per response; 0 or more than 1024 means 1024.
+	MaxEvents     uint32 `protobuf:"varint,2,opt,name=max_events,json=maxEvents,proto3" json:"max_events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchEventsRequest) Reset() {
+	*x = WatchEventsRequest{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchEventsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchEventsRequest) ProtoMessage() {}
+
+func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
+func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *WatchEventsRequest) GetNamespaceIds() []uint32 {
+	if x != nil {
+		return x.NamespaceIds
+	}
+	return nil
+}
+
+func (x *WatchEventsRequest) GetMaxEvents() uint32 {
+	if x != nil {
+		return x.MaxEvents
+	}
+	return 0
+}
+
+type WatchEventsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Events        []*KVEvent             `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchEventsResponse) Reset() {
+	*x = WatchEventsResponse{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchEventsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchEventsResponse) ProtoMessage() {}
+
+func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchEventsResponse.ProtoReflect.Descriptor instead.
+func (*WatchEventsResponse) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *WatchEventsResponse) GetEvents() []*KVEvent {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
+// KVEvent is one change of one block, or a marker (no block).
+type KVEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The change's place in the daemon's sequence of changes; along one
+	// stream it never decreases. Snapshot events and markers carry the
+	// place they were taken at.
+	Seq  uint64    `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Kind EventKind `protobuf:"varint,2,opt,name=kind,proto3,enum=kvoffload.v1.EventKind" json:"kind,omitempty"`
+	// TIER_CPU or TIER_DISK for BLOCK_STORED and BLOCK_REMOVED.
+	Tier        Tier   `protobuf:"varint,3,opt,name=tier,proto3,enum=kvoffload.v1.Tier" json:"tier,omitempty"`
+	NamespaceId uint32 `protobuf:"varint,4,opt,name=namespace_id,json=namespaceId,proto3" json:"namespace_id,omitempty"`
+	Group       uint32 `protobuf:"varint,5,opt,name=group,proto3" json:"group,omitempty"`
+	// The block hash as the client sent it.
+	Hash          []byte `protobuf:"bytes,6,opt,name=hash,proto3" json:"hash,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KVEvent) Reset() {
+	*x = KVEvent{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KVEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KVEvent) ProtoMessage() {}
+
+func (x *KVEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KVEvent.ProtoReflect.Descriptor instead.
+func (*KVEvent) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *KVEvent) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *KVEvent) GetKind() EventKind {
+	if x != nil {
+		return x.Kind
+	}
+	return EventKind_EVENT_KIND_UNSPECIFIED
+}
+
+func (x *KVEvent) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_NONE
+}
+
+func (x *KVEvent) GetNamespaceId() uint32 {
+	if x != nil {
+		return x.NamespaceId
+	}
+	return 0
+}
+
+func (x *KVEvent) GetGroup() uint32 {
+	if x != nil {
+		return x.Group
+	}
+	return 0
+}
+
+func (x *KVEvent) GetHash() []byte {
+	if x != nil {
+		return x.Hash
+	}
+	return nil
+}
+
 var File_kvoffload_v1_kvoffload_proto protoreflect.FileDescriptor
 
 const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
@@ -2234,7 +2489,20 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x10blocks_recovered\x18\x06 \x01(\x04R\x0fblocksRecovered\x12\x1b\n" +
 	"\tbad_slots\x18\a \x01(\x04R\bbadSlots\x12\x1d\n" +
 	"\n" +
-	"elapsed_ms\x18\b \x01(\x04R\telapsedMs*\xdf\x01\n" +
+	"elapsed_ms\x18\b \x01(\x04R\telapsedMs\"X\n" +
+	"\x12WatchEventsRequest\x12#\n" +
+	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\x12\x1d\n" +
+	"\n" +
+	"max_events\x18\x02 \x01(\rR\tmaxEvents\"D\n" +
+	"\x13WatchEventsResponse\x12-\n" +
+	"\x06events\x18\x01 \x03(\v2\x15.kvoffload.v1.KVEventR\x06events\"\xbd\x01\n" +
+	"\aKVEvent\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12+\n" +
+	"\x04kind\x18\x02 \x01(\x0e2\x17.kvoffload.v1.EventKindR\x04kind\x12&\n" +
+	"\x04tier\x18\x03 \x01(\x0e2\x12.kvoffload.v1.TierR\x04tier\x12!\n" +
+	"\fnamespace_id\x18\x04 \x01(\rR\vnamespaceId\x12\x14\n" +
+	"\x05group\x18\x05 \x01(\rR\x05group\x12\x12\n" +
+	"\x04hash\x18\x06 \x01(\fR\x04hash*\xdf\x01\n" +
 	"\vBlockStatus\x12\x13\n" +
 	"\x0fBLOCK_STATUS_OK\x10\x00\x12\x18\n" +
 	"\x14BLOCK_STATUS_MISSING\x10\x01\x12\x19\n" +
@@ -2258,7 +2526,14 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x13RECOVERY_STATE_NONE\x10\x00\x12\x1a\n" +
 	"\x16RECOVERY_STATE_RUNNING\x10\x01\x12\x17\n" +
 	"\x13RECOVERY_STATE_DONE\x10\x02\x12\x1a\n" +
-	"\x16RECOVERY_STATE_STOPPED\x10\x032\xaa\x05\n" +
+	"\x16RECOVERY_STATE_STOPPED\x10\x03*\xbb\x01\n" +
+	"\tEventKind\x12\x1a\n" +
+	"\x16EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n" +
+	"\x17EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1c\n" +
+	"\x18EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n" +
+	"\x1dEVENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n" +
+	"\x16EVENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n" +
+	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\x80\x06\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
@@ -2270,7 +2545,8 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\vCompletions\x12 .kvoffload.v1.CompletionsRequest\x1a!.kvoffload.v1.CompletionsResponse\x12O\n" +
 	"\n" +
 	"Invalidate\x12\x1f.kvoffload.v1.InvalidateRequest\x1a .kvoffload.v1.InvalidateResponse\x12@\n" +
-	"\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponseB?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
+	"\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponse\x12T\n" +
+	"\vWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01B?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
 
 var (
 	file_kvoffload_v1_kvoffload_proto_rawDescOnce sync.Once
@@ -2284,83 +2560,92 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 	return file_kvoffload_v1_kvoffload_proto_rawDescData
 }
 
-var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(BlockStatus)(0),            // 0: kvoffload.v1.BlockStatus
 	(Tier)(0),                   // 1: kvoffload.v1.Tier
 	(Op)(0),                     // 2: kvoffload.v1.Op
 	(RecoveryState)(0),          // 3: kvoffload.v1.RecoveryState
-	(*Segment)(nil),             // 4: kvoffload.v1.Segment
-	(*Layout)(nil),              // 5: kvoffload.v1.Layout
-	(*CudaIpcMemory)(nil),       // 6: kvoffload.v1.CudaIpcMemory
-	(*Region)(nil),              // 7: kvoffload.v1.Region
-	(*RegisterRequest)(nil),     // 8: kvoffload.v1.RegisterRequest
-	(*RegisterResponse)(nil),    // 9: kvoffload.v1.RegisterResponse
-	(*UnregisterRequest)(nil),   // 10: kvoffload.v1.UnregisterRequest
-	(*UnregisterResponse)(nil),  // 11: kvoffload.v1.UnregisterResponse
-	(*ResolveRequest)(nil),      // 12: kvoffload.v1.ResolveRequest
-	(*ResolveResponse)(nil),     // 13: kvoffload.v1.ResolveResponse
-	(*KeyList)(nil),             // 14: kvoffload.v1.KeyList
-	(*LookupRequest)(nil),       // 15: kvoffload.v1.LookupRequest
-	(*LookupResponse)(nil),      // 16: kvoffload.v1.LookupResponse
-	(*Job)(nil),                 // 17: kvoffload.v1.Job
-	(*TransferRequest)(nil),     // 18: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),    // 19: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),        // 20: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),           // 21: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),  // 22: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil), // 23: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),   // 24: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),  // 25: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),        // 26: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),           // 27: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),      // 28: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),       // 29: kvoffload.v1.StatsResponse
-	(*DiskRecovery)(nil),        // 30: kvoffload.v1.DiskRecovery
+	(EventKind)(0),              // 4: kvoffload.v1.EventKind
+	(*Segment)(nil),             // 5: kvoffload.v1.Segment
+	(*Layout)(nil),              // 6: kvoffload.v1.Layout
+	(*CudaIpcMemory)(nil),       // 7: kvoffload.v1.CudaIpcMemory
+	(*Region)(nil),              // 8: kvoffload.v1.Region
+	(*RegisterRequest)(nil),     // 9: kvoffload.v1.RegisterRequest
+	(*RegisterResponse)(nil),    // 10: kvoffload.v1.RegisterResponse
+	(*UnregisterRequest)(nil),   // 11: kvoffload.v1.UnregisterRequest
+	(*UnregisterResponse)(nil),  // 12: kvoffload.v1.UnregisterResponse
+	(*ResolveRequest)(nil),      // 13: kvoffload.v1.ResolveRequest
+	(*ResolveResponse)(nil),     // 14: kvoffload.v1.ResolveResponse
+	(*KeyList)(nil),             // 15: kvoffload.v1.KeyList
+	(*LookupRequest)(nil),       // 16: kvoffload.v1.LookupRequest
+	(*LookupResponse)(nil),      // 17: kvoffload.v1.LookupResponse
+	(*Job)(nil),                 // 18: kvoffload.v1.Job
+	(*TransferRequest)(nil),     // 19: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),    // 20: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),        // 21: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),           // 22: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),  // 23: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil), // 24: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),   // 25: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),  // 26: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),        // 27: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),           // 28: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),      // 29: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),       // 30: kvoffload.v1.StatsResponse
+	(*DiskRecovery)(nil),        // 31: kvoffload.v1.DiskRecovery
+	(*WatchEventsRequest)(nil),  // 32: kvoffload.v1.WatchEventsRequest
+	(*WatchEventsResponse)(nil), // 33: kvoffload.v1.WatchEventsResponse
+	(*KVEvent)(nil),             // 34: kvoffload.v1.KVEvent
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
-	4,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
-	6,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
-	5,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
-	7,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
-	14, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
+	5,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
+	7,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
+	6,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
+	8,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
+	15, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
 	1,  // 5: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
-	14, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	17, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	21, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	15, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
+	18, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	22, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
 	0,  // 9: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
 	2,  // 10: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	20, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	21, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
-	14, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	27, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	28, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
-	30, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
+	21, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	22, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	15, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
+	28, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	29, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	31, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
 	3,  // 17: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
-	8,  // 18: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
-	10, // 19: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
-	12, // 20: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
-	15, // 21: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	18, // 22: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	18, // 23: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	22, // 24: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	24, // 25: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	26, // 26: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	9,  // 27: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	11, // 28: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	13, // 29: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
-	16, // 30: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	19, // 31: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	19, // 32: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	23, // 33: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	25, // 34: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	29, // 35: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	27, // [27:36] is the sub-list for method output_type
-	18, // [18:27] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	34, // 18: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
+	4,  // 19: kvoffload.v1.KVEvent.kind:type_name -> kvoffload.v1.EventKind
+	1,  // 20: kvoffload.v1.KVEvent.tier:type_name -> kvoffload.v1.Tier
+	9,  // 21: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
+	11, // 22: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
+	13, // 23: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
+	16, // 24: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
+	19, // 25: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	19, // 26: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	23, // 27: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	25, // 28: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	27, // 29: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	32, // 30: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
+	10, // 31: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	12, // 32: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	14, // 33: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	17, // 34: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	20, // 35: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	20, // 36: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	24, // 37: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	26, // 38: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	30, // 39: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	33, // 40: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
+	31, // [31:41] is the sub-list for method output_type
+	21, // [21:31] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_kvoffload_v1_kvoffload_proto_init() }
@@ -2379,8 +2664,8 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
-			NumEnums:      4,
-			NumMessages:   27,
+			NumEnums:      5,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,6 +32,7 @@ const (
 	KVOffload_Completions_FullMethodName = "/kvoffload.v1.KVOffload/Completions"
 	KVOffload_Invalidate_FullMethodName  = "/kvoffload.v1.KVOffload/Invalidate"
 	KVOffload_Stats_FullMethodName       = "/kvoffload.v1.KVOffload/Stats"
+	KVOffload_WatchEvents_FullMethodName = "/kvoffload.v1.KVOffload/WatchEvents"
 )
 
 // KVOffloadClient is the client API for KVOffload service.
@@ -63,6 +64,10 @@ type KVOffloadClient interface {
 	Invalidate(ctx context.Context, in *InvalidateRequest, opts ...grpc.CallOption) (*InvalidateResponse, error)
 	// Stats reports tier use and counters.
 	Stats(ctx context.Context, in *StatsRequest, opts ...grpc.CallOption) (*StatsResponse, error)
+	// WatchEvents streams what the tiers hold, for KV-aware routers: a reset
+	// and a snapshot, then every change, in order (docs/events.md). It lasts
+	// until the client cancels it or the daemon shuts down (UNAVAILABLE).
+	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEventsResponse], error)
 }
 
 type kVOffloadClient struct {
@@ -163,6 +168,25 @@ func (c *kVOffloadClient) Stats(ctx context.Context, in *StatsRequest, opts ...g
 	return out, nil
 }
 
+func (c *kVOffloadClient) WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEventsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &KVOffload_ServiceDesc.Streams[0], KVOffload_WatchEvents_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchEventsRequest, WatchEventsResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVOffload_WatchEventsClient = grpc.ServerStreamingClient[WatchEventsResponse]
+
 // KVOffloadServer is the server API for KVOffload service.
 // All implementations must embed UnimplementedKVOffloadServer
 // for forward compatibility.
@@ -192,6 +216,10 @@ type KVOffloadServer interface {
 	Invalidate(context.Context, *InvalidateRequest) (*InvalidateResponse, error)
 	// Stats reports tier use and counters.
 	Stats(context.Context, *StatsRequest) (*StatsResponse, error)
+	// WatchEvents streams what the tiers hold, for KV-aware routers: a reset
+	// and a snapshot, then every change, in order (docs/events.md). It lasts
+	// until the client cancels it or the daemon shuts down (UNAVAILABLE).
+	WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error
 	mustEmbedUnimplementedKVOffloadServer()
 }
 
@@ -228,6 +256,9 @@ func (UnimplementedKVOffloadServer) Invalidate(context.Context, *InvalidateReque
 }
 func (UnimplementedKVOffloadServer) Stats(context.Context, *StatsRequest) (*StatsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Stats not implemented")
+}
+func (UnimplementedKVOffloadServer) WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error {
+	return status.Errorf(codes.Unimplemented, "method WatchEvents not implemented")
 }
 func (UnimplementedKVOffloadServer) mustEmbedUnimplementedKVOffloadServer() {}
 func (UnimplementedKVOffloadServer) testEmbeddedByValue()                   {}
@@ -412,6 +443,17 @@ func _KVOffload_Stats_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVOffload_WatchEvents_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchEventsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(KVOffloadServer).WatchEvents(m, &grpc.GenericServerStream[WatchEventsRequest, WatchEventsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVOffload_WatchEventsServer = grpc.ServerStreamingServer[WatchEventsResponse]
+
 // KVOffload_ServiceDesc is the grpc.ServiceDesc for KVOffload service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -456,6 +498,12 @@ var KVOffload_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _KVOffload_Stats_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchEvents",
+			Handler:       _KVOffload_WatchEvents_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "kvoffload/v1/kvoffload.proto",
 }

@@ -59,6 +59,11 @@ class KVOffloadStub(object):
                 request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.StatsResponse.FromString,
                 )
+        self.WatchEvents = channel.unary_stream(
+                '/kvoffload.v1.KVOffload/WatchEvents',
+                request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.FromString,
+                )
 
 
 class KVOffloadServicer(object):
@@ -134,6 +139,15 @@ class KVOffloadServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """WatchEvents streams what the tiers hold, for KV-aware routers: a reset
+        and a snapshot, then every change, in order (docs/events.md). It lasts
+        until the client cancels it or the daemon shuts down (UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVOffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +195,11 @@ def add_KVOffloadServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.StatsRequest.FromString,
                     response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,5 +361,22 @@ class KVOffload(object):
         return grpc.experimental.unary_unary(request, target, '/kvoffload.v1.KVOffload/Stats',
             kvoffload_dot_v1_dot_kvoffload__pb2.StatsRequest.SerializeToString,
             kvoffload_dot_v1_dot_kvoffload__pb2.StatsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/kvoffload.v1.KVOffload/WatchEvents',
+            kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.SerializeToString,
+            kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,290 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+// zmqEvent is one event as the Python decoder printed it.
+type zmqEvent struct {
+	Subscribed bool     `json:"subscribed"`
+	Error      string   `json:"error"`
+	Seq        uint64   `json:"seq"`
+	Type       string   `json:"type"`
+	Hashes     []string `json:"hashes"`
+	Medium     string   `json:"medium"`
+	Group      int      `json:"group"`
+}
+
+// TestEventsZMQ runs the daemon with --events-zmq and a subscriber written
+// in Python from vLLM's definitions (python3-zmq, python3-msgpack), which
+// checks the layout of every message field by field. The events it
+// receives, replayed, equal a Lookup of every key, through stores,
+// demotions, evictions from both tiers, an invalidation and a reset.
+func TestEventsZMQ(t *testing.T) {
+	for _, tc := range []struct{ format, hashes string }{{"map", "int"}, {"array", "bytes"}} {
+		t.Run(tc.format+"-"+tc.hashes, func(t *testing.T) { testEventsZMQ(t, tc.format, tc.hashes) })
+	}
+}
+
+func testEventsZMQ(t *testing.T, format, hashes string) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	endpoint := "tcp://" + freePort(t)
+	const topic = "kv@pod@model"
+	_, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB", "--cpu-chunk-bytes", "4MiB",
+		"--disk-dir", t.TempDir(), "--disk-bytes", "16MiB", "--disk-chunk-bytes", "4MiB", "--disk-direct", "fallback",
+		"--events-zmq", endpoint, "--events-zmq-topic", topic, "--events-zmq-format", format, "--events-zmq-hashes", hashes,
+		"--events-zmq-block-size", "32")
+
+	py := exec.Command("/usr/bin/python3", "testdata/kv_events_sub.py", endpoint, topic, format, hashes, "32")
+	stdin, err := py.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := py.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bufferWriter
+	py.Stderr = &stderr
+	if err := py.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan zmqEvent, 1<<16)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			var e zmqEvent
+			if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
+				e.Error = fmt.Sprintf("bad line %q: %v", sc.Text(), err)
+			}
+			lines <- e
+		}
+	}()
+	t.Cleanup(func() {
+		stdin.Close()
+		py.Wait()
+	})
+	next := func(wait time.Duration) (zmqEvent, bool) {
+		t.Helper()
+		select {
+		case e, ok := <-lines:
+			if !ok {
+				t.Fatalf("the decoder exited: %s", stderr.String())
+			}
+			if e.Error != "" {
+				t.Fatalf("the decoder: %s", e.Error)
+			}
+			return e, true
+		case <-time.After(wait):
+			return zmqEvent{}, false
+		}
+	}
+	if e, _ := next(30 * time.Second); !e.Subscribed {
+		t.Fatal("the decoder did not start")
+	}
+
+	m := testenv.Model{Layers: 4, SegBytes: 64 << 10, Blocks: 64}
+	r := testenv.NewRegion(t, m.RegionBytes())
+	ctx := context.Background()
+	reg, err := c.Register(ctx, []byte("zmq"), m.Layout(), m.Regions(r), t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Block hashes whose last 8 bytes (what an int hash keeps) differ.
+	hash := func(seed uint64, i int) []byte {
+		h := m.Hash(seed, i)
+		binary.BigEndian.PutUint64(h[len(h)-8:], seed<<32|uint64(i))
+		return h
+	}
+	var all [][]byte
+	nextID := uint64(1)
+	// store stores hs and reports whether every block was taken (the
+	// admission policy may keep hotter blocks instead).
+	store := func(hs [][]byte) bool {
+		t.Helper()
+		for i, h := range hs {
+			m.Fill(r, i, h)
+		}
+		res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(nextID, hs, seqIDs(len(hs)))}, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nextID++
+		all = append(all, hs...)
+		return res[0].Ok
+	}
+	name := func(h []byte) string {
+		if hashes == "int" {
+			return hex.EncodeToString(h[len(h)-8:])
+		}
+		return hex.EncodeToString(h)
+	}
+	held := map[string]pb.Tier{}
+	apply := func(e zmqEvent) {
+		tier := pb.Tier_TIER_CPU
+		if e.Medium == "DISK" {
+			tier = pb.Tier_TIER_DISK
+		}
+		switch e.Type {
+		case "AllBlocksCleared":
+			held = map[string]pb.Tier{}
+		case "BlockStored":
+			for _, h := range e.Hashes {
+				held[h] |= tier
+			}
+		case "BlockRemoved":
+			for _, h := range e.Hashes {
+				if held[h] &^= tier; held[h] == 0 {
+					delete(held, h)
+				}
+			}
+		}
+	}
+	// until reads events until one says hash h is stored.
+	until := func(h []byte) {
+		t.Helper()
+		for {
+			e, ok := next(30 * time.Second)
+			if !ok {
+				t.Fatalf("no event for %x", h[:8])
+			}
+			apply(e)
+			if e.Type == "BlockStored" {
+				for _, x := range e.Hashes {
+					if x == name(h) {
+						return
+					}
+				}
+			}
+		}
+	}
+
+	// A ZeroMQ subscription takes effect some time after the connect:
+	// store probe blocks until the decoder sees one.
+	for i := 0; ; i++ {
+		if i == 300 {
+			t.Fatal("the decoder never received an event")
+		}
+		store([][]byte{hash(99, i)})
+		if e, ok := next(100 * time.Millisecond); ok {
+			apply(e)
+			break
+		}
+	}
+	// From here the decoder's stream has no gap (it checks the seqs),
+	// but it missed the start: drain the probes, then reset the view
+	// with a whole-namespace invalidation.
+	if _, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{reg.NamespaceId}}); err != nil {
+		t.Fatal(err)
+	}
+	cleared := false
+	for !cleared {
+		e, ok := next(30 * time.Second)
+		if !ok {
+			t.Fatal("no AllBlocksCleared after invalidating the namespace")
+		}
+		apply(e)
+		cleared = e.Type == "AllBlocksCleared"
+	}
+
+	// Four times the CPU tier, more than both tiers hold.
+	for s := 0; s < 32; s++ {
+		hs := make([][]byte, 4)
+		for i := range hs {
+			hs[i] = hash(uint64(s), i)
+		}
+		store(hs)
+	}
+	if _, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{reg.NamespaceId}, Keys: testenv.Keys(all[len(all)-8:]...)}); err != nil {
+		t.Fatal(err)
+	}
+	mediums := map[string]bool{}
+	for i := 0; ; i++ {
+		// Every earlier event has come once a later block's has; the
+		// disk tier may still be writing demoted blocks, so repeat until
+		// the view equals what Lookup says.
+		if i == 100 {
+			t.Fatal("the events never caught up with Lookup")
+		}
+		end := hash(1000, i)
+		if !store([][]byte{end}) {
+			continue
+		}
+		until(end)
+		if sameAsLookup(t, c, reg, all, held, name) {
+			break
+		}
+	}
+	for _, tier := range held {
+		mediums[tier.String()] = true
+	}
+	if !mediums[pb.Tier_TIER_DISK.String()] || len(held) < 40 {
+		t.Fatalf("the events hold %d blocks in %v; want blocks on disk", len(held), mediums)
+	}
+}
+
+// sameAsLookup reports whether the replayed view equals a Lookup of every
+// key.
+func sameAsLookup(t *testing.T, c *client.Client, reg *pb.RegisterResponse, all [][]byte, held map[string]pb.Tier, name func([]byte) string) bool {
+	t.Helper()
+	n := 0
+	for _, h := range all {
+		lr, err := c.Lookup(context.Background(), []uint32{reg.NamespaceId}, testenv.Keys(h), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var want pb.Tier
+		if lr.Ready == 1 {
+			want = lr.Tiers[0]
+			n++
+		}
+		if held[name(h)] != want {
+			t.Logf("block %x: the events say %v, Lookup %v", h[:8], held[name(h)], want)
+			return false
+		}
+	}
+	return n == len(held)
+}
+
+func seqIDs(n int) []uint32 {
+	b := make([]uint32, n)
+	for i := range b {
+		b[i] = uint32(i)
+	}
+	return b
+}
+
+// bufferWriter is an io.Writer safe to read while the process writes.
+type bufferWriter struct {
+	mu sync.Mutex
+	b  []byte
+}
+
+func (w *bufferWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.b = append(w.b, p...)
+	return len(p), nil
+}
+
+func (w *bufferWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return string(w.b)
+}

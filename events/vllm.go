@@ -1,0 +1,207 @@
+package events
+
+import (
+	"encoding/binary"
+	"math"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+)
+
+// The vLLM KV event format, as vllm/distributed/kv_events.py (vLLM main,
+// commit 0181ea3173e53eea8cf04a86891488e3dc89bb34) has msgspec encode it
+// to msgpack: a KVEventBatch is the array [ts, events, data_parallel_rank];
+// each event is a map whose first key, "type", names its class, then its
+// fields in declaration order, those left at their default omitted:
+//
+//	BlockStored:      block_hashes, parent_block_hash, token_ids, block_size,
+//	                  lora_id, medium, lora_name, (extra_keys), group_idx
+//	BlockRemoved:     block_hashes, medium, group_idx
+//	AllBlocksCleared: (no field)
+//
+// vLLM up to 0.23 encoded each event as an array instead (msgspec
+// array_like: the class name, then every field in order, trailing
+// defaults omitted); FormatArray writes that. docs/events.md has the
+// layout a router decodes.
+
+// Format is how an event is laid out in a batch.
+type Format uint8
+
+const (
+	// FormatMap: a map keyed by field name (vLLM main).
+	FormatMap Format = iota
+	// FormatArray: a positional array (vLLM up to 0.23).
+	FormatArray
+)
+
+// VLLM turns events into vLLM KVEventBatch payloads.
+type VLLM struct {
+	Format Format
+	// BlockSize is BlockStored's block_size: the engine's tokens per
+	// block (the daemon does not know it).
+	BlockSize int
+	// BytesHashes sends each hash as the bytes the client sent, as vLLM
+	// does with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0. By default a hash
+	// is its last 8 bytes read big-endian, an unsigned int, as vLLM sends
+	// it by default.
+	BytesHashes bool
+}
+
+// Medium names a tier as vLLM's medium field does.
+func Medium(t index.Tiers) string {
+	if t == index.InDisk {
+		return "DISK"
+	}
+	return "CPU"
+}
+
+// AppendBatch appends the msgpack KVEventBatch of evs taken at ts (Unix
+// seconds) to dst, and reports how many vLLM events it holds (0: nothing
+// to publish; markers other than Cleared have no vLLM form). A run of
+// events of one kind, tier, namespace and group is one vLLM event with
+// many block hashes.
+func (v VLLM) AppendBatch(dst []byte, ts float64, evs []Event) ([]byte, int) {
+	n := 0
+	for i := range evs {
+		if evs[i].Kind == Cleared || ((evs[i].Kind == Stored || evs[i].Kind == Removed) && (i == 0 || !sameRun(&evs[i-1], &evs[i]))) {
+			n++
+		}
+	}
+	if n == 0 {
+		return dst, 0
+	}
+	dst = append(dst, 0x93) // [ts, events, data_parallel_rank]
+	dst = append(dst, 0xcb)
+	dst = binary.BigEndian.AppendUint64(dst, math.Float64bits(ts))
+	dst = appendArray(dst, n)
+	for i := 0; i < len(evs); {
+		e := &evs[i]
+		switch e.Kind {
+		case Cleared:
+			dst = v.header(dst, "AllBlocksCleared", 0)
+			i++
+			continue
+		case Stored, Removed:
+		default:
+			i++
+			continue
+		}
+		j := i + 1
+		for j < len(evs) && sameRun(&evs[j-1], &evs[j]) {
+			j++
+		}
+		run := evs[i:j]
+		i = j
+		if e.Kind == Stored {
+			dst = v.header(dst, "BlockStored", 8)
+			dst = v.field(dst, "block_hashes")
+			dst = v.hashes(dst, run)
+			dst = v.field(dst, "parent_block_hash")
+			dst = append(dst, 0xc0)
+			dst = v.field(dst, "token_ids")
+			dst = append(dst, 0x90)
+			dst = v.field(dst, "block_size")
+			dst = appendUint(dst, uint64(v.BlockSize))
+			dst = v.field(dst, "lora_id")
+			dst = append(dst, 0xc0)
+			dst = v.field(dst, "medium")
+			dst = appendStr(dst, Medium(e.Tier))
+			dst = v.field(dst, "lora_name")
+			dst = append(dst, 0xc0)
+			if v.Format == FormatArray {
+				dst = append(dst, 0xc0) // extra_keys, before group_idx
+			}
+			dst = v.field(dst, "group_idx")
+			dst = appendUint(dst, uint64(e.Key.Group))
+			continue
+		}
+		dst = v.header(dst, "BlockRemoved", 3)
+		dst = v.field(dst, "block_hashes")
+		dst = v.hashes(dst, run)
+		dst = v.field(dst, "medium")
+		dst = appendStr(dst, Medium(e.Tier))
+		dst = v.field(dst, "group_idx")
+		dst = appendUint(dst, uint64(e.Key.Group))
+	}
+	return append(dst, 0x00), n // data_parallel_rank 0
+}
+
+// sameRun reports whether b continues a's vLLM event.
+func sameRun(a, b *Event) bool {
+	return a.Kind == b.Kind && (a.Kind == Stored || a.Kind == Removed) && a.Tier == b.Tier && a.Key.NS == b.Key.NS && a.Key.Group == b.Key.Group
+}
+
+// header starts an event of class tag with fields fields (BlockStored's
+// array form carries one more: extra_keys).
+func (v VLLM) header(dst []byte, tag string, fields int) []byte {
+	if v.Format == FormatArray {
+		if tag == "BlockStored" {
+			fields++
+		}
+		dst = appendArray(dst, 1+fields)
+		return appendStr(dst, tag)
+	}
+	dst = append(dst, 0x80|byte(1+fields)) // fixmap
+	dst = appendStr(dst, "type")
+	return appendStr(dst, tag)
+}
+
+// field names the next field (a map key; nothing in an array).
+func (v VLLM) field(dst []byte, name string) []byte {
+	if v.Format == FormatArray {
+		return dst
+	}
+	return appendStr(dst, name)
+}
+
+func (v VLLM) hashes(dst []byte, run []Event) []byte {
+	dst = appendArray(dst, len(run))
+	for i := range run {
+		h := run[i].Hash()
+		if v.BytesHashes {
+			dst = appendBin(dst, h)
+			continue
+		}
+		dst = appendUint(dst, binary.BigEndian.Uint64(h[len(h)-8:]))
+	}
+	return dst
+}
+
+// msgpack, the few types a batch needs, each in its shortest form (as
+// msgspec writes them).
+
+func appendArray(dst []byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(dst, 0x90|byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(dst, 0xdc), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(dst, 0xdd), uint32(n))
+}
+
+func appendStr(dst []byte, s string) []byte {
+	if len(s) < 32 {
+		dst = append(dst, 0xa0|byte(len(s)))
+	} else {
+		dst = append(dst, 0xd9, byte(len(s))) // names here are short
+	}
+	return append(dst, s...)
+}
+
+func appendBin(dst []byte, b []byte) []byte {
+	return append(append(dst, 0xc4, byte(len(b))), b...) // hashes are 16 or 32 bytes
+}
+
+func appendUint(dst []byte, u uint64) []byte {
+	switch {
+	case u < 128:
+		return append(dst, byte(u))
+	case u <= math.MaxUint8:
+		return append(dst, 0xcc, byte(u))
+	case u <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(dst, 0xcd), uint16(u))
+	case u <= math.MaxUint32:
+		return binary.BigEndian.AppendUint32(append(dst, 0xce), uint32(u))
+	}
+	return binary.BigEndian.AppendUint64(append(dst, 0xcf), u)
+}
