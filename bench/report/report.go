@@ -90,8 +90,8 @@ type Result struct {
 	P50us            float64 `json:"p50_us"`
 	P99us            float64 `json:"p99_us"`
 	// HitRate is, for lookups, the share of looked-up blocks that were
-	// ready, by tier ("cpu", "disk") and in all ("all"), plus by request
-	// kind ("chat", "rag", "scan").
+	// ready, by tier ("cpu", "disk", "remote") and in all ("all"), plus by
+	// request kind ("chat", "rag", "scan").
 	HitRate map[string]float64 `json:"hit_rate,omitempty"`
 	// DiskBytes is what the daemon's disk tier read (load row) or wrote
 	// (store row: demotions and write-through) in the scenario, headers
@@ -159,6 +159,12 @@ type Baselines struct {
 	// alternating with the busy Lookups.
 	GRPCEmptyBusyP50us *float64 `json:"grpc_empty_busy_p50_us"`
 	GRPCEmptyBusyP99us *float64 `json:"grpc_empty_busy_p99_us"`
+	// RedisClusterGetGBps is raw GETs (go-redis, pipelined) of the remote
+	// scenario's values from its cluster, grouped as its Loads are; P99
+	// is per pipeline. Nil when the remote scenario did not run.
+	RedisClusterGetGBps  *float64 `json:"redis_cluster_get_gbps"`
+	RedisClusterGetP99us *float64 `json:"redis_cluster_get_p99_us"`
+	RedisClusterBlocks   int      `json:"redis_cluster_blocks,omitempty"`
 }
 
 // TierRead is the tier-pattern O_DIRECT baseline: the same slots the
@@ -201,6 +207,9 @@ type Ratios struct {
 	LookupBusyP99VsGRPCEmptyP99 *float64  `json:"lookup_busy_p99_vs_grpc_empty_p99"`
 	LookupBusyP99VsEmptyBusyP99 *float64  `json:"lookup_busy_p99_vs_empty_busy_p99"`
 	LookupIdleP99VsGRPCEmptyP99 *float64  `json:"lookup_idle_p99_vs_grpc_empty_p99"`
+	// RemoteLoadVsClusterGet is node B's load of remote blocks through
+	// the daemon over raw GETs of the same values (remote scenario).
+	RemoteLoadVsClusterGet *float64 `json:"remote_load_vs_cluster_get"`
 }
 
 // Recovery is what a restart on a full disk tier cost: the daemon serves
@@ -354,11 +363,11 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(w, "daemon:    %s\n\n", r.Daemon)
 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\tlru\tbelady\tfailed\tcorrupt\treoffered\tother cpu\t")
+	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\thit remote\tlru\tbelady\tfailed\tcorrupt\treoffered\tother cpu\t")
 	for _, x := range r.Results {
-		hc, hd, hl, hb := "", "", "", ""
+		hc, hd, hr, hl, hb := "", "", "", "", ""
 		if x.HitRate != nil {
-			hc, hd = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"])
+			hc, hd, hr = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["remote"])
 		}
 		if x.HitRateLRU != nil && x.HitRateBelady != nil {
 			hl, hb = fmt.Sprintf("%.1f%%", 100**x.HitRateLRU), fmt.Sprintf("%.1f%%", 100**x.HitRateBelady)
@@ -371,8 +380,8 @@ func (r *Report) Print(w io.Writer) {
 		if x.Flagged {
 			other += " !"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
-			hc, hd, hl, hb, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered, other)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
+			hc, hd, hr, hl, hb, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered, other)
 	}
 	tw.Flush()
 
@@ -392,6 +401,7 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(tw, "  O_DIRECT, tier pattern\tskipped\n")
 	}
 	fmt.Fprintf(tw, "  empty gRPC during cpu transfers p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyBusyP50us, "%.0f"), opt(b.GRPCEmptyBusyP99us, "%.0f"))
+	fmt.Fprintf(tw, "  Redis Cluster raw GET of the remote blocks (%d values), p99\t%s GB/s, %s µs\n", b.RedisClusterBlocks, opt(b.RedisClusterGetGBps, "%.2f"), opt(b.RedisClusterGetP99us, "%.0f"))
 	tw.Flush()
 
 	q := r.Ratios
@@ -413,6 +423,7 @@ func (r *Report) Print(w io.Writer) {
 		{"lookup_busy_p99_vs_grpc_empty_p99", q.LookupBusyP99VsGRPCEmptyP99},
 		{"lookup_busy_p99_vs_empty_busy_p99", q.LookupBusyP99VsEmptyBusyP99},
 		{"lookup_idle_p99_vs_grpc_empty_p99", q.LookupIdleP99VsGRPCEmptyP99},
+		{"remote_load_vs_cluster_get", q.RemoteLoadVsClusterGet},
 	} {
 		fmt.Fprintf(w, "  %-34s %s\n", x.name, opt(x.v, "%.2f"))
 	}
