@@ -197,15 +197,37 @@ def check_payloads(eng: Engine, events) -> int:
 STEPS = 150
 
 
+def converge(eng: Engine, d) -> set:
+    """Replays everything the connector handed to vLLM so far and compares it
+    with a Lookup of every key the engine planned. The daemon may still be
+    finishing stores and disk writes: compare again as events arrive, until
+    they agree or a minute has passed. Returns what the daemon holds."""
+    c = d.client()
+    (ns,) = c.resolve([eng.sched_conn._scheduler._events_fp])
+    deadline = time.monotonic() + 60
+    while True:
+        eng.take_kv_events()
+        held: set = set()
+        replay(eng.kv_events, held)
+        want = lookup_all(c, ns, eng.planned_keys)
+        if held == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert held == want, (f"{len(held - want)} reported but not held, e.g. {sorted(held - want)[:3]}; "
+                          f"{len(want - held)} held but not reported, e.g. {sorted(want - held)[:3]}")
+    return want
+
+
 def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkeypatch):
     # Bytes hashes, so the test can recompute each hash from the event's
     # parent and tokens (the int form is the same hash's low 64 bits).
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    # 16-token blocks of 32 layers: 32 KiB, so a 4 MiB CPU tier holds ~128
-    # and a 16 MiB disk tier ~500: the workload demotes and evicts from both.
+    # 16-token blocks of 128 layers: 64 KiB, so a 4 MiB CPU tier holds 64
+    # and a 16 MiB disk tier ~240: the workload demotes and evicts from both,
+    # before the restart and after it.
     d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "16MiB", "--disk-chunk-bytes", "1MiB",
                      "--cpu-chunk-bytes", "1MiB", cpu_bytes="4MiB", log_level="warn")
-    cfg = Config(groups=[Group("full", 16, 32)], num_blocks=160, max_batched_tokens=512, max_seqs=16, model="kv-events",
+    cfg = Config(groups=[Group("full", 16, 128)], num_blocks=160, max_batched_tokens=512, max_seqs=16, model="kv-events",
                  kv_events=True)
     with connector_module() as mod:
         eng = Engine(cfg, mod, d.socket, shm)
@@ -220,6 +242,7 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
             assert feed is not None
             for i in range(STEPS):
                 if i == STEPS // 2:
+                    converge(eng, d)  # with the evictions so far, before the restart resets everything
                     d.restart()
                 wl.tick(eng)
                 eng.step()
@@ -229,28 +252,11 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
                 eng.step()
             eng.drain()
 
-            c = d.client()
-            (ns,) = c.resolve([eng.sched_conn._scheduler._events_fp])
-            held: set = set()
-            replay(eng.kv_events, held)
-            n = len(eng.kv_events)
-            # The daemon may still be writing blocks to disk: wait until the
-            # replay matches, or until nothing changes any more and it does not.
-            deadline = time.monotonic() + 60
-            while True:
-                want = lookup_all(c, ns, eng.planned_keys)
-                if held == want or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-                eng.take_kv_events()
-                replay(eng.kv_events[n:], held)
-                n = len(eng.kv_events)
-            assert held == want, (f"{len(held - want)} reported but not held, e.g. {sorted(held - want)[:3]}; "
-                                  f"{len(want - held)} held but not reported, e.g. {sorted(want - held)[:3]}")
+            want = converge(eng, d)
             names = [type(e).__name__ for e in eng.kv_events]
             removed = {e.medium for e in eng.kv_events if type(e).__name__ == "BlockRemoved"}
             stored = {e.medium for e in eng.kv_events if type(e).__name__ == "BlockStored"}
-            assert removed == {"CPU", "DISK"} and stored == {"CPU", "DISK"}, (removed, stored)
+            assert removed == {"CPU", "DISK"} and stored == {"CPU", "DISK"}, (removed, stored, len(want), len(eng.planned_keys), d.client().stats().tiers)
             # A reset at the start, one after the restart.
             assert names.count("AllBlocksCleared") >= 2 and names[0] == "AllBlocksCleared"
             # ... and after the restart's reset, the blocks recovered from disk.
