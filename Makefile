@@ -9,7 +9,7 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image soak
 
 all: build
 
@@ -63,6 +63,17 @@ vet:
 
 fmt:
 	gofmt -l -w $$(git ls-files '*.go')
+
+# The model-based randomized test (docs/model-test.md) against one daemon
+# for as long as asked: SOAK_DURATION=30m make soak. It prints the counts
+# (operations, blocks verified, faults, restarts, wrong bytes, the daemon's
+# RSS and goroutines at start and end). SOAK_SHAPE, SOAK_SEED, SOAK_OFF and
+# SOAK_TOL choose the run; SOAK_RACE=1 builds the daemon with -race.
+SOAK_DURATION ?= 10m
+soak:
+	$(GO) build $(if $(filter 1,$(SOAK_RACE)),-race) -ldflags "$(LDFLAGS)" -o bin/kvoffloadd-soak ./cmd/kvoffloadd
+	KVOFFLOADD_BIN=$(CURDIR)/bin/kvoffloadd-soak SOAK_DURATION=$(SOAK_DURATION) \
+		$(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./e2e/model
 
 # Regenerates the committed protobuf code (Go and Python) with pinned
 # generator versions.

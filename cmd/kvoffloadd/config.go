@@ -65,6 +65,9 @@ type config struct {
 	eventsZMQBlockSize int
 
 	cuda cudaConfig // the CUDA build's flags (copier_cuda.go); empty otherwise
+
+	namespaceLinger time.Duration
+	debugChecks     bool
 }
 
 func defaultSocket() string {
@@ -200,6 +203,8 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.diskReset, "disk-reset", false, "start with an empty disk tier: what the slot files hold is discarded and never comes back.")
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once their background recovery has ended (see docs/faults.md).")
+	fs.DurationVar(&c.namespaceLinger, "namespace-linger", offload.DefaultNamespaceLinger, "how long a namespace with no registration and no cached block is kept (a scheduler's namespace ids survive an engine restart); then it goes, with its id and, with their last namespace, its block sizes' policies.")
+	fs.BoolVar(&c.debugChecks, "debug-checks", false, "for tests only: also serve /debug/check (slot, pin and index accounting of a quiet daemon) and /debug/goroutines on --metrics-addr (see docs/model-test.md).")
 	fs.StringVar(&c.eventsZMQ, "events-zmq", "", "publish what the tiers hold as vLLM KV events (BlockStored/BlockRemoved with medium CPU or DISK, AllBlocksCleared) on a ZeroMQ PUB socket bound here: tcp://127.0.0.1:PORT or ipc://PATH; empty disables. See docs/events.md.")
 	fs.BoolVar(&c.eventsZMQExpose, "events-zmq-expose", false, "let --events-zmq bind beyond loopback (a router in another pod). The events name the hashes of cached prefixes, never tokens or block bytes.")
 	fs.StringVar(&c.eventsZMQTopic, "events-zmq-topic", "", "first frame of every --events-zmq message (vLLM's topic; llm-d expects kv@POD@MODEL).")
@@ -255,6 +260,12 @@ func (c *config) validate() error {
 		} else if !c.metricsExpose && host != "localhost" && (ip == nil || !ip.IsLoopback()) {
 			bad("--metrics-addr %q: want a loopback host:port such as 127.0.0.1:9464, or add --metrics-expose to serve metrics beyond this host", c.metricsAddr)
 		}
+	}
+	if c.namespaceLinger <= 0 {
+		bad("--namespace-linger %s: want a positive duration", c.namespaceLinger)
+	}
+	if c.debugChecks && c.metricsAddr == "" {
+		bad("--debug-checks needs --metrics-addr: the checks are served beside the metrics")
 	}
 	if c.logFormat != "text" && c.logFormat != "json" {
 		bad("--log-format %q: want text or json", c.logFormat)

@@ -108,6 +108,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Limits:       cfg.limits(),
 		Logger:       log,
 		Registerer:   reg,
+
+		NamespaceLinger: cfg.namespaceLinger,
 	})
 	if err != nil {
 		copier.Close()
@@ -156,6 +158,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+		if cfg.debugChecks {
+			mountDebug(mux, svc)
+			log.Warn("--debug-checks: /debug/check and /debug/goroutines are served on the metrics address; for tests only")
+		}
 		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() { metricsErr <- metricsSrv.Serve(ml) }()
 	}

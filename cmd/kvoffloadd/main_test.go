@@ -35,7 +35,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
-		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes",
+		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes", "-namespace-linger", "-debug-checks",
 		"-events-zmq", "-events-zmq-expose", "-events-zmq-topic", "-events-zmq-format", "-events-zmq-hashes", "-events-zmq-block-size"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
@@ -80,6 +80,8 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--disk-dir", "/tmp", "--fault-spec", "gremlins=0.1"}, "gremlins"},
 		{[]string{"--write-through"}, "need a disk tier"},
 		{[]string{"--fault-spec", "read-eio=0.1"}, "need a disk tier"},
+		{[]string{"--debug-checks"}, "--debug-checks needs --metrics-addr"},
+		{[]string{"--namespace-linger", "0s"}, "--namespace-linger 0s"},
 		{[]string{"--max-registrations", "0"}, "--max-registrations 0"},
 		{[]string{"--max-regions-per-uid", "-1"}, "--max-regions-per-uid -1"},
 		{[]string{"--max-connections", "0"}, "--max-connections 0"},
