@@ -196,7 +196,8 @@ class EventFeed:
     snapshot, so whoever replays the events sees a reset, then what the
     daemon holds.
 
-    Events wait for :meth:`take` in a queue of at most ``max_queued``. When
+    Events wait for :meth:`take` in a queue of at most ``max_queued`` (or
+    one reply of the stream, if that is longer). When
     it is full the thread stops reading (vLLM takes events only while it
     steps; an idle engine does not): the stream backs up to the daemon,
     whose bounded ring then marks this subscriber behind, and once taking
@@ -269,11 +270,14 @@ class EventFeed:
         try:
             for evs in stream:
                 with self._cond:
-                    while len(self._q) + len(evs) > self.max_queued and not self._stop.is_set():
+                    # An empty queue takes a whole reply (the daemon may send
+                    # a marker past max_events): at most max_queued + one reply.
+                    while self._q and len(self._q) + len(evs) > self.max_queued and not self._stop.is_set():
                         self._cond.wait()
                     if self._stop.is_set():
                         return
                     self._q.extend(evs)
+                    self._cond.notify_all()
                     for e in evs:
                         if e.kind == EventKind.EVENTS_LOST:
                             self.lost += 1

@@ -143,6 +143,46 @@ def test_off_unless_vllm_publishes_events(daemon):
                 c.shutdown()
 
 
+def test_the_feed_is_bounded_and_stops_while_blocked(client, shm, fingerprint):
+    """Events wait in a bounded queue: with it full the thread stops reading
+    (the stream backs up to the daemon) and never reaches the end of the
+    snapshot; taking lets it go on, in order; close() stops it even while it
+    waits on a full queue."""
+    from test_client import NBLK, fill, keys, kv_region
+
+    from kvoffload.kv_events import EventFeed
+
+    r, layout_, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout_, regions, client_name="pytest")
+    hs = keys(NBLK, fingerprint)
+    for b in range(NBLK):
+        fill(r, b, b)
+    assert client.store(reg.registration_id, [kv.Job(1, hs, list(range(NBLK)))], wait=True)[0].ok
+    feed = EventFeed(client, lambda: fingerprint, max_queued=2, max_events=2)
+    try:
+        with feed._cond:
+            assert feed._cond.wait_for(lambda: len(feed._q) > 0, timeout=30)
+            # Full: the snapshot's end (CAUGHT_UP) is not read until events are taken.
+            assert not feed._cond.wait_for(lambda: feed.caught_up_seq >= 0, timeout=1)
+            assert 0 < len(feed._q) <= 2 + 8 + 1  # max_queued, or one reply (the daemon's floor of 8, a marker)
+        got: list = []
+        while not got or got[-1].kind != K.CAUGHT_UP:
+            with feed._cond:
+                assert feed._cond.wait_for(lambda: len(feed._q) > 0, timeout=30)
+            got += feed.take()
+        assert got[0].kind == K.ALL_BLOCKS_CLEARED
+        assert [e.hash for e in got if e.kind == K.BLOCK_STORED] and \
+            {e.hash for e in got if e.kind == K.BLOCK_STORED} == set(hs)
+        # Changes after the snapshot, then a full queue again, then close.
+        assert client.invalidate([reg.namespace_id], hs) == NBLK
+        with feed._cond:
+            assert feed._cond.wait_for(lambda: len(feed._q) > 0, timeout=30)
+    finally:
+        feed.close()
+    assert not feed._thread.is_alive()
+    assert all(e.kind in (K.BLOCK_REMOVED, K.CAUGHT_UP) for e in feed.take())
+
+
 # -- through the stand-in, against the real daemon ----------------------------------
 
 
