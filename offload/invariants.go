@@ -16,7 +16,8 @@ var ErrBusy = errors.New("work in flight")
 // step. It walks the whole index and every slot: not for hot paths.
 //
 // Call it when nothing is in flight (no job accepted and unfinished, no
-// disk write or erase queued: wait for the jobs' results and FlushDisk);
+// disk write or erase queued, no remote publish queued: wait for the jobs'
+// results, FlushDisk and FlushRemote);
 // otherwise it returns an error wrapping ErrBusy. Leases may be held.
 // It checks that
 //   - every index entry is ready and holds a copy, in a namespace the
@@ -34,8 +35,8 @@ var ErrBusy = errors.New("work in flight")
 //
 // It returns nil or an error joining what it found (at most a few dozen).
 func (s *Service) CheckInvariants() error {
-	if n, w := s.inflight.Load(), s.diskWrites.Load(); n != 0 || w != 0 {
-		return fmt.Errorf("%w: %d jobs, %d disk writes", ErrBusy, n, w)
+	if n, w, p := s.inflight.Load(), s.diskWrites.Load(), s.remotePublishing(); n != 0 || w != 0 || p != 0 {
+		return fmt.Errorf("%w: %d jobs, %d disk writes, %d remote publishes", ErrBusy, n, w, p)
 	}
 	var errs []error
 	fail := func(format string, args ...any) {

@@ -340,6 +340,7 @@ func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int, rea
 	}
 	touched := make([]uint64, 0, n)
 	var reads []diskRead
+	var remotes []remoteRead
 	for i := 0; i < n; i++ {
 		k := makeKey(r.ns.ID, g, job.Keys.Hashes[i*hb:(i+1)*hb])
 		touched = append(touched, index.HashKey(&k))
@@ -379,6 +380,8 @@ func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int, rea
 			lj.refs = append(lj.refs, blockRef{key: k, slot: cslot, i: i})
 		case dslot != index.NoSlot:
 			reads = append(reads, diskRead{key: k, dslot: dslot, i: i})
+		case s.rem != nil:
+			remotes = append(remotes, remoteRead{key: k, i: i})
 		default:
 			lj.res.Failures = append(lj.res.Failures, r.failure(job, i, Missing))
 		}
@@ -387,11 +390,17 @@ func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int, rea
 		s.unpinLease(ls) // pins of this namespace's keys the job did not name
 	}
 	r.ns.classes[g].Touch(touched)
-	if len(reads) == 0 {
+	if len(reads) == 0 && len(remotes) == 0 {
 		lj.copy()
 		return
 	}
-	lj.promote(reads)
+	lj.left = len(reads) + len(remotes)
+	if len(remotes) > 0 {
+		s.rem.fetch(lj, remotes)
+	}
+	if len(reads) > 0 {
+		lj.promote(reads)
+	}
 }
 
 // unpinSlots drops pins taken on a block's CPU or disk slot.
@@ -419,7 +428,7 @@ type loadJob struct {
 	mu   sync.Mutex
 	res  Result
 	refs []blockRef
-	left int // disk reads not yet done
+	left int // disk reads and remote fetches not yet done
 }
 
 // diskRead is a block of a load that is only on disk.
@@ -456,7 +465,6 @@ func (lj *loadJob) promote(reads []diskRead) {
 		}
 	}
 	c.Admit(offer)
-	lj.left = len(reads)
 	deadline := time.Now().Add(stageWait)
 	for _, rd := range reads {
 		staging, ok := c.Alloc()
@@ -704,6 +712,9 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 				}
 				return true
 			})
+			if s.rem != nil && copyErr == nil {
+				s.rem.publishStored(r.ns, ref.key, ref.slot)
+			}
 		}
 		if op == OpLoad && copyErr != nil {
 			// DESIGN §3.4: a block whose load failed for any reason

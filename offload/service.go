@@ -147,6 +147,9 @@ type Config struct {
 	Events     events.Config
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
+
+	// Remote, when set, adds the shared remote tier behind the local ones.
+	Remote *RemoteConfig
 }
 
 // DefaultNamespaceLinger keeps an empty namespace through an engine
@@ -189,6 +192,8 @@ type Service struct {
 	// marksMu guards the namespaces' invalidation marks and orders their
 	// saves to the catalog (marks.go).
 	marksMu sync.Mutex
+
+	rem *remoteTier // nil without a remote tier
 
 	jobs     sync.WaitGroup // accepted jobs not yet finished
 	inflight atomic.Int64   // the same, as a count
@@ -236,6 +241,8 @@ type Namespace struct {
 	// recovery may still file blocks of it (guarded by Service.mu).
 	recovering bool
 	marks      marks // invalidations recovery honours (marks.go); guarded by Service.marksMu
+
+	remote remoteNS // the remote tier's name for it
 }
 
 // New builds the service: it maps the CPU arena and hands it to the copy engine.
@@ -244,6 +251,11 @@ func New(cfg Config) (*Service, error) {
 		cfg.Logger = slog.Default()
 	}
 	cfg.Limits = cfg.Limits.withDefaults()
+	if cfg.Remote != nil {
+		if err := cfg.Remote.validate(); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.NamespaceLinger == 0 {
 		cfg.NamespaceLinger = DefaultNamespaceLinger
 	}
@@ -261,10 +273,11 @@ func New(cfg Config) (*Service, error) {
 	s.writing.byKey = map[index.Key]*demotion{}
 	cc := cfg.CPU
 	cc.Logger = cfg.Logger
-	if cfg.Disk != nil && cc.Reserve == 0 {
+	if (cfg.Disk != nil || cfg.Remote != nil) && cc.Reserve == 0 {
 		// Keep slots the policy never fills: stores land there while
 		// evicted blocks are still on their way to disk (write-back),
-		// and loads stage blocks read from disk there.
+		// and loads stage blocks read from disk or fetched from the
+		// remote tier there.
 		cc.Reserve = 1.0 / 8
 	}
 	cc.Evict = s.onPolicyEvict
@@ -289,6 +302,9 @@ func New(cfg Config) (*Service, error) {
 	} else {
 		s.rec.done = make(chan struct{})
 		close(s.rec.done)
+	}
+	if cfg.Remote != nil {
+		s.openRemote(*cfg.Remote, cfg.Registerer)
 	}
 	s.mu.Lock()
 	s.mu.started = true
@@ -657,6 +673,9 @@ const (
 	TierCPU
 	TierDisk
 	TierCPUAndDisk
+	// TierRemote: no local tier holds the block; the shared remote tier
+	// does (it cannot be pinned: gone by load time, it is MISSING).
+	TierRemote
 )
 
 // Lookup counts the leading keys ready in every namespace. With a lease it
@@ -686,7 +705,6 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 	if leaseFor > 0 {
 		ls = &lease{}
 		s.inval.RLock()
-		defer s.inval.RUnlock()
 	}
 	// Every key looked up counts as an access for the admission policy,
 	// hit or not: that is how a prefix many requests want earns its place
@@ -755,20 +773,30 @@ func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.D
 			ns.classes[keys.Group].Touch(touched[j])
 		}
 	}
+	if ls != nil {
+		// The lease is filed under s.inval, so no lease keeps a block an
+		// Invalidate removed; with no prefix there is no lease (and no
+		// pin: the first key's were dropped).
+		if res.Ready > 0 {
+			res.LeaseID, err = s.addLease(ls, owner, leaseFor)
+		}
+		s.inval.RUnlock()
+		if err != nil {
+			return LookupResult{}, err
+		}
+	}
+	// The remote tier's round trip runs outside s.inval: an Invalidate
+	// (and the leasing Lookups queued behind it) never waits for the
+	// store. The lease pins the local prefix only: remote blocks cannot
+	// be pinned.
+	if s.rem != nil && res.Ready < n {
+		s.rem.extendLookup(nss, keys, n, &res)
+	}
 	if res.Ready < n {
 		s.m.lookupBlocks.WithLabelValues("miss").Inc()
 	}
 	s.m.lookupBlocks.WithLabelValues("hit").Add(float64(res.Ready))
 	s.c.lookupHits.Add(uint64(res.Ready))
-	if ls == nil || res.Ready == 0 {
-		// No prefix, no lease (and no pin: the first key's were dropped).
-		return res, nil
-	}
-	id, err := s.addLease(ls, owner, leaseFor)
-	if err != nil {
-		return LookupResult{}, err
-	}
-	res.LeaseID = id
 	return res, nil
 }
 
@@ -862,6 +890,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		}
 	}
 	s.voidLeases(all, want)
+	rinv := s.rem.fenceInvalidated(nss, want) // nil without a remote tier
 	// Every disk write submitted so far is named below the clock, and no
 	// later one is of these keys' old entries (the demoter submits under
 	// inval too): the mark covers every copy they left on disk.
@@ -870,6 +899,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		clock = s.disk.WriteClock() + 1
 	}
 	s.inval.Unlock()
+	rinv.reach()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
 	if keys == nil {
@@ -1091,7 +1121,11 @@ func (s *Service) Close() error {
 	}
 	s.m.regs.Set(0)
 	s.releaseLeases(func(*lease) bool { return true })
-	var diskErr error
+	var remErr, diskErr error
+	if s.rem != nil {
+		// Publishes still queued hold pins on CPU slots: dropped here.
+		remErr = s.rem.close()
+	}
 	if s.disk != nil {
 		s.dropQueuedDemotions()
 		// Drains the disk writes in flight (their callbacks touch the
@@ -1101,5 +1135,5 @@ func (s *Service) Close() error {
 	// The copy engine lets go of the arena (CUDA: unregisters the pinned
 	// pages) while it is still mapped.
 	arenaErr := s.dma.SetArena(nil)
-	return errors.Join(diskErr, arenaErr, s.cpu.Close())
+	return errors.Join(remErr, diskErr, arenaErr, s.cpu.Close())
 }

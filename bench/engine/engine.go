@@ -42,6 +42,11 @@ type Config struct {
 	IdleLookups int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
+	// Keep leaves the run's blocks cached at the end instead of
+	// invalidating them: a daemon of kvbench's own whose blocks another
+	// node then reads from the remote tier (an Invalidate would delete
+	// them from it).
+	Keep bool
 }
 
 // Op is what one kind of call did over a run.
@@ -87,6 +92,7 @@ type Result struct {
 	// in both tiers counts as cpu: that is where it loads from).
 	LookedUp         int
 	HitCPU, HitDisk  int
+	HitRemote        int // remote tier only
 	KindLookedUp     [workload.NumKinds]int
 	KindHit          [workload.NumKinds]int
 	LoadFailed       map[string]int // by status
@@ -105,6 +111,11 @@ type Result struct {
 	// were delivered intact to another job of the same Load; they are not
 	// held against a later Lookup.
 	FailedButDelivered int
+
+	// RemoteLoad is RemoteLoads' measurement: blocks only the remote tier
+	// held, loaded through the daemon.
+	RemoteLoad       Op
+	RemoteLoadFailed map[string]int
 }
 
 type job struct {
@@ -130,7 +141,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	d := &driver{
 		cfg: cfg, c: c, reg: reg, id: r.RegistrationId, ns: r.NamespaceId,
 		failed: map[string]failure{},
-		res:    &Result{LoadFailed: map[string]int{}, StoreFailed: map[string]int{}, DiskLoadFailed: map[string]int{}},
+		res:    newResult(),
 	}
 	runErr := d.warm(ctx)
 	if runErr == nil {
@@ -145,9 +156,16 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	uctx, cancel := context.WithTimeout(context.Background(), cfg.StepTimeout)
 	defer cancel()
 	// Drop this run's blocks so a shared daemon (--socket) is left as found.
-	_, ierr := c.Invalidate(uctx, []uint32{d.ns}, nil)
+	var ierr error
+	if !cfg.Keep {
+		_, ierr = c.Invalidate(uctx, []uint32{d.ns}, nil)
+	}
 	uerr := c.Unregister(uctx, d.id)
 	return d.res, errors.Join(runErr, ierr, uerr)
+}
+
+func newResult() *Result {
+	return &Result{LoadFailed: map[string]int{}, StoreFailed: map[string]int{}, DiskLoadFailed: map[string]int{}, RemoteLoadFailed: map[string]int{}}
 }
 
 // failure is a key's failed load: its status and where it happened.
@@ -292,9 +310,12 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 		res.KindLookedUp[j.req.Kind] += n
 		res.KindHit[j.req.Kind] += j.ready
 		for i, t := range lr.GetTiers() {
-			if t == pb.Tier_TIER_DISK {
+			switch t {
+			case pb.Tier_TIER_DISK:
 				res.HitDisk++
-			} else {
+			case pb.Tier_TIER_REMOTE:
+				res.HitRemote++
+			default:
 				res.HitCPU++
 			}
 			d.reoffered(j.req.Keys[i], fmt.Sprintf("the Lookup of %s in step %d", j.req.ID, d.res.Steps))

@@ -66,8 +66,8 @@ type Result struct {
 	P50us            float64 `json:"p50_us"`
 	P99us            float64 `json:"p99_us"`
 	// HitRate is, for lookups, the share of looked-up blocks that were
-	// ready, by tier ("cpu", "disk") and in all ("all"), plus by request
-	// kind ("chat", "rag", "scan").
+	// ready, by tier ("cpu", "disk", "remote") and in all ("all"), plus by
+	// request kind ("chat", "rag", "scan").
 	HitRate map[string]float64 `json:"hit_rate,omitempty"`
 	// DiskBytes is what the daemon's disk tier read (load row) or wrote
 	// (store row: demotions and write-through) in the scenario, headers
@@ -103,6 +103,13 @@ type Baselines struct {
 	ODirectIOBytes int    `json:"odirect_io_bytes"`
 	DiskDir        string `json:"disk_dir,omitempty"`
 	RedisVersion   string `json:"redis_version,omitempty"`
+
+	// RedisClusterGetGBps is raw GETs (go-redis, pipelined) of the remote
+	// scenario's values from its cluster, grouped as its Loads are; P99
+	// is per pipeline. Nil when the remote scenario did not run.
+	RedisClusterGetGBps  *float64 `json:"redis_cluster_get_gbps"`
+	RedisClusterGetP99us *float64 `json:"redis_cluster_get_p99_us"`
+	RedisClusterBlocks   int      `json:"redis_cluster_blocks,omitempty"`
 }
 
 // Ratios compare the daemon with its limits; nil when a side is missing.
@@ -113,6 +120,9 @@ type Ratios struct {
 	DiskStoreVsODirectWrite *float64 `json:"disk_store_vs_odirect_write"`
 	CPULoadVsRedisGet       *float64 `json:"cpu_load_vs_redis_get"`
 	LookupP99VsGRPCEmptyP99 *float64 `json:"lookup_p99_vs_grpc_empty_p99"`
+	// RemoteLoadVsClusterGet is node B's load of remote blocks through
+	// the daemon over raw GETs of the same values (remote scenario).
+	RemoteLoadVsClusterGet *float64 `json:"remote_load_vs_cluster_get"`
 }
 
 // Recovery is what a restart on a full disk tier cost: the daemon serves
@@ -261,18 +271,18 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(w, "daemon:    %s\n\n", r.Daemon)
 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\tfailed\tcorrupt\treoffered\t")
+	fmt.Fprintln(tw, "scenario\top\tGB/s\tblocks\tp50 µs\tp99 µs\thit cpu\thit disk\thit remote\tfailed\tcorrupt\treoffered\t")
 	for _, x := range r.Results {
-		hc, hd := "", ""
+		hc, hd, hr := "", "", ""
 		if x.HitRate != nil {
-			hc, hd = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"])
+			hc, hd, hr = fmt.Sprintf("%.1f%%", 100*x.HitRate["cpu"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["disk"]), fmt.Sprintf("%.1f%%", 100*x.HitRate["remote"])
 		}
 		gb := fmt.Sprintf("%.2f", x.GBps)
 		if strings.HasPrefix(x.Op, "lookup") {
 			gb = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%d\t%d\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
-			hc, hd, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%.0f\t%.0f\t%s\t%s\t%s\t%s\t%d\t%d\t\n", x.Scenario, x.Op, gb, x.Blocks, x.P50us, x.P99us,
+			hc, hd, hr, failedString(x.Failed), x.CorruptBlocksDelivered, x.FailedBlocksReoffered)
 	}
 	tw.Flush()
 
@@ -284,6 +294,7 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "  O_DIRECT read / write (%s I/Os, QD %d)\t%s / %s GB/s\n", sizeString(b.ODirectIOBytes), b.QueueDepth, opt(b.ODirectReadGBps, "%.2f"), opt(b.ODirectWriteGBps, "%.2f"))
 	fmt.Fprintf(tw, "  empty gRPC round trip p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyP50us, "%.0f"), opt(b.GRPCEmptyP99us, "%.0f"))
 	fmt.Fprintf(tw, "  Redis GET / SET (%d conns)\t%s / %s GB/s\n", b.Workers, opt(b.RedisGetGBps, "%.2f"), opt(b.RedisSetGBps, "%.2f"))
+	fmt.Fprintf(tw, "  Redis Cluster raw GET of the remote blocks (%d values), p99\t%s GB/s, %s µs\n", b.RedisClusterBlocks, opt(b.RedisClusterGetGBps, "%.2f"), opt(b.RedisClusterGetP99us, "%.0f"))
 	tw.Flush()
 
 	q := r.Ratios
@@ -298,6 +309,7 @@ func (r *Report) Print(w io.Writer) {
 		{"disk_store_vs_odirect_write", q.DiskStoreVsODirectWrite},
 		{"cpu_load_vs_redis_get", q.CPULoadVsRedisGet},
 		{"lookup_p99_vs_grpc_empty_p99", q.LookupP99VsGRPCEmptyP99},
+		{"remote_load_vs_cluster_get", q.RemoteLoadVsClusterGet},
 	} {
 		fmt.Fprintf(w, "  %-30s %s\n", x.name, opt(x.v, "%.2f"))
 	}

@@ -68,6 +68,8 @@ type config struct {
 
 	namespaceLinger time.Duration
 	debugChecks     bool
+
+	remote remoteFlags
 }
 
 func defaultSocket() string {
@@ -132,8 +134,9 @@ func formatBytes(n uint64) string {
 }
 
 const usageHead = `kvoffloadd keeps LLM KV-cache blocks for an inference engine (vLLM) in host
-memory, so prefixes evicted from the GPU can be loaded back instead of
-recomputed. The engine's connector talks to it over gRPC on a unix socket;
+memory (and, with --disk-dir, on NVMe; with --remote-redis, in a Redis Cluster
+shared by a fleet of nodes), so prefixes evicted from the GPU can be loaded
+back instead of recomputed. The engine's connector talks to it over gRPC on a unix socket;
 block bytes move between the engine's registered memory and a pinned arena,
 never through the socket.
 
@@ -212,6 +215,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.eventsZMQHashes, "events-zmq-hashes", c.eventsZMQHashes, "block hashes as int (the last 8 bytes, big-endian, vLLM's default) or bytes (as the client sent them, vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).")
 	fs.IntVar(&c.eventsZMQBlockSize, "events-zmq-block-size", c.eventsZMQBlockSize, "BlockStored's block_size: the engine's tokens per block (the daemon does not know it).")
 	c.cuda.addFlags(fs)
+	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), usageHead)
@@ -314,6 +318,7 @@ func (c *config) validate() error {
 	if need := uint64(server.MaxRequestBytes(c.limits())); c.maxInflightRequestBytes < need || c.maxInflightRequestBytes > 1<<40 {
 		bad("--max-inflight-request-bytes %s: want at least the largest request, %s, and at most 1TiB", formatBytes(c.maxInflightRequestBytes), formatBytes(need))
 	}
+	c.remote.validate(bad)
 	if c.faultSpec != "" {
 		p, err := errorfs.ParsePlan(c.faultSpec)
 		if err != nil {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -100,6 +101,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		copier.Close()
 		return err
 	}
+	remoteCfg, err := remoteConfig(&cfg.remote, log)
+	if err != nil {
+		copier.Close()
+		return err
+	}
 	svc, err := offload.New(offload.Config{
 		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
 		Disk:         diskCfg,
@@ -108,10 +114,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Limits:       cfg.limits(),
 		Logger:       log,
 		Registerer:   reg,
+		Remote:       remoteCfg,
 
 		NamespaceLinger: cfg.namespaceLinger,
 	})
 	if err != nil {
+		if remoteCfg != nil {
+			remoteCfg.Store.Close()
+		}
 		copier.Close()
 		return err
 	}
@@ -179,7 +189,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
-		"max_request_bytes", srv.MaxRequestBytes(), "events_zmq", cfg.eventsZMQ)
+		"max_request_bytes", srv.MaxRequestBytes(), "events_zmq", cfg.eventsZMQ,
+		"remote_seeds", strings.Join(cfg.remote.addrs, ","), "remote_write", cfg.remote.write, "remote_mac", cfg.remote.keyFile != "")
 
 	var runErr error
 	timeout := cfg.shutdownTimeout

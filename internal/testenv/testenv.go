@@ -67,6 +67,9 @@ type Options struct {
 	// By default Start waits until recovery has ended, so a test sees
 	// what the disk held.
 	Recovering bool
+
+	// Remote, when set, adds the remote tier (the daemon closes its store).
+	Remote *offload.RemoteConfig
 }
 
 // Daemon is a running core on a real unix socket.
@@ -123,6 +126,7 @@ func TryStart(t testing.TB, o Options) (*Daemon, error) {
 		CPU:             cpu.Config{Bytes: o.CPUBytes, ChunkBytes: o.ChunkBytes},
 		Disk:            dc,
 		WriteThrough:    o.WriteThrough,
+		Remote:          o.Remote,
 		DMA:             copier,
 		Limits:          o.Limits,
 		NamespaceLinger: o.NamespaceLinger,

@@ -39,10 +39,10 @@ func main() {
 
 // allScenarios in the order they run; restart runs only when asked for
 // (it fills --restart-bytes of disk).
-var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "restart"}
+var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "remote", "restart"}
 
 // defaultScenarios run without --scenarios.
-var defaultScenarios = allScenarios[:5]
+var defaultScenarios = allScenarios[:6]
 
 // options is every flag, validated.
 type options struct {
@@ -83,6 +83,10 @@ Scenarios: cpu (the CPU tier holds the working set), disk (CPU tier much
 smaller: hits come from the disk tier), mixed (about half fits in CPU), faults
 (disk, with the daemon's --fault-spec at each --fault-rates read fault rate),
 corrupt (disk, with bytes of the slot file flipped from outside while it runs),
+remote (two daemons sharing a Redis Cluster of three masters kvbench starts from
+redis-server: node A runs the steps and publishes, node B, empty, looks up A's
+requests and loads their blocks from the cluster; beside it, raw GETs of the
+same values from the same cluster),
 restart (only when named: fills a disk tier of --restart-bytes, restarts the
 daemon on it and times the start to SERVING and the background recovery of
 the files against a raw O_DIRECT sequential read of the same file).

@@ -148,6 +148,12 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	var sweep []report.SweepPoint
 	var errs []error
 	for _, sc := range runs {
+		if sc.kind == "remote" {
+			if err := b.remote(ctx, sc); err != nil {
+				errs = append(errs, fmt.Errorf("scenario remote: %w", err))
+			}
+			continue
+		}
 		if sc.kind == "restart" {
 			if err := b.restart(ctx); err != nil {
 				errs = append(errs, fmt.Errorf("scenario restart: %w", err))
@@ -246,6 +252,17 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 		switch {
 		case o.socket != "" && s == "cpu":
 			runs = append(runs, scenario{name: "external", kind: "cpu"})
+			continue
+		case s == "remote":
+			if why := b.remoteSkip(); why != "" {
+				skip("remote scenario", why)
+				continue
+			}
+			cpu := size(1.25*float64(D) + 2*float64(E))
+			if avail := memAvailable(); avail > 0 && cpu > avail/4 {
+				cpu = avail / 4 / (64 << 20) * (64 << 20)
+			}
+			runs = append(runs, scenario{name: "remote", kind: s, cpuBytes: cpu})
 			continue
 		case o.socket != "":
 			skip(s+" scenario", "--socket: kvbench cannot set the tiers or fault plan of a daemon it did not start")
@@ -666,6 +683,7 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		DiskLoadVsODirectRead:   report.Ratio(gb("disk", "load-disk"), bl.ODirectReadGBps),
 		DiskStoreVsODirectWrite: report.Ratio(gb("disk", "store"), bl.ODirectWriteGBps),
 		CPULoadVsRedisGet:       report.Ratio(gb(cpu, "load"), bl.RedisGetGBps),
+		RemoteLoadVsClusterGet:  report.Ratio(gb("remote", "load-remote"), bl.RedisClusterGetGBps),
 		LookupP99VsGRPCEmptyP99: report.Ratio(lookupP99, bl.GRPCEmptyP99us),
 	}
 	if len(faults) > 0 {
@@ -710,6 +728,7 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 	goal("disk_load_vs_odirect_read", ">= 0.85", q.DiskLoadVsODirectRead, func(v float64) bool { return v >= 0.85 })
 	goal("cpu_load_vs_redis_get", ">= 4", q.CPULoadVsRedisGet, func(v float64) bool { return v >= 4 })
 	goal("lookup_p99_vs_grpc_empty_p99", "<= 2", q.LookupP99VsGRPCEmptyP99, func(v float64) bool { return v <= 2 })
+	goal("remote_load_vs_cluster_get", ">= 0.8", q.RemoteLoadVsClusterGet, func(v float64) bool { return v >= 0.8 })
 	if rc := rep.Recovery; rc != nil {
 		goal("restart_start_to_serving_ms", "<= 1000", report.F(rc.StartToServingMs), func(v float64) bool { return v <= 1000 })
 		goal("restart_disk_open_to_serving_ms", "<= 1000", report.F(rc.DiskOpenToServingMs), func(v float64) bool { return v <= 1000 })

@@ -105,6 +105,10 @@ const (
 	Tier_TIER_CPU          Tier = 1
 	Tier_TIER_DISK         Tier = 2
 	Tier_TIER_CPU_AND_DISK Tier = 3
+	// Only the shared remote tier (another node published it) holds the
+	// block. It is not pinned by a lease: a block gone by load time is
+	// MISSING.
+	Tier_TIER_REMOTE Tier = 4
 )
 
 // Enum value maps for Tier.
@@ -114,12 +118,14 @@ var (
 		1: "TIER_CPU",
 		2: "TIER_DISK",
 		3: "TIER_CPU_AND_DISK",
+		4: "TIER_REMOTE",
 	}
 	Tier_value = map[string]int32{
 		"TIER_NONE":         0,
 		"TIER_CPU":          1,
 		"TIER_DISK":         2,
 		"TIER_CPU_AND_DISK": 3,
+		"TIER_REMOTE":       4,
 	}
 )
 
@@ -2505,12 +2511,13 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x15BLOCK_STATUS_NO_SPACE\x10\x04\x12\x1a\n" +
 	"\x16BLOCK_STATUS_DMA_ERROR\x10\x05\x12\x19\n" +
 	"\x15BLOCK_STATUS_REJECTED\x10\x06\x12\x1a\n" +
-	"\x16BLOCK_STATUS_CANCELLED\x10\a*I\n" +
+	"\x16BLOCK_STATUS_CANCELLED\x10\a*Z\n" +
 	"\x04Tier\x12\r\n" +
 	"\tTIER_NONE\x10\x00\x12\f\n" +
 	"\bTIER_CPU\x10\x01\x12\r\n" +
 	"\tTIER_DISK\x10\x02\x12\x15\n" +
-	"\x11TIER_CPU_AND_DISK\x10\x03*3\n" +
+	"\x11TIER_CPU_AND_DISK\x10\x03\x12\x0f\n" +
+	"\vTIER_REMOTE\x10\x04*3\n" +
 	"\x02Op\x12\x12\n" +
 	"\x0eOP_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bOP_STORE\x10\x01\x12\v\n" +

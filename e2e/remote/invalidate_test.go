@@ -1,0 +1,198 @@
+package remote_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/offload"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
+)
+
+// TestInvalidateReachesTheCluster: keys invalidated on node A are deleted
+// from the cluster (B no longer finds them), and A never loads them back
+// from the cluster, even once B has published them again, until A stores
+// them itself. A namespace invalidated whole is swept from the cluster;
+// A reads nothing of it from the cluster until the sweep has gone through,
+// then blocks published afterwards are shared again.
+func TestInvalidateReachesTheCluster(t *testing.T) {
+	c := testenv.RedisCluster(t)
+	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
+	fp := fingerprint(t)
+	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
+	hs := ea.hashes(21, 8)
+	ea.store(t, hs, seq(0, 8))
+	flush(t, a)
+	cc := c.ClusterClient()
+	defer cc.Close()
+	inCluster := func(hs [][]byte) int {
+		t.Helper()
+		n := 0
+		for _, h := range hs {
+			k, ok := a.Svc.RemoteKey(ea.reg.NamespaceId, 0, h)
+			if !ok {
+				t.Fatal("no remote key")
+			}
+			m, err := cc.Exists(ctx(t), k).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			n += int(m)
+		}
+		return n
+	}
+	if n := inCluster(hs); n != 8 {
+		t.Fatalf("%d of 8 blocks in the cluster after A's publish", n)
+	}
+
+	// Keys: gone from A and from the cluster when Invalidate returns.
+	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs[:4]...)); err != nil {
+		t.Fatal(err)
+	}
+	if n := inCluster(hs[:4]); n != 0 {
+		t.Fatalf("%d invalidated blocks still in the cluster", n)
+	}
+	if lr := ea.lookup(t, hs); lr.Ready != 0 {
+		t.Fatalf("A offers %d blocks of an invalidated prefix (tiers %v)", lr.Ready, lr.Tiers)
+	}
+	if lr := eb.lookup(t, hs); lr.Ready != 0 {
+		t.Fatalf("B offers %d blocks of a prefix A invalidated", lr.Ready)
+	}
+	if lr := eb.lookup(t, hs[4:]); lr.Ready != 4 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
+		t.Fatalf("B: %d of the blocks A kept, first in %v; want 4 REMOTE", lr.Ready, lr.Tiers)
+	}
+	// B publishes two of them again (its engine computed them): the
+	// cluster has them, B shares them, A still does not read them back.
+	eb.store(t, hs[:2], seq(10, 2))
+	flush(t, b)
+	if n := inCluster(hs[:2]); n != 2 {
+		t.Fatalf("%d of B's 2 blocks in the cluster", n)
+	}
+	if lr := ea.lookup(t, hs[:2]); lr.Ready != 0 {
+		t.Fatalf("A offers %d blocks it invalidated, from the cluster", lr.Ready)
+	}
+	if st := ea.load(t, hs[:2], seq(20, 2)); count(st)[missingSt] != 2 {
+		t.Fatalf("A loading blocks it invalidated: %v, want both MISSING", count(st))
+	}
+	if keys, _ := a.Svc.RemoteFences(); keys != 4 {
+		t.Fatalf("A fences %d keys, want 4", keys)
+	}
+	// A stores one again: its fence lifts (A holds it itself now).
+	ea.store(t, hs[:1], seq(30, 1))
+	if keys, _ := a.Svc.RemoteFences(); keys != 3 {
+		t.Fatalf("A fences %d keys after storing one again, want 3", keys)
+	}
+
+	// The namespace whole: A offers nothing of it from the cluster at
+	// once, and the sweep empties the cluster of it.
+	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if lr := ea.lookup(t, hs[4:]); lr.Ready != 0 {
+		t.Fatalf("A offers %d blocks of a namespace it invalidated whole", lr.Ready)
+	}
+	waitFor(t, func() error {
+		if _, whole := a.Svc.RemoteFences(); whole != 0 {
+			return errors.New("the namespace's sweep has not gone through")
+		}
+		return nil
+	})
+	if keys, _ := a.Svc.RemoteFences(); keys != 0 {
+		t.Fatalf("A still fences %d keys of a namespace swept whole", keys)
+	}
+	if n := inCluster(hs); n != 0 {
+		t.Fatalf("%d blocks of a namespace invalidated whole still in the cluster after its sweep", n)
+	}
+	if lr := eb.lookup(t, hs[4:]); lr.Ready != 0 {
+		t.Fatalf("B offers %d blocks of a namespace swept from the cluster", lr.Ready)
+	}
+	if n := metric(t, a, "kvoffload_remote_blocks_total", "op", "sweep", "result", "deleted"); n != 6 {
+		t.Fatalf("A's sweep deleted %v blocks, want 6 (4 A kept, 2 B published)", n)
+	}
+	// Published after the sweep: shared again, A included.
+	eb.store(t, hs[4:], seq(40, 4))
+	flush(t, b)
+	if lr := ea.lookup(t, hs[4:]); lr.Ready != 4 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
+		t.Fatalf("A after the sweep: %d ready, first in %v; want 4 REMOTE", lr.Ready, lr.Tiers)
+	}
+	if st := ea.load(t, hs[4:], seq(50, 4)); count(st)[okSt] != 4 {
+		t.Fatalf("A loading blocks published after the sweep: %v", count(st))
+	}
+	for _, d := range []*testenv.Daemon{a, b} {
+		if err := d.Svc.CheckAccounting(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// gatedStore holds every Exists, once armed, until release is closed,
+// telling entered when one begins.
+type gatedStore struct {
+	remote.Store
+	armed   atomic.Bool
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *gatedStore) Exists(ctx context.Context, keys []string, out []remote.Presence) error {
+	if g.armed.Load() {
+		g.entered <- struct{}{}
+		<-g.release
+	}
+	return g.Store.Exists(ctx, keys, out)
+}
+
+// TestInvalidateNeverWaitsForTheCluster: a Lookup with a lease asks the
+// cluster about the keys past its local prefix after it has filed its
+// lease, not while it holds what Invalidate takes: an Invalidate (and the
+// leasing Lookups that would queue behind it) never waits for a round trip
+// to the cluster.
+func TestInvalidateNeverWaitsForTheCluster(t *testing.T) {
+	c := testenv.RedisCluster(t)
+	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &gatedStore{Store: store, entered: make(chan struct{}, 1), release: make(chan struct{})}
+	d := testenv.Start(t, testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
+		Store: g, Timeout: 2 * time.Second, Write: offload.WriteNone,
+	}})
+	e := register(t, d, model, fingerprint(t))
+	hs := e.hashes(31, 3)
+	e.store(t, hs[:1], seq(0, 1))
+	g.armed.Store(true)
+	looked := make(chan error, 1)
+	go func() {
+		_, err := e.c.Lookup(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(hs...), 5000)
+		looked <- err
+	}()
+	<-g.entered // the Lookup waits on the cluster
+	invalidated := make(chan error, 1)
+	go func() {
+		_, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(hs[:1]...))
+		invalidated <- err
+	}()
+	var ierr error
+	select {
+	case ierr = <-invalidated:
+	case <-time.After(30 * time.Second):
+		t.Error("Invalidate waited for a Lookup's round trip to the cluster")
+		close(g.release)
+		ierr = <-invalidated
+	}
+	select {
+	case <-g.release:
+	default:
+		close(g.release)
+	}
+	if ierr != nil {
+		t.Fatal(ierr)
+	}
+	if err := <-looked; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,242 @@
+// Package remote_test runs kvoffloadd's remote tier end to end: two real
+// daemons (service, gRPC server, unix socket, /dev/shm regions) sharing one
+// real Redis Cluster, and the cluster broken in the ways a real one breaks.
+package remote_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/offload"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
+)
+
+func TestMain(m *testing.M) {
+	rediscluster.QuietLogs()
+	code := m.Run()
+	if err := rediscluster.CloseShared(); err != nil {
+		fmt.Fprintln(os.Stderr, "stopping the redis cluster:", err)
+		code = 1
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func ctx(t testing.TB) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return c
+}
+
+// nodeOpts shape one daemon of the fleet.
+type nodeOpts struct {
+	timeout time.Duration // default 2 s
+	mac     *remote.MAC
+	write   offload.WriteMode
+	queue   int
+	disk    bool
+	asks    int // MaxLookupKeys
+}
+
+// startNode starts a daemon whose remote tier is the shared cluster.
+func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemon {
+	t.Helper()
+	if o.timeout == 0 {
+		o.timeout = 2 * time.Second
+	}
+	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One chunk for the arena: the policy's capacity is the chunks a
+	// class holds, and a class grows only when it has fewer free slots
+	// than a store asks for, so several chunks would make stores near a
+	// chunk's end REJECTED while the arena is mostly free.
+	opts := testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
+		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks,
+	}}
+	if o.disk {
+		opts.DiskDirs = []string{t.TempDir()}
+	}
+	return testenv.Start(t, opts)
+}
+
+var fpSeq atomic.Uint32
+
+// fingerprint is a namespace fingerprint no other test (or earlier run on
+// the same cluster) uses.
+func fingerprint(t *testing.T) string {
+	return fmt.Sprintf("%s-%d-%d-%d", t.Name(), os.Getpid(), time.Now().UnixNano(), fpSeq.Add(1))
+}
+
+// engine is one client's registered KV cache on a daemon.
+type engine struct {
+	d   *testenv.Daemon
+	m   testenv.Model
+	r   *testenv.Region
+	c   *client.Client
+	reg *pb.RegisterResponse
+}
+
+var model = testenv.Model{Layers: 4, SegBytes: 16 << 10, Blocks: 64, HashBytes: 16}
+
+func register(t *testing.T, d *testenv.Daemon, m testenv.Model, fp string) *engine {
+	t.Helper()
+	r := testenv.NewRegion(t, m.RegionBytes())
+	c := d.Client(t)
+	reg, err := c.Register(ctx(t), []byte(fp), m.Layout(), m.Regions(r), t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &engine{d: d, m: m, r: r, c: c, reg: reg}
+}
+
+func (e *engine) hashes(seed uint64, n int) [][]byte {
+	hs := make([][]byte, n)
+	for i := range hs {
+		hs[i] = e.m.Hash(seed, i)
+	}
+	return hs
+}
+
+func seq(from, n int) []uint32 {
+	b := make([]uint32, n)
+	for i := range b {
+		b[i] = uint32(from + i)
+	}
+	return b
+}
+
+var jobSeq atomic.Uint64
+
+func (e *engine) store(t *testing.T, hs [][]byte, blocks []uint32) *pb.JobResult {
+	t.Helper()
+	for i, h := range hs {
+		e.m.Fill(e.r, int(blocks[i]), h)
+	}
+	res, err := e.c.Store(ctx(t), e.reg.RegistrationId, []*pb.Job{testenv.Job(jobSeq.Add(1), hs, blocks)}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res[0].Ok {
+		t.Fatalf("store: %+v", res[0])
+	}
+	return res[0]
+}
+
+func (e *engine) lookup(t *testing.T, hs [][]byte) *pb.LookupResponse {
+	t.Helper()
+	r, err := e.c.Lookup(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(hs...), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// poison fills engine blocks with bytes that belong to no key, so a load
+// that reports a block failed can be checked to have written nothing there.
+func (e *engine) poison(blocks []uint32) {
+	for _, b := range blocks {
+		e.m.Fill(e.r, int(b), bytes.Repeat([]byte{0xee}, 16))
+	}
+}
+
+// load loads hs into blocks and checks every block: OK ones hold exactly
+// their key's bytes, failed ones hold what was there before (nothing was
+// written into them). It returns the status of each block.
+func (e *engine) load(t *testing.T, hs [][]byte, blocks []uint32) []pb.BlockStatus {
+	t.Helper()
+	e.poison(blocks)
+	res, err := e.c.Load(ctx(t), e.reg.RegistrationId, []*pb.Job{testenv.Job(jobSeq.Add(1), hs, blocks)}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := make([]pb.BlockStatus, len(hs))
+	for _, f := range res[0].Failures {
+		if f.BlockId != blocks[f.Index] || !bytes.Equal(f.Hash, hs[f.Index]) {
+			t.Fatalf("failure %+v does not name block %d / its key", f, blocks[f.Index])
+		}
+		st[f.Index] = f.Status
+	}
+	for i, b := range blocks {
+		if st[i] == pb.BlockStatus_BLOCK_STATUS_OK {
+			if err := e.m.Check(e.r, int(b), hs[i]); err != nil {
+				t.Fatalf("block %d reported loaded: %v", i, err)
+			}
+		} else if err := e.m.Check(e.r, int(b), bytes.Repeat([]byte{0xee}, 16)); err != nil {
+			t.Fatalf("block %d reported %v, but its engine block was written: %v", i, st[i], err)
+		}
+	}
+	return st
+}
+
+func flush(t *testing.T, d *testenv.Daemon) {
+	t.Helper()
+	if err := d.Svc.FlushRemote(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func metric(t *testing.T, d *testenv.Daemon, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := d.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{}
+	for i := 0; i+1 < len(labels); i += 2 {
+		want[labels[i]] = labels[i+1]
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.Metric {
+			for _, lp := range m.Label {
+				if v, ok := want[lp.GetName()]; ok && v != lp.GetValue() {
+					continue next
+				}
+			}
+			switch {
+			case m.Counter != nil:
+				sum += m.Counter.GetValue()
+			case m.Gauge != nil:
+				sum += m.Gauge.GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+func count(st []pb.BlockStatus) map[pb.BlockStatus]int {
+	out := map[pb.BlockStatus]int{}
+	for _, s := range st {
+		out[s]++
+	}
+	return out
+}
+
+const (
+	okSt      = pb.BlockStatus_BLOCK_STATUS_OK
+	missingSt = pb.BlockStatus_BLOCK_STATUS_MISSING
+	ioSt      = pb.BlockStatus_BLOCK_STATUS_IO_ERROR
+	corruptSt = pb.BlockStatus_BLOCK_STATUS_CORRUPT
+)

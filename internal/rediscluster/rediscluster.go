@@ -1,0 +1,529 @@
+// Package rediscluster starts a real Redis Cluster for tests and kvbench:
+// three (or more) masters from Debian's redis-server on free loopback
+// ports in a private directory, joined by `redis-cli --cluster create`, and
+// torn down again. It can kill a master and bring it back, hang one (DEBUG
+// SLEEP), and reach each node directly, so tests can break the cluster the
+// ways a real one breaks.
+//
+// The nodes run with cluster-require-full-coverage no (a dead master costs
+// only its own slots, as docs/remote.md recommends), no persistence, and
+// DEBUG allowed from loopback.
+package rediscluster
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Options shape a cluster.
+type Options struct {
+	Masters int // default 3
+	// Dir is a private directory for the nodes' files; default a new
+	// temporary directory, removed by Close.
+	Dir string
+	// Password, when set, is every node's requirepass and masterauth.
+	Password string
+	// TLS serves clients and the cluster bus over TLS only, with a
+	// certificate for 127.0.0.1 from a CA made for the cluster
+	// (Cluster.CAFile, Cluster.TLSConfig).
+	TLS bool
+	// MaxMemory, when set, is every node's maxmemory (bytes), with
+	// maxmemory-policy allkeys-lru.
+	MaxMemory uint64
+	// Server and CLI are the binaries; default redis-server and redis-cli
+	// from PATH.
+	Server, CLI string
+	// Log receives progress lines (nil: none).
+	Log func(format string, a ...any)
+}
+
+// Cluster is a running cluster.
+type Cluster struct {
+	opt     Options
+	tls     *tlsFiles
+	dir     string
+	ownDir  bool
+	nodes   []*Node
+	closeMu sync.Mutex
+	closed  bool
+}
+
+// Node is one master.
+type Node struct {
+	Port, BusPort int
+	dir           string
+	c             *Cluster
+	mu            sync.Mutex
+	cmd           *exec.Cmd
+	exited        chan struct{}
+}
+
+// ErrNoRedis means redis-server or redis-cli is not installed.
+var ErrNoRedis = errors.New("redis-server and redis-cli are not installed (Debian: apt-get install redis-server)")
+
+// Available reports whether the binaries are on PATH.
+func Available() error {
+	for _, b := range []string{"redis-server", "redis-cli"} {
+		if _, err := exec.LookPath(b); err != nil {
+			return fmt.Errorf("%w: %v", ErrNoRedis, err)
+		}
+	}
+	return nil
+}
+
+// Start starts the nodes, creates the cluster and waits until every node
+// reports cluster_state:ok with all 16384 slots served. On error nothing is
+// left running.
+func Start(ctx context.Context, opt Options) (*Cluster, error) {
+	if opt.Masters == 0 {
+		opt.Masters = 3
+	}
+	if opt.Masters < 3 {
+		return nil, errors.New("redis cluster create needs at least 3 masters")
+	}
+	if opt.Server == "" {
+		opt.Server = "redis-server"
+	}
+	if opt.CLI == "" {
+		opt.CLI = "redis-cli"
+	}
+	if opt.Log == nil {
+		opt.Log = func(string, ...any) {}
+	}
+	for _, b := range []string{opt.Server, opt.CLI} {
+		if _, err := exec.LookPath(b); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrNoRedis, err)
+		}
+	}
+	c := &Cluster{opt: opt, dir: opt.Dir}
+	if c.dir == "" {
+		d, err := os.MkdirTemp("", "kvo-redis-")
+		if err != nil {
+			return nil, err
+		}
+		c.dir, c.ownDir = d, true
+	}
+	acquireSpawner() // released by Close
+	ok := false
+	defer func() {
+		if !ok {
+			c.Close()
+		}
+	}()
+	if opt.TLS {
+		f, err := makeTLS(c.dir)
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		c.tls = f
+	}
+	ports, err := freePorts(2 * opt.Masters)
+	if err != nil {
+		return nil, err
+	}
+	for i := 0; i < opt.Masters; i++ {
+		n := &Node{Port: ports[2*i], BusPort: ports[2*i+1], dir: filepath.Join(c.dir, fmt.Sprintf("node%d", i)), c: c}
+		if err := os.MkdirAll(n.dir, 0o700); err != nil {
+			return nil, err
+		}
+		if err := n.writeConfig(); err != nil {
+			return nil, err
+		}
+		c.nodes = append(c.nodes, n)
+	}
+	for _, n := range c.nodes {
+		if err := n.start(); err != nil {
+			return nil, err
+		}
+	}
+	for _, n := range c.nodes {
+		if err := n.waitPing(ctx); err != nil {
+			return nil, err
+		}
+	}
+	args := []string{"--cluster", "create"}
+	args = append(args, c.Addrs()...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if c.tls != nil {
+		args = append(args, "--tls", "--cacert", c.tls.CA)
+	}
+	cmd := exec.CommandContext(ctx, opt.CLI, args...)
+	if opt.Password != "" {
+		cmd.Env = append(os.Environ(), "REDISCLI_AUTH="+opt.Password)
+	}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("redis-cli --cluster create: %w: %s", err, out)
+	}
+	if err := c.WaitOK(ctx); err != nil {
+		return nil, err
+	}
+	opt.Log("redis cluster up: %s in %s", strings.Join(c.Addrs(), ","), c.dir)
+	ok = true
+	return c, nil
+}
+
+// Addrs are the nodes' host:port, in node order.
+func (c *Cluster) Addrs() []string {
+	out := make([]string, len(c.nodes))
+	for i, n := range c.nodes {
+		out[i] = n.Addr()
+	}
+	return out
+}
+
+// Nodes are the masters.
+func (c *Cluster) Nodes() []*Node { return c.nodes }
+
+// Node returns master i.
+func (c *Cluster) Node(i int) *Node { return c.nodes[i] }
+
+// Addr is the node's host:port.
+func (n *Node) Addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(n.Port)) }
+
+// Client is a plain client of this one node (not cluster-aware), for
+// commands a test sends to a node on purpose. Close it after use.
+func (n *Node) Client() *redis.Client {
+	return redis.NewClient(&redis.Options{Addr: n.Addr(), Password: n.c.opt.Password, TLSConfig: n.c.TLSConfig(), Protocol: 2, DisableIdentity: true,
+		DialTimeout: 2 * time.Second, ReadTimeout: 10 * time.Second, MaxRetries: -1, ContextTimeoutEnabled: true, DialerRetries: 1})
+}
+
+// ClusterClient is a cluster-aware client for tests to read, write and
+// corrupt values from outside the daemon. Close it after use.
+func (c *Cluster) ClusterClient() *redis.ClusterClient {
+	return redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), Password: c.opt.Password, TLSConfig: c.TLSConfig(), Protocol: 2, DisableIdentity: true,
+		DialTimeout: 2 * time.Second, ReadTimeout: 10 * time.Second, ContextTimeoutEnabled: true, DialerRetries: 1})
+}
+
+// NodeFor returns the master serving key's hash slot.
+func (c *Cluster) NodeFor(ctx context.Context, key string) (*Node, error) {
+	cl := c.nodes[0].Client()
+	defer cl.Close()
+	slot, err := cl.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		return nil, err
+	}
+	slots, err := cl.ClusterSlots(ctx).Result()
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range slots {
+		if int64(s.Start) <= slot && slot <= int64(s.End) && len(s.Nodes) > 0 {
+			for _, n := range c.nodes {
+				if n.Addr() == s.Nodes[0].Addr {
+					return n, nil
+				}
+			}
+		}
+	}
+	return nil, fmt.Errorf("no master serves slot %d", slot)
+}
+
+// Index is the node's position in the cluster's node list.
+func (n *Node) Index() int {
+	for i, m := range n.c.nodes {
+		if m == n {
+			return i
+		}
+	}
+	return -1
+}
+
+func (n *Node) writeConfig() error {
+	o := n.c.opt
+	lines := []string{
+		"port " + strconv.Itoa(n.Port),
+		"tls-port 0",
+		"bind 127.0.0.1",
+		"cluster-enabled yes",
+		"cluster-port " + strconv.Itoa(n.BusPort),
+		"cluster-config-file nodes.conf",
+		// Redis's default. A node starved of CPU for seconds (a loaded
+		// test machine, a 2 MiB value's page faults) must not be voted
+		// failed: the survivors would answer CLUSTERDOWN to everyone.
+		"cluster-node-timeout 15000",
+		// A dead master costs its own slots only; the others keep serving.
+		"cluster-require-full-coverage no",
+		"save \"\"",
+		"appendonly no",
+		"dir " + n.dir,
+		"logfile " + filepath.Join(n.dir, "redis.log"),
+		"daemonize no",
+		"enable-debug-command local",
+		"protected-mode no",
+	}
+	if o.Password != "" {
+		lines = append(lines, "requirepass "+o.Password, "masterauth "+o.Password)
+	}
+	if t := n.c.tls; t != nil {
+		lines[0], lines[1] = "port 0", "tls-port "+strconv.Itoa(n.Port)
+		lines = append(lines, "tls-cluster yes", "tls-replication yes", "tls-auth-clients no",
+			"tls-cert-file "+t.Cert, "tls-key-file "+t.Key, "tls-ca-cert-file "+t.CA)
+	}
+	if o.MaxMemory > 0 {
+		lines = append(lines, "maxmemory "+strconv.FormatUint(o.MaxMemory, 10), "maxmemory-policy allkeys-lru")
+	}
+	return os.WriteFile(filepath.Join(n.dir, "redis.conf"), []byte(strings.Join(lines, "\n")+"\n"), 0o600)
+}
+
+func (n *Node) start() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	cmd := exec.Command(n.c.opt.Server, filepath.Join(n.dir, "redis.conf"))
+	cmd.Dir = n.dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := start(cmd); err != nil {
+		return fmt.Errorf("start %s: %w", n.c.opt.Server, err)
+	}
+	n.cmd = cmd
+	n.exited = make(chan struct{})
+	exited := n.exited
+	go func() {
+		cmd.Wait()
+		close(exited)
+	}()
+	return nil
+}
+
+func (n *Node) waitPing(ctx context.Context) error {
+	cl := n.Client()
+	defer cl.Close()
+	return poll(ctx, 20*time.Second, func() error {
+		select {
+		case <-n.exitedChan():
+			return fmt.Errorf("redis-server on port %d exited; see %s: %w", n.Port, filepath.Join(n.dir, "redis.log"), errStop)
+		default:
+		}
+		return cl.Ping(ctx).Err()
+	})
+}
+
+func (n *Node) exitedChan() chan struct{} {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.exited
+}
+
+// Kill kills the node with SIGKILL, as a crash would, and waits for it to
+// be gone. Its slots are unserved until Restart.
+func (n *Node) Kill() {
+	n.mu.Lock()
+	cmd, exited := n.cmd, n.exited
+	n.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	cmd.Process.Kill()
+	<-exited
+}
+
+// Restart starts a killed node again on its port with its nodes.conf, so
+// it rejoins the cluster as itself (empty: there is no persistence), and
+// waits for every node to report the cluster ok again.
+func (n *Node) Restart(ctx context.Context) error {
+	if err := n.Start(ctx); err != nil {
+		return err
+	}
+	return n.c.WaitOK(ctx)
+}
+
+// Start starts a killed node again and waits until it answers, not for
+// the cluster (the other nodes may be down too). A running node is left
+// alone.
+func (n *Node) Start(ctx context.Context) error {
+	select {
+	case <-n.exitedChan():
+	default:
+		return nil
+	}
+	if err := n.start(); err != nil {
+		return err
+	}
+	return n.waitPing(ctx)
+}
+
+// Hang makes the node stop answering for d (DEBUG SLEEP), as a stalled or
+// partitioned node would. It returns at once; the returned channel is
+// closed when the node answers again.
+func (n *Node) Hang(d time.Duration) (<-chan struct{}, error) {
+	var conn net.Conn
+	var err error
+	if cfg := n.c.TLSConfig(); cfg != nil {
+		conn, err = tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", n.Addr(), cfg)
+	} else {
+		conn, err = net.DialTimeout("tcp", n.Addr(), 2*time.Second)
+	}
+	if err != nil {
+		return nil, err
+	}
+	w := bufio.NewWriter(conn)
+	if n.c.opt.Password != "" {
+		writeCmd(w, "AUTH", n.c.opt.Password)
+	}
+	writeCmd(w, "DEBUG", "SLEEP", strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
+	if err := w.Flush(); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer conn.Close()
+		conn.SetReadDeadline(time.Now().Add(d + 30*time.Second))
+		r := bufio.NewReader(conn)
+		want := 1
+		if n.c.opt.Password != "" {
+			want = 2
+		}
+		for i := 0; i < want; i++ {
+			if _, err := r.ReadString('\n'); err != nil {
+				return
+			}
+		}
+	}()
+	return done, nil
+}
+
+func writeCmd(w *bufio.Writer, args ...string) {
+	fmt.Fprintf(w, "*%d\r\n", len(args))
+	for _, a := range args {
+		fmt.Fprintf(w, "$%d\r\n%s\r\n", len(a), a)
+	}
+}
+
+// WaitOK waits until every running node reports cluster_state:ok, knows
+// every node, and sees all 16384 slots served.
+func (c *Cluster) WaitOK(ctx context.Context) error {
+	return poll(ctx, 60*time.Second, func() error {
+		for _, n := range c.nodes {
+			cl := n.Client()
+			info, err := cl.ClusterInfo(ctx).Result()
+			cl.Close()
+			if err != nil {
+				return fmt.Errorf("node %s: %w", n.Addr(), err)
+			}
+			for _, want := range []string{"cluster_state:ok", "cluster_slots_ok:16384", fmt.Sprintf("cluster_known_nodes:%d", len(c.nodes))} {
+				if !strings.Contains(info, want) {
+					return fmt.Errorf("node %s: no %s yet", n.Addr(), want)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// ConfigSet runs CONFIG SET on every node.
+func (c *Cluster) ConfigSet(ctx context.Context, param, value string) error {
+	for _, n := range c.nodes {
+		cl := n.Client()
+		err := cl.ConfigSet(ctx, param, value).Err()
+		cl.Close()
+		if err != nil {
+			return fmt.Errorf("node %s: CONFIG SET %s %s: %w", n.Addr(), param, value, err)
+		}
+	}
+	return nil
+}
+
+// FlushAll empties every node.
+func (c *Cluster) FlushAll(ctx context.Context) error {
+	for _, n := range c.nodes {
+		cl := n.Client()
+		err := cl.FlushAll(ctx).Err()
+		cl.Close()
+		if err != nil {
+			return fmt.Errorf("node %s: FLUSHALL: %w", n.Addr(), err)
+		}
+	}
+	return nil
+}
+
+// Close stops every node (SIGTERM, then SIGKILL after 10 s) and removes
+// the directory Start made. It may be called more than once.
+func (c *Cluster) Close() error {
+	c.closeMu.Lock()
+	defer c.closeMu.Unlock()
+	if c.closed {
+		return nil
+	}
+	c.closed = true
+	defer releaseSpawner()
+	for _, n := range c.nodes {
+		n.mu.Lock()
+		cmd, exited := n.cmd, n.exited
+		n.mu.Unlock()
+		if cmd == nil {
+			continue
+		}
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-exited
+		}
+	}
+	if c.ownDir {
+		return os.RemoveAll(c.dir)
+	}
+	return nil
+}
+
+var errStop = errors.New("stop polling")
+
+// poll calls f until it succeeds, fails with errStop, ctx ends or limit
+// passes; it returns f's last error.
+func poll(ctx context.Context, limit time.Duration, f func() error) error {
+	deadline := time.Now().Add(limit)
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		err := f()
+		if err == nil || errors.Is(err, errStop) {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("after %s: %w", limit, err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (last: %v)", ctx.Err(), err)
+		case <-t.C:
+		}
+	}
+}
+
+// freePorts returns n distinct loopback ports that were free a moment ago.
+// Another process may take one before redis-server binds it; Start then
+// fails and the caller may try again.
+func freePorts(n int) ([]int, error) {
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	var out []int
+	for len(out) < n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ls = append(ls, l)
+		out = append(out, l.Addr().(*net.TCPAddr).Port)
+	}
+	return out, nil
+}

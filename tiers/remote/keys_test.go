@@ -1,0 +1,73 @@
+package remote
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestKeyLayout(t *testing.T) {
+	id := testIdent(16)
+	got := NewKeyspace(nil).Key(id)
+	want := "kvo:1:open:01060b10151a1f24292e33383d42474c:3:a0a1a2a3a4a5a6a7a8a9aaabacadaeaf"
+	if got != want {
+		t.Fatalf("key\n got %s\nwant %s", got, want)
+	}
+	mac := testMAC(t, 1)
+	keyed := NewKeyspace(mac).Key(id)
+	if !strings.HasPrefix(keyed, KeyPrefix+mac.ID()+":") || strings.TrimPrefix(keyed, KeyPrefix+mac.ID()) != strings.TrimPrefix(got, KeyPrefix+"open") {
+		t.Fatalf("keyed key %s does not differ from %s by the key id alone", keyed, got)
+	}
+	if other := NewKeyspace(testMAC(t, 2)).Key(id); other == keyed {
+		t.Fatal("two MAC keys share a keyspace")
+	}
+}
+
+func TestNamespaceDigest(t *testing.T) {
+	base := NamespaceDigest([]byte("model-a"), []byte("layout-1"))
+	for name, d := range map[string][32]byte{
+		"other fingerprint": NamespaceDigest([]byte("model-b"), []byte("layout-1")),
+		"other layout":      NamespaceDigest([]byte("model-a"), []byte("layout-2")),
+		// Length prefixes keep the boundary: no two splits of the same
+		// bytes collide.
+		"moved boundary": NamespaceDigest([]byte("model-al"), []byte("ayout-1")),
+	} {
+		if d == base {
+			t.Errorf("%s: same digest", name)
+		}
+	}
+	if NamespaceDigest([]byte("model-a"), []byte("layout-1")) != base {
+		t.Fatal("digest is not deterministic")
+	}
+}
+
+func TestLoadMAC(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name string, b []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	material := bytes.Repeat([]byte("k"), 40)
+	a, err := LoadMAC(write("a", material))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := LoadMAC(write("b", append(append([]byte(" \n"), material...), '\n')))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.ID() != b.ID() {
+		t.Fatal("surrounding whitespace changed the key")
+	}
+	if _, err := LoadMAC(write("short", []byte("too short\n"))); err == nil {
+		t.Fatal("a short key was accepted")
+	}
+	if _, err := LoadMAC(filepath.Join(dir, "missing")); err == nil {
+		t.Fatal("a missing key file was accepted")
+	}
+}

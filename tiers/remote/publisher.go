@@ -1,0 +1,359 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// Source is a block waiting to be published: the publisher reads its
+// payload when it gets to it, then releases it (its owner may hold the
+// block's memory until then).
+type Source interface {
+	// Read copies the block's payload into dst, which is exactly the
+	// payload's length, and reports false when the block is gone.
+	Read(dst []byte) bool
+	// Release is called exactly once, after the last Read.
+	Release()
+}
+
+// PublisherConfig shapes a publisher.
+type PublisherConfig struct {
+	Store    Store
+	Keyspace Keyspace
+	MAC      *MAC // nil: open values
+	// Queue bounds the blocks waiting; past it Publish drops (default 1024).
+	Queue int
+	// Workers publish batches in parallel (default 2).
+	Workers int
+	// Batch bounds the blocks of one round trip (default 32) and
+	// BatchBytes their payload (default 64 MiB): what a worker holds in
+	// memory at once.
+	Batch      int
+	BatchBytes int
+	// Timeout bounds each round trip to the store.
+	Timeout time.Duration
+	Metrics *Metrics
+	Logger  *slog.Logger
+}
+
+// Publisher is the write-behind queue: Publish never waits, a full queue
+// drops (and counts), a block queued or in flight is not queued twice, and
+// a block the store already holds is not sent again (one EXISTS round trip
+// per batch before its SETs). Its workers run until Close.
+type Publisher struct {
+	cfg   PublisherConfig
+	queue chan pubItem
+	stop  chan struct{}
+	wg    sync.WaitGroup
+	bufs  sync.Pool // *[]byte value buffers
+
+	// batching is held (read) by each worker over a batch: Barrier takes
+	// it to wait for the batches in flight.
+	batching sync.RWMutex
+
+	mu struct {
+		sync.Mutex
+		pending map[string]bool // keys queued or in flight: true once cancelled
+		closed  bool
+		idle    chan struct{} // closed and replaced when pending empties
+	}
+}
+
+type pubItem struct {
+	key  string
+	id   Ident
+	hash [MaxHashLen]byte
+	size int
+	src  Source
+}
+
+// NewPublisher starts the workers.
+func NewPublisher(cfg PublisherConfig) *Publisher {
+	if cfg.Queue <= 0 {
+		cfg.Queue = 1024
+	}
+	if cfg.Workers <= 0 {
+		cfg.Workers = 2
+	}
+	if cfg.Batch <= 0 {
+		cfg.Batch = 32
+	}
+	if cfg.BatchBytes <= 0 {
+		cfg.BatchBytes = 64 << 20
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NewMetrics(nil)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	p := &Publisher{cfg: cfg, queue: make(chan pubItem, cfg.Queue), stop: make(chan struct{})}
+	p.mu.pending = map[string]bool{}
+	p.mu.idle = make(chan struct{})
+	close(p.mu.idle)
+	p.wg.Add(cfg.Workers)
+	for i := 0; i < cfg.Workers; i++ {
+		go p.worker()
+	}
+	return p
+}
+
+// Publish queues a block of size payload bytes. It never waits: a block
+// already queued or in flight is released at once (duplicate), and so is
+// one that finds the queue full (dropped, ErrQueueFull).
+func (p *Publisher) Publish(id Ident, size int, src Source) error {
+	it := pubItem{id: id, size: size, src: src}
+	copy(it.hash[:], id.Hash)
+	it.key = p.cfg.Keyspace.Key(id)
+	m := p.cfg.Metrics.Blocks
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		src.Release()
+		m.WithLabelValues("publish", "dropped").Inc()
+		return ErrQueueFull
+	}
+	// A key queued but cancelled since is still a duplicate: its item
+	// leaves the queue as cancelled, and the block waits for its next store.
+	if _, dup := p.mu.pending[it.key]; dup {
+		p.mu.Unlock()
+		src.Release()
+		m.WithLabelValues("publish", "duplicate").Inc()
+		return nil
+	}
+	select {
+	case p.queue <- it:
+	default:
+		p.mu.Unlock()
+		src.Release()
+		m.WithLabelValues("publish", "dropped").Inc()
+		return ErrQueueFull
+	}
+	if len(p.mu.pending) == 0 {
+		p.mu.idle = make(chan struct{})
+	}
+	p.mu.pending[it.key] = false
+	p.mu.Unlock()
+	return nil
+}
+
+// Depth is the number of blocks queued or in flight.
+func (p *Publisher) Depth() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.mu.pending)
+}
+
+// Flush waits until every block queued so far has been published (or
+// failed), or ctx ends. Tests and benchmarks use it to know what the store
+// holds.
+func (p *Publisher) Flush(ctx context.Context) error {
+	p.mu.Lock()
+	idle := p.mu.idle
+	p.mu.Unlock()
+	select {
+	case <-idle:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Cancel keeps the blocks queued or in flight whose keys match from being
+// published (a block invalidated on this node), unless their payload has
+// been read already: Barrier waits for those. It returns how many matched.
+func (p *Publisher) Cancel(match func(key string) bool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for k := range p.mu.pending {
+		if match(k) {
+			p.mu.pending[k] = true
+			n++
+		}
+	}
+	return n
+}
+
+// Barrier waits until every batch in flight when it was called has ended
+// (each is bounded by two round trips' timeouts). After Cancel then
+// Barrier, no cancelled block is sent any more: one whose payload was read
+// before the Cancel has reached the store (or failed) by then.
+func (p *Publisher) Barrier() {
+	p.batching.Lock()
+	p.batching.Unlock() // nothing to guard: waiting for the holders is the point
+}
+
+func (p *Publisher) cancelled(key string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.mu.pending[key]
+}
+
+// Close stops the workers after their batch in flight and releases the
+// blocks still queued (not published). It may be called more than once.
+func (p *Publisher) Close() {
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		return
+	}
+	p.mu.closed = true
+	p.mu.Unlock()
+	close(p.stop)
+	p.wg.Wait()
+	for {
+		select {
+		case it := <-p.queue:
+			it.src.Release()
+			p.done(it.key)
+			p.cfg.Metrics.Blocks.WithLabelValues("publish", "dropped").Inc()
+		default:
+			return
+		}
+	}
+}
+
+func (p *Publisher) done(key string) {
+	p.mu.Lock()
+	delete(p.mu.pending, key)
+	if len(p.mu.pending) == 0 {
+		close(p.mu.idle)
+	}
+	p.mu.Unlock()
+}
+
+func (p *Publisher) worker() {
+	defer p.wg.Done()
+	batch := make([]pubItem, 0, p.cfg.Batch)
+	for {
+		// Stopping wins over a queue that is not empty: Close drops
+		// what is left rather than wait for it.
+		select {
+		case <-p.stop:
+			return
+		default:
+		}
+		select {
+		case it := <-p.queue:
+			batch = append(batch[:0], it)
+		case <-p.stop:
+			return
+		}
+		bytes := batch[0].size
+	fill:
+		for len(batch) < p.cfg.Batch && bytes < p.cfg.BatchBytes {
+			select {
+			case it := <-p.queue:
+				batch = append(batch, it)
+				bytes += it.size
+			default:
+				break fill
+			}
+		}
+		p.batching.RLock()
+		p.publish(batch)
+		p.batching.RUnlock()
+		clear(batch)
+	}
+}
+
+// publish sends one batch: an EXISTS round trip, then the SETs of the
+// blocks the store does not hold, each value assembled with one copy (the
+// block's payload read into place behind its header).
+func (p *Publisher) publish(batch []pubItem) {
+	m := p.cfg.Metrics
+	defer func() {
+		for _, it := range batch {
+			p.done(it.key)
+		}
+	}()
+	keys := make([]string, len(batch))
+	for i := range batch {
+		keys[i] = batch[i].key
+	}
+	have := make([]Presence, len(batch))
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout)
+	err := p.cfg.Store.Exists(ctx, keys, have)
+	cancel()
+	var items []Item
+	var sent []int
+	var bufs []*[]byte
+	for i := range batch {
+		it := &batch[i]
+		switch have[i] {
+		case Present:
+			m.Blocks.WithLabelValues("publish", "exists").Inc()
+			it.src.Release()
+			continue
+		case Failed:
+			// Not known whether the store holds it; not worth a
+			// blind SET of megabytes into a failing node.
+			m.Blocks.WithLabelValues("publish", "error").Inc()
+			it.src.Release()
+			continue
+		}
+		if p.cancelled(it.key) {
+			m.Blocks.WithLabelValues("publish", "cancelled").Inc()
+			it.src.Release()
+			continue
+		}
+		buf := p.buf(HeaderSize + it.size)
+		ok := it.src.Read((*buf)[HeaderSize:])
+		it.src.Release()
+		if !ok {
+			p.bufs.Put(buf)
+			m.Blocks.WithLabelValues("publish", "gone").Inc()
+			continue
+		}
+		id := it.id
+		id.Hash = it.hash[:len(id.Hash)]
+		if err := EncodeHeader(*buf, id, p.cfg.MAC); err != nil {
+			p.bufs.Put(buf)
+			m.Blocks.WithLabelValues("publish", "error").Inc()
+			p.cfg.Logger.Error("remote tier: a block could not be encoded", "err", err)
+			continue
+		}
+		items = append(items, Item{Key: it.key, Value: *buf})
+		sent = append(sent, i)
+		bufs = append(bufs, buf)
+	}
+	if err != nil {
+		p.cfg.Logger.Debug("remote tier: publish: EXISTS failed for some blocks", "err", err)
+	}
+	if len(items) == 0 {
+		return
+	}
+	ctx, cancel = context.WithTimeout(context.Background(), p.cfg.Timeout)
+	errs := p.cfg.Store.Set(ctx, items)
+	cancel()
+	var first error
+	for j, i := range sent {
+		if errs[j] != nil {
+			m.Blocks.WithLabelValues("publish", "error").Inc()
+			first = errors.Join(first, errs[j])
+			continue
+		}
+		m.Blocks.WithLabelValues("publish", "published").Inc()
+		m.Bytes.WithLabelValues("publish").Add(float64(batch[i].size))
+	}
+	for _, b := range bufs {
+		p.bufs.Put(b)
+	}
+	if first != nil {
+		p.cfg.Logger.Debug("remote tier: publish: SET failed for some blocks", "err", first)
+	}
+}
+
+// buf returns a value buffer of n bytes from the pool.
+func (p *Publisher) buf(n int) *[]byte {
+	if b, _ := p.bufs.Get().(*[]byte); b != nil && cap(*b) >= n {
+		*b = (*b)[:n]
+		return b
+	}
+	b := make([]byte, n)
+	return &b
+}

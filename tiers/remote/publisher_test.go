@@ -1,0 +1,196 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// memSource is a block in memory; gate, when set, holds Read until closed.
+type memSource struct {
+	payload  []byte
+	gone     bool
+	gate     chan struct{}
+	reading  chan struct{} // gets a value when Read starts
+	released atomic.Int32
+}
+
+func (s *memSource) Read(dst []byte) bool {
+	if s.reading != nil {
+		s.reading <- struct{}{}
+	}
+	if s.gate != nil {
+		<-s.gate
+	}
+	if s.gone {
+		return false
+	}
+	copy(dst, s.payload)
+	return true
+}
+
+func (s *memSource) Release() { s.released.Add(1) }
+
+func newPublisher(t *testing.T, s Store, mac *MAC, queue, workers int) (*Publisher, *Metrics) {
+	t.Helper()
+	m := NewMetrics(nil)
+	p := NewPublisher(PublisherConfig{Store: Instrument(s, m), Keyspace: NewKeyspace(mac), MAC: mac, Queue: queue, Workers: workers, Timeout: 5 * time.Second, Metrics: m})
+	t.Cleanup(p.Close)
+	return p, m
+}
+
+func count(m *Metrics, result string) int {
+	return int(testutil.ToFloat64(m.Blocks.WithLabelValues("publish", result)))
+}
+
+// TestPublisherPublishes: queued blocks reach the store as values that
+// verify, each source released once; a block published again is found in
+// the store and not sent again.
+func TestPublisherPublishes(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	mac := testMAC(t, 7)
+	p, m := newPublisher(t, r, mac, 64, 2)
+	ids, keys, vals := testBlocks(t, 40, 3000, mac)
+	srcs := make([]*memSource, len(ids))
+	for i, id := range ids {
+		srcs[i] = &memSource{payload: vals[i][HeaderSize:]}
+		if err := p.Publish(id, len(vals[i])-HeaderSize, srcs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	got, errs := getAll(t, testCtx(t), r, keys, sizesOf(vals))
+	for i := range keys {
+		if errs[i] != nil || !bytes.Equal(got[i], vals[i]) {
+			t.Fatalf("block %d: err %v, stored value equal %v", i, errs[i], bytes.Equal(got[i], vals[i]))
+		}
+		if n := srcs[i].released.Load(); n != 1 {
+			t.Fatalf("block %d released %d times", i, n)
+		}
+	}
+	if n := count(m, "published"); n != len(ids) {
+		t.Fatalf("published %d, want %d", n, len(ids))
+	}
+	if b := testutil.ToFloat64(m.Bytes.WithLabelValues("publish")); int(b) != 40*3000+40*39/2 {
+		t.Fatalf("published bytes %v", b)
+	}
+	// Again: every block is in the store already.
+	for i, id := range ids {
+		p.Publish(id, len(vals[i])-HeaderSize, &memSource{payload: vals[i][HeaderSize:]})
+	}
+	p.Flush(testCtx(t))
+	if n, e := count(m, "published"), count(m, "exists"); n != len(ids) || e != len(ids) {
+		t.Fatalf("after publishing again: %d published, %d found in the store; want %d and %d", n, e, len(ids), len(ids))
+	}
+}
+
+// TestPublisherDedupAndDrop: a block already queued is not queued again,
+// a full queue drops (ErrQueueFull, counted, released at once), and a
+// block gone by the time its turn comes is skipped. The worker is held in
+// a Read so the queue's state is known.
+func TestPublisherDedupAndDrop(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 3, 1)
+	ids, keys, vals := testBlocks(t, 6, 1000, nil)
+	gate := make(chan struct{})
+	first := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
+	if err := p.Publish(ids[0], len(vals[0])-HeaderSize, first); err != nil {
+		t.Fatal(err)
+	}
+	<-first.reading // the worker holds block 0; the queue is empty
+	srcs := []*memSource{first}
+	for i := 1; i < 6; i++ {
+		s := &memSource{payload: vals[i][HeaderSize:], gone: i == 3}
+		srcs = append(srcs, s)
+		err := p.Publish(ids[i], len(vals[i])-HeaderSize, s)
+		switch {
+		case i <= 3 && err != nil:
+			t.Fatalf("block %d: %v with room in the queue", i, err)
+		case i > 3 && !errors.Is(err, ErrQueueFull):
+			t.Fatalf("block %d: %v, want ErrQueueFull", i, err)
+		case i > 3 && s.released.Load() != 1:
+			t.Fatalf("dropped block %d not released", i)
+		}
+	}
+	dup := &memSource{payload: vals[1][HeaderSize:]}
+	if err := p.Publish(ids[1], len(vals[1])-HeaderSize, dup); err != nil || dup.released.Load() != 1 {
+		t.Fatalf("duplicate of a queued block: err %v, released %d", err, dup.released.Load())
+	}
+	dup0 := &memSource{payload: vals[0][HeaderSize:]}
+	if err := p.Publish(ids[0], len(vals[0])-HeaderSize, dup0); err != nil || dup0.released.Load() != 1 {
+		t.Fatalf("duplicate of a block in flight: err %v, released %d", err, dup0.released.Load())
+	}
+	if d := p.Depth(); d != 4 {
+		t.Fatalf("depth %d, want 4 (one in flight, three queued)", d)
+	}
+	close(gate)
+	if err := p.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if d := p.Depth(); d != 0 {
+		t.Fatalf("depth %d after flush", d)
+	}
+	for result, want := range map[string]int{"published": 3, "gone": 1, "dropped": 2, "duplicate": 2} {
+		if n := count(m, result); n != want {
+			t.Errorf("%s: %d, want %d", result, n, want)
+		}
+	}
+	have := make([]Presence, len(keys))
+	r.Exists(testCtx(t), keys, have)
+	for i, h := range have {
+		if want := map[bool]Presence{true: Present, false: Absent}[i <= 2]; h != want {
+			t.Errorf("block %d in the store: %v, want %v", i, h, want)
+		}
+	}
+	for i, s := range srcs {
+		if n := s.released.Load(); n != 1 {
+			t.Errorf("block %d released %d times", i, n)
+		}
+	}
+}
+
+// TestPublisherCloseReleasesQueued: Close stops the workers and releases
+// what is still queued, once.
+func TestPublisherCloseReleasesQueued(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 8, 1)
+	ids, _, vals := testBlocks(t, 4, 100, nil)
+	gate := make(chan struct{})
+	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
+	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	<-held.reading
+	var queued []*memSource
+	for i := 1; i < 4; i++ {
+		s := &memSource{payload: vals[i][HeaderSize:]}
+		queued = append(queued, s)
+		p.Publish(ids[i], len(vals[i])-HeaderSize, s)
+	}
+	var wg sync.WaitGroup
+	wg.Go(p.Close)
+	<-p.stop // Close has begun: from here stopping wins over the queue
+	close(gate)
+	wg.Wait()
+	for i, s := range append(queued, held) {
+		if n := s.released.Load(); n != 1 {
+			t.Errorf("source %d released %d times", i, n)
+		}
+	}
+	if n := count(m, "dropped"); n != 3 {
+		t.Errorf("dropped %d at close, want 3", n)
+	}
+	if err := p.Publish(ids[1], 100, &memSource{}); !errors.Is(err, ErrQueueFull) {
+		t.Errorf("publish after close: %v", err)
+	}
+	p.Flush(context.Background())
+}

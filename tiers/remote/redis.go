@@ -1,0 +1,452 @@
+package remote
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+)
+
+// RedisConfig reaches a Redis Cluster (or Valkey, which speaks the same
+// protocol).
+type RedisConfig struct {
+	// Addrs are seed nodes, host:port; the client learns the rest of the
+	// cluster from them and follows it as it changes.
+	Addrs    []string
+	Password string
+	// TLS, when set, is used for every connection.
+	TLS *tls.Config
+	// Timeout bounds one operation on one node: dial, write, read. The
+	// caller's context bounds a whole batch.
+	Timeout time.Duration
+	// PoolSize is the connections kept per node (0: 16): a batch holds
+	// one per node it touches for its round trip, and Lookups, loads and
+	// publishes run side by side.
+	PoolSize int
+}
+
+// Redis is a Store on Redis Cluster through go-redis's cluster client. A
+// batch is one pipeline: the client splits it by hash slot and sends each
+// node its commands in one write, all nodes in parallel, then reads the
+// replies, so a batch costs one round trip to the slowest node it touches.
+// A node that just timed out or refused is left out of the next batches
+// for a while (breaker.go): its keys are unavailable at once.
+type Redis struct {
+	cc *redis.ClusterClient
+	br *breaker
+}
+
+var _ Store = (*Redis)(nil)
+
+// ErrNodeBackoff is wrapped (with ErrUnavailable) for a key whose node
+// failed moments ago and is not asked again until its back-off ends.
+var ErrNodeBackoff = errors.New("node failed recently; not asked until its back-off ends")
+
+// NewRedis returns a client; it does not connect until the first call, so a
+// cluster that is down at start is not an error here (Ping tells).
+func NewRedis(cfg RedisConfig) (*Redis, error) {
+	if len(cfg.Addrs) == 0 {
+		return nil, errors.New("no seed nodes")
+	}
+	if cfg.Timeout <= 0 {
+		return nil, errors.New("timeout must be positive")
+	}
+	if cfg.PoolSize == 0 {
+		cfg.PoolSize = 16
+	}
+	cc := redis.NewClusterClient(&redis.ClusterOptions{
+		Addrs:     cfg.Addrs,
+		Password:  cfg.Password,
+		TLSConfig: cfg.TLS,
+		// RESP2: values come back as plain bulk strings and no push
+		// notifications are negotiated.
+		Protocol:                 2,
+		DisableIdentity:          true,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+		DialTimeout:              cfg.Timeout,
+		ReadTimeout:              cfg.Timeout,
+		WriteTimeout:             cfg.Timeout,
+		// The caller's deadline also bounds every read and write: a
+		// node hung mid-reply costs the deadline, not the socket timeout
+		// times the retries.
+		ContextTimeoutEnabled: true,
+		// One dial attempt per call: a node that refuses is unavailable
+		// for this batch; the next batch dials again.
+		DialerRetries: 1,
+		// One attempt per batch. go-redis retries a pipeline's failed
+		// commands after a backoff, and when the deadline has passed by
+		// then it marks every command of the batch failed, the ones
+		// other nodes had answered too (v9.23, processPipeline): one
+		// slow node would cost the whole batch. A key moved by a
+		// resharding or failover (MOVED, ASK) is unavailable for the
+		// batch that meets it; the client reloads the slot map and the
+		// next batch finds it.
+		MaxRedirects: -1,
+		MaxRetries:   -1,
+		PoolSize:     cfg.PoolSize,
+		PoolTimeout:  cfg.Timeout,
+		// Blocks are large: reads of a 2 MiB value bypass the buffer
+		// once it is empty, so a bigger one would only add a copy.
+		ReadBufferSize:  64 << 10,
+		WriteBufferSize: 64 << 10,
+	})
+	return &Redis{cc: cc, br: newBreaker()}, nil
+}
+
+// route finds the master of each key from the client's slot map, and
+// whether that node is in its back-off. A key it cannot place (no slot map
+// yet, the cluster down) gets "": it goes into the pipeline, which fails
+// or succeeds on its own.
+func (r *Redis) route(ctx context.Context, keys []string) (addrs []string, skip []bool) {
+	addrs = make([]string, len(keys))
+	skip = make([]bool, len(keys))
+	if r.br.open(anyNode) {
+		// No node answered moments ago, not even for the slot map.
+		for i := range keys {
+			addrs[i], skip[i] = anyNode, true
+		}
+		return addrs, skip
+	}
+	for i, k := range keys {
+		c, err := r.cc.MasterForKey(ctx, k)
+		if err != nil {
+			break // no slot map: placing the others would only retry
+		}
+		addrs[i] = c.Options().Addr
+		skip[i] = r.br.open(addrs[i])
+	}
+	return addrs, skip
+}
+
+// anyNode stands in the breaker for the whole cluster when the client
+// could not even learn which node serves a key (every seed unreachable):
+// a network that drops packets must not cost every batch the timeout.
+const anyNode = "cluster"
+
+// settle trips the breaker of every node that timed out or refused, and
+// resets it for every node that answered.
+func (r *Redis) settle(addrs []string, skip []bool, errs func(i int) error) {
+	failed := map[string]bool{}
+	answered := map[string]bool{}
+	for i, a := range addrs {
+		if skip[i] {
+			continue
+		}
+		if a == "" {
+			a = anyNode // unplaced: what happened says something of the cluster
+		}
+		err := errs(i)
+		switch k := ErrorKind(err); {
+		case err == nil:
+			answered[a] = true
+		case k == "timeout" || k == "connection":
+			failed[a] = true
+		}
+	}
+	for a := range failed {
+		r.br.trip(a)
+	}
+	for a := range answered {
+		if !failed[a] {
+			r.br.reset(a)
+		}
+	}
+	if len(answered) > 0 {
+		r.br.reset(anyNode)
+	}
+}
+
+func backoffErr(addr string) error {
+	return fmt.Errorf("%w: %s: %w", ErrUnavailable, addr, ErrNodeBackoff)
+}
+
+// Exists implements Store.
+func (r *Redis) Exists(ctx context.Context, keys []string, out []Presence) error {
+	addrs, skip := r.route(ctx, keys)
+	cmds := make([]*redis.IntCmd, len(keys))
+	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, k := range keys {
+			if !skip[i] {
+				cmds[i] = p.Exists(ctx, k)
+			}
+		}
+		return nil
+	})
+	var first error
+	for i, c := range cmds {
+		if skip[i] {
+			out[i] = Failed
+			first = cmp(first, backoffErr(addrs[i]))
+			continue
+		}
+		n, cerr := c.Result()
+		switch {
+		case cerr != nil:
+			out[i] = Failed
+			first = cmp(first, cerr)
+		case n > 0:
+			out[i] = Present
+		default:
+			out[i] = Absent
+		}
+	}
+	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
+	return unavailable(cmp(first, pipelineErr(err)))
+}
+
+// Get implements Store. Each key costs three commands in the node's
+// pipeline: STRLEN (absent is 0), then GETRANGE of the header and GETRANGE
+// of the payload, each read by go-redis straight into the caller's buffer
+// (ZeroCopyStringCmd): past the reply's first read-buffer's worth, the
+// socket's bytes land in Body with no copy in user space.
+func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
+	type cmds struct {
+		size       *redis.IntCmd
+		head, body *redis.ZeroCopyStringCmd
+	}
+	keys := make([]string, len(fs))
+	for i := range fs {
+		keys[i] = fs[i].Key
+	}
+	addrs, skip := r.route(ctx, keys)
+	cs := make([]cmds, len(fs))
+	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i := range fs {
+			if skip[i] {
+				continue
+			}
+			f := &fs[i]
+			c := &cs[i]
+			c.size = p.StrLen(ctx, f.Key)
+			if len(f.Head) > 0 {
+				c.head = redis.NewZeroCopyStringCmd(ctx, f.Head, "getrange", f.Key, 0, len(f.Head)-1)
+				p.Process(ctx, c.head)
+			}
+			if len(f.Body) > 0 {
+				c.body = redis.NewZeroCopyStringCmd(ctx, f.Body, "getrange", f.Key, len(f.Head), len(f.Head)+len(f.Body)-1)
+				p.Process(ctx, c.body)
+			}
+		}
+		return nil
+	})
+	var first error
+	for i := range fs {
+		f, c := &fs[i], &cs[i]
+		f.Size, f.HeadN, f.BodyN, f.Err = 0, 0, 0, nil
+		if skip[i] {
+			f.Err = backoffErr(addrs[i])
+			first = cmp(first, f.Err)
+			continue
+		}
+		size, err := c.size.Result()
+		if err == nil && c.head != nil {
+			f.HeadN, err = c.head.Result()
+		}
+		if err == nil && c.body != nil {
+			f.BodyN, err = c.body.Result()
+		}
+		if err != nil {
+			f.Err = unavailable(err)
+			first = cmp(first, err)
+			continue
+		}
+		f.Size = size
+	}
+	r.settle(addrs, skip, func(i int) error {
+		if skip[i] {
+			return nil
+		}
+		return fs[i].Err
+	})
+	return unavailable(cmp(first, pipelineErr(err)))
+}
+
+// Set implements Store.
+func (r *Redis) Set(ctx context.Context, items []Item) []error {
+	keys := make([]string, len(items))
+	for i := range items {
+		keys[i] = items[i].Key
+	}
+	addrs, skip := r.route(ctx, keys)
+	cmds := make([]*redis.StatusCmd, len(items))
+	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, it := range items {
+			if !skip[i] {
+				cmds[i] = p.Set(ctx, it.Key, it.Value, 0)
+			}
+		}
+		return nil
+	})
+	errs := make([]error, len(items))
+	for i, c := range cmds {
+		if skip[i] {
+			errs[i] = backoffErr(addrs[i])
+		} else if err := c.Err(); err != nil {
+			errs[i] = unavailable(err)
+		}
+	}
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
+	return errs
+}
+
+// Delete implements Store with UNLINK: Redis frees a large value off its
+// main thread. Keys of a node in its back-off are not deleted (reported).
+func (r *Redis) Delete(ctx context.Context, keys []string) error {
+	addrs, skip := r.route(ctx, keys)
+	cmds := make([]*redis.IntCmd, len(keys))
+	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, k := range keys {
+			if !skip[i] {
+				cmds[i] = p.Unlink(ctx, k)
+			}
+		}
+		return nil
+	})
+	var first error
+	for i, c := range cmds {
+		if skip[i] {
+			first = cmp(first, backoffErr(addrs[i]))
+		} else {
+			first = cmp(first, c.Err())
+		}
+	}
+	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
+	return unavailable(cmp(first, pipelineErr(err)))
+}
+
+// DeletePrefix implements Store: every master is scanned (SCAN MATCH, a
+// page of up to 1000 keys per round trip, each bounded by the timeout) and
+// each page's keys are unlinked in one pipeline, the masters in parallel.
+// A master that fails fails the sweep; what it holds remains until the
+// caller tries again.
+func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+	var n atomic.Int64
+	match := globEscape(prefix) + "*"
+	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		addr := c.Options().Addr
+		var cursor uint64
+		for {
+			keys, next, err := c.Scan(ctx, cursor, match, 1000).Result()
+			if err != nil {
+				return fmt.Errorf("%s: scan: %w", addr, err)
+			}
+			if len(keys) > 0 {
+				cmds, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+					for _, k := range keys {
+						p.Unlink(ctx, k)
+					}
+					return nil
+				})
+				if err != nil {
+					return fmt.Errorf("%s: unlink: %w", addr, err)
+				}
+				for _, cmd := range cmds {
+					n.Add(cmd.(*redis.IntCmd).Val())
+				}
+			}
+			if next == 0 {
+				return nil
+			}
+			cursor = next
+		}
+	})
+	return int(n.Load()), unavailable(err)
+}
+
+// globEscape quotes the characters SCAN's MATCH pattern treats specially.
+func globEscape(s string) string {
+	var b strings.Builder
+	for _, c := range []byte(s) {
+		switch c {
+		case '*', '?', '[', ']', '\\':
+			b.WriteByte('\\')
+		}
+		b.WriteByte(c)
+	}
+	return b.String()
+}
+
+// Ping asks every master of the cluster, those in their back-off too: a
+// node that answers is out of it at once.
+func (r *Redis) Ping(ctx context.Context) error {
+	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+		addr := c.Options().Addr
+		if err := c.Ping(ctx).Err(); err != nil {
+			return fmt.Errorf("%s: %w", addr, err)
+		}
+		r.br.reset(addr)
+		return nil
+	})
+	if err == nil {
+		r.br.reset(anyNode)
+	}
+	return unavailable(err)
+}
+
+// Close implements Store.
+func (r *Redis) Close() error { return r.cc.Close() }
+
+func cmp(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+// pipelineErr drops redis.Nil: a GET of an absent key is an answer.
+func pipelineErr(err error) error {
+	if errors.Is(err, redis.Nil) {
+		return nil
+	}
+	return err
+}
+
+func unavailable(err error) error {
+	if err == nil || errors.Is(err, ErrUnavailable) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrUnavailable, err)
+}
+
+// ErrorKind names the kind of a store error for metrics and logs: timeout,
+// connection (refused, reset, closed), cluster (CLUSTERDOWN, MOVED, ASK,
+// TRYAGAIN, LOADING: the cluster is changing), oom (Redis refused a write
+// over maxmemory with a noeviction policy), auth, or other.
+func ErrorKind(err error) string {
+	var ne net.Error
+	switch {
+	case err == nil:
+		return ""
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded),
+		errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, net.ErrClosed), errors.Is(err, redis.ErrClosed), errors.As(err, new(*net.OpError)):
+		return "connection"
+	}
+	msg := err.Error()
+	for _, p := range []struct{ sub, kind string }{
+		{"CLUSTERDOWN", "cluster"}, {"MOVED", "cluster"}, {"ASK", "cluster"}, {"TRYAGAIN", "cluster"}, {"LOADING", "cluster"},
+		{"OOM", "oom"}, {"NOAUTH", "auth"}, {"WRONGPASS", "auth"}, {"NOPERM", "auth"},
+	} {
+		if strings.Contains(msg, p.sub) {
+			return p.kind
+		}
+	}
+	if strings.Contains(msg, "connection refused") || strings.Contains(msg, "EOF") || strings.Contains(msg, "i/o timeout") {
+		if strings.Contains(msg, "i/o timeout") {
+			return "timeout"
+		}
+		return "connection"
+	}
+	return "other"
+}

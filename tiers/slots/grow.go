@@ -1,0 +1,8 @@
+package slots
+
+// Grow gives the class chunks until it has n free slots or no free chunk is
+// left (taking one from another slot size when the class has none at all),
+// as Admit does before a store allocates. A load that stages blocks no
+// policy has seen yet (fetched from the remote tier) calls it before
+// Alloc, so the first block of a namespace finds a slot.
+func (c *Class) Grow(n int) { c.grow(n) }
