@@ -28,6 +28,7 @@ from .background import _DOWN_CODES, Background
 from .client import Client
 from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
+from .kv_events import BlockInfo, BlockInfoMap, EventFeed, VLLMEventTypes, translate
 from .plan import GroupJob, StepPlan, as_groups, iter_scheduled
 from .stats import StatsRecorder
 from .types import Tier
@@ -103,6 +104,12 @@ class SchedulerSide:
             (0: no lease). Off by default: the daemon honours a lease only
             over the connection that took it, and vLLM's workers load over
             their own (docs/vllm.md, Limits).
+        kv_events: follow what the daemon holds and report it as vLLM's KV
+            cache events (:meth:`take_kv_events`, kvoffload.kv_events).
+        kv_events_max_blocks: how many blocks' token ids and parent hashes
+            are kept for those events.
+        kv_events_max_queued: how many daemon events may wait for
+            ``take_kv_events`` before the stream starts over.
     """
 
     def __init__(
@@ -125,6 +132,9 @@ class SchedulerSide:
         namespace_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         stats: StatsRecorder | None = None,
+        kv_events: bool = False,
+        kv_events_max_blocks: int = 65536,
+        kv_events_max_queued: int = 65536,
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes)
         self.num_ranks = int(num_ranks)
@@ -162,10 +172,18 @@ class SchedulerSide:
         self._seq = 0
         self._asked_blind = 0
         self._warned: set[str] = set()
+        # KV events: the blocks' payloads, kept from the plans; the stream of
+        # the first rank's namespace, followed once the workers registered.
+        self._infos = BlockInfoMap(kv_events_max_blocks) if kv_events else None
+        self._events_max_queued = kv_events_max_queued
+        self._events_fp: bytes | None = None
+        self.events: EventFeed | None = None
 
     # -- helpers ----------------------------------------------------------
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self._io.close()
         self._client.close()
 
@@ -196,6 +214,13 @@ class SchedulerSide:
             return
         self._fingerprints = {r: bytes(fp) for r, fp in by_rank.items()}
         self._ns_ids, self._ns_next = None, 0.0
+        if self._infos is not None:
+            # One report per engine, from here: the first rank's namespace
+            # stands for every rank's (docs/events.md, tensor parallelism).
+            self._events_fp = self._fingerprints[min(self._fingerprints, key=str)]
+            if self.events is None:
+                self.events = EventFeed(self._client, lambda: self._events_fp, max_queued=self._events_max_queued,
+                                        rpc_timeout_s=self._rpc_timeout)
         self.namespace_ids()  # resolve now, before the first request asks
         log.info("kvoffload: %d workers registered; looking up blocks in their namespaces", len(by_rank))
 
@@ -253,17 +278,46 @@ class SchedulerSide:
         return st
 
     def _jobs(self, hashes: Sequence[bytes], groups: Sequence[Sequence[int | None]], start: int, end: int,
-              leases: Mapping[int, int] | None = None) -> list[GroupJob]:
+              leases: Mapping[int, int] | None = None, request: Any = None) -> list[GroupJob]:
         jobs = []
         for g in range(self.keys.num_groups):
             blocks = self.keys.block_range(g, start, end)
             ids = groups[g]
             keys = self.keys.keys(hashes, g, blocks)
             pairs = [(k, ids[i]) for k, i in zip(keys, blocks) if ids[i] is not None and ids[i] != self.null_block_id]
+            if pairs and self._infos is not None and request is not None:
+                self._remember(request, hashes, g, [i for i in blocks if ids[i] is not None and ids[i] != self.null_block_id])
             if pairs:
                 jobs.append(GroupJob(g, [k for k, _ in pairs], [int(b) for _, b in pairs],
                                      (leases or {}).get(g, 0)))
         return jobs
+
+    def _remember(self, request: Any, hashes: Sequence[bytes], g: int, blocks: Sequence[int]) -> None:
+        """Keeps what vLLM's BlockStored says of group ``g``'s blocks beyond
+        their keys: the tokens of each, the key of the block before it, the
+        LoRA adapter (vLLM's offloading connector takes the same from the
+        request when it plans a store)."""
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None:
+            return
+        f, bs = self.keys.factors[g], self.keys.block_sizes[g]
+        lora = getattr(request, "lora_request", None)
+        lora_id = getattr(lora, "adapter_id", None) if lora is not None else None
+        lora_name = getattr(lora, "name", None) if lora is not None else None
+        for i in blocks:
+            if (i + 1) * bs > len(tokens):
+                continue
+            parent = bytes(hashes[i * f - 1]) if i > 0 else None
+            self._infos.put(g, bytes(hashes[(i + 1) * f - 1]),
+                            BlockInfo(tuple(tokens[i * bs:(i + 1) * bs]), parent, lora_id, lora_name))
+
+    def take_kv_events(self, types: VLLMEventTypes) -> list[Any]:
+        """What the daemon's tiers gained and lost since the last call, as
+        vLLM's KV cache events, in order (kvoffload.kv_events)."""
+        if self.events is None or self._infos is None:
+            return []
+        raw = self.events.take()
+        return translate(raw, self._infos, self.keys.block_sizes, types) if raw else []
 
     # -- lookups ------------------------------------------------------------
 
@@ -453,7 +507,7 @@ class SchedulerSide:
                 and self.keys.units_in(len(hashes)) >= end
                 and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)))
         if fits:
-            jobs = self._jobs(hashes, groups, start, end, rec.leases)
+            jobs = self._jobs(hashes, groups, start, end, rec.leases, request=request)
         else:
             # vLLM now waits for this request's load. Nothing can be loaded,
             # so every block it allocated for those tokens is reported failed
@@ -520,7 +574,7 @@ class SchedulerSide:
                 end = min(end, len(st.block_ids[g]) // self.keys.blocks_per_unit[g])
             if end <= st.next_store_unit:
                 continue
-            jobs = self._jobs(hashes, st.block_ids, st.next_store_unit, end)
+            jobs = self._jobs(hashes, st.block_ids, st.next_store_unit, end, request=req)
             st.next_store_unit = end
             if jobs:
                 plan.stores[rid] = jobs

@@ -37,7 +37,7 @@ __all__ = [
 
 # kv_connector_extra_config keys this connector understands.
 EXTRA_KEYS = ("socket", "timeout_s", "lookup_wait_ms", "lookup_deadline_ms", "lease_ms", "sync_stores",
-              "hash_bytes", "request_level_failures", "drain_timeout_s")
+              "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks")
 
 # Version of how this connector lays keys and blocks out. Part of every
 # fingerprint: a change here must not hit blocks stored by the old code.
@@ -128,6 +128,10 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.0
     lookup_deadline_s: float = 0.2
     lease_ms: int = 0
+    # Report what the daemon holds as vLLM KV cache events (default: whether
+    # vLLM's own KV events are enabled, --kv-events-config).
+    kv_events: bool = False
+    kv_events_max_blocks: int = 65536
     request_level_failures: bool | None = None  # None: decided by the vLLM API in use
     failure_policy: str = "fail"
     kv_layout: str | None = None
@@ -270,6 +274,9 @@ def settings_from_vllm(
         lookup_wait_s=float(extra.get("lookup_wait_ms", 0)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
         lease_ms=int(extra.get("lease_ms", 0)),
+        kv_events=bool(extra.get("kv_events", getattr(getattr(vllm_config, "kv_events_config", None),
+                                                      "enable_kv_cache_events", False))),
+        kv_events_max_blocks=int(extra.get("kv_events_max_blocks", 65536)),
         request_level_failures=None if rlf is None else bool(rlf),
         failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")),
         kv_layout=kv_layout,

@@ -58,7 +58,18 @@ try:
 except ImportError:
     resolve_kv_cache_block_sizes = None  # type: ignore[assignment]
 
+try:  # vLLM's KV cache events (what its publisher sends to KV-aware routers)
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+except ImportError:
+    BlockStored = BlockRemoved = AllBlocksCleared = None  # type: ignore[assignment,misc]
+
+try:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+except ImportError:
+    maybe_convert_block_hash = None  # type: ignore[assignment]
+
 from . import stats as _stats
+from .kv_events import VLLMEventTypes, default_convert
 from .plan import StepPlan
 from .regions import regions_from_kv_caches
 from .scheduler_side import SchedulerSide
@@ -297,6 +308,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         self._events = _ReadyEvents()
         self._cuda = False
         self._stats = _stats.StatsRecorder()
+        self._event_types: VLLMEventTypes | None = None
         if role == KVConnectorRole.SCHEDULER:
             offer = s.unsupported is None
             if s.unsupported is not None:
@@ -310,10 +322,16 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 log.warning("kvoffload: kv_load_failure_policy is \"fail\": a load that fails (a block evicted or "
                             "corrupt on disk, the daemon restarting) ends its request with an error; set "
                             "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute instead")
+            if s.kv_events and BlockStored is None:
+                log.warning("kvoffload: this vLLM has no vllm.distributed.kv_events: no KV events are reported")
+            elif s.kv_events:
+                self._event_types = VLLMEventTypes(BlockStored, BlockRemoved, AllBlocksCleared,
+                                                   maybe_convert_block_hash or default_convert)
             self._scheduler = SchedulerSide(
                 s.socket, s.num_ranks, s.hash_block_size, s.group_block_sizes, s.hash_bytes,
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
+                kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
             )
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
@@ -525,4 +543,10 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         return self._scheduler.request_finished(request)
 
     def take_events(self):
-        return ()
+        """What the daemon's tiers gained and lost since the last step, as
+        vLLM's KV cache events (medium CPU or DISK), for vLLM's publisher to
+        send with its own (docs/events.md). Only the scheduler reports: the
+        workers' ``get_kv_connector_kv_cache_events`` stays vLLM's default."""
+        if self._scheduler is None or self._event_types is None:
+            return ()
+        return self._scheduler.take_kv_events(self._event_types)

@@ -185,6 +185,7 @@ class Config:
     # so releases the GIL) for at least this long each step.
     gpu_s: float = 0.0005
     extra: dict = field(default_factory=dict)
+    kv_events: bool = False  # vLLM's --kv-events-config enable_kv_cache_events
 
     def specs(self) -> list[Any]:
         out = []
@@ -209,6 +210,7 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
         parallel_config=ns(tensor_parallel_size=cfg.tp, pipeline_parallel_size=1, decode_context_parallel_size=cfg.dcp,
                            prefill_context_parallel_size=cfg.pcp),
         scheduler_config=ns(async_scheduling=cfg.async_scheduling),
+        kv_events_config=ns(enable_kv_cache_events=cfg.kv_events, publisher="zmq" if cfg.kv_events else "null"),
         kv_transfer_config=ns(kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.vllm",
                               kv_role="kv_both", kv_connector_extra_config={"socket": socket, **cfg.extra},
                               kv_load_failure_policy=cfg.policy, is_kv_producer=True, is_kv_consumer=True,
@@ -577,6 +579,8 @@ class Engine:
         self.timing = timing
         self.step_conn_s: list[float] = []
         self._sched_t = 0.0
+        self.kv_events: list = []  # what the connector's take_events handed to vLLM's publisher, in order
+        self.planned_keys: set[tuple[int, bytes]] = set()  # (group, key) of every store or load planned
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
@@ -771,6 +775,11 @@ class Engine:
         out.preempted_req_ids = {r.request_id for r in preempted}
         out.finished_req_ids, self.finished_ids = self.finished_ids, set()
         out.kv_connector_metadata = self._timed(self.sched_conn.build_connector_meta, out)
+        plan = getattr(out.kv_connector_metadata, "plan", None)
+        if self.cfg.kv_events and plan is not None:
+            for jobs in list(plan.stores.values()) + list(plan.loads.values()):
+                for j in jobs:
+                    self.planned_keys.update((j.group, bytes(h)) for h in j.hashes)
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
@@ -887,6 +896,14 @@ class Engine:
             assert req.status == FINISHED, (rid, req.status)
             self._free_blocks(req)
             del self.requests[rid]
+        self.take_kv_events()
+
+    def take_kv_events(self) -> None:
+        """vLLM's update_from_output ends with this: the KV cache manager's
+        events and the connector's ``take_events`` go to the publisher."""
+        evs = self._timed(self.sched_conn.take_events) if hasattr(self.sched_conn, "take_events") else ()
+        if evs:
+            self.kv_events.extend(evs)
 
     # -- the workers ---------------------------------------------------------
 

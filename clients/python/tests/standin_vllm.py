@@ -33,6 +33,7 @@ MODULES = [
     "vllm.v1",
     "vllm.v1.core",
     "vllm.v1.core.kv_cache_utils",
+    "vllm.distributed.kv_events",
 ]
 
 
@@ -325,6 +326,66 @@ def resolve_kv_cache_block_sizes(kv_cache_config, vllm_config):
     return sched, h
 
 
+def maybe_convert_block_hash(hash_bytes: bytes):
+    """vLLM's (kv_cache_utils.py), with vLLM's default of int hashes."""
+    import os
+
+    if not int(os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")):
+        return hash_bytes
+    return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
+
+
+# -- kv_events.py: the events a connector hands to vLLM's publisher -------------
+# vLLM main at 0181ea3173e53eea8cf04a86891488e3dc89bb34 declares them as
+# msgspec Structs (array_like, tagged); these are dataclasses with the same
+# fields in the same order, the same defaults, and no others, so a connector
+# passing a field vLLM lacks fails here as it would there.
+
+
+@dataclass
+class BlockStored:
+    block_hashes: list
+    parent_block_hash: Any
+    token_ids: list
+    block_size: int
+    lora_id: Any
+    medium: Any
+    lora_name: Any
+    extra_keys: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list
+    medium: Any
+    group_idx: Any = None
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+# vLLM before lora_name and group_idx (v0.10): a connector must not pass them.
+@dataclass
+class OldBlockStored:
+    block_hashes: list
+    parent_block_hash: Any
+    token_ids: list
+    block_size: int
+    lora_id: Any
+    medium: Any
+
+
+@dataclass
+class OldBlockRemoved:
+    block_hashes: list
+    medium: Any
+
+
 # -- parallel_state ------------------------------------------------------------
 
 
@@ -354,7 +415,7 @@ def _group(g):
 
 
 def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics: bool = True,
-            resolver: bool = True) -> types.SimpleNamespace:
+            resolver: bool = True, kv_events: str | None = "main") -> types.SimpleNamespace:
     """Puts the modules in sys.modules (and drops a cached kvoffload.vllm)."""
     saved = {m: sys.modules.get(m) for m in MODULES + ["kvoffload.vllm"]}
     for m in MODULES:
@@ -376,6 +437,15 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
         del sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.metrics"]
     if resolver:
         sys.modules["vllm.v1.core.kv_cache_utils"].resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
+    if kv_events is None:
+        del sys.modules["vllm.distributed.kv_events"]
+    else:
+        sys.modules["vllm.v1.core.kv_cache_utils"].maybe_convert_block_hash = maybe_convert_block_hash
+        kve = sys.modules["vllm.distributed.kv_events"]
+        old = kv_events == "old"
+        kve.BlockStored = OldBlockStored if old else BlockStored
+        kve.BlockRemoved = OldBlockRemoved if old else BlockRemoved
+        kve.AllBlocksCleared = AllBlocksCleared
     ps = sys.modules["vllm.distributed.parallel_state"]
     for name, g in (("get_tp_group", Ranks.tp), ("get_pp_group", Ranks.pp), ("get_pcp_group", Ranks.pcp),
                     ("get_dcp_group", Ranks.dcp)):
