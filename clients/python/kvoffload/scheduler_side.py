@@ -404,7 +404,7 @@ class SchedulerSide:
         n = self.keys.blocks_per_unit[0] * hit_units
         bs = self.keys.block_sizes[0]
         for t in list(tiers)[:n]:
-            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "disk"
+            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "remote" if t == Tier.REMOTE else "disk"
             out[name] = out.get(name, 0) + bs
         return out
 

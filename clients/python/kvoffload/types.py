@@ -53,6 +53,7 @@ class Tier(enum.IntEnum):
     CPU = 1
     DISK = 2
     CPU_AND_DISK = 3
+    REMOTE = 4  # only in the shared remote tier (docs/remote.md): never leased, may come back MISSING at load
 
 
 class EventKind(enum.IntEnum):
