@@ -31,6 +31,8 @@ from .types import (
     BlockFailure,
     BlockStatus,
     Completions,
+    DiskRecovery,
+    RecoveryState,
     EventKind,
     Job,
     JobResult,
@@ -523,4 +525,16 @@ class Client:
             blocks_failed=r.blocks_failed,
             evictions=r.evictions,
             version=r.version,
+            disk_recovery=DiskRecovery(
+                RecoveryState(r.disk_recovery.state)
+                if r.disk_recovery.state in RecoveryState._value2member_map_
+                else r.disk_recovery.state,
+                r.disk_recovery.slots_total,
+                r.disk_recovery.slots_scanned,
+                r.disk_recovery.bytes_total,
+                r.disk_recovery.bytes_scanned,
+                r.disk_recovery.blocks_recovered,
+                r.disk_recovery.bad_slots,
+                r.disk_recovery.elapsed_ms,
+            ),
         )

@@ -241,6 +241,29 @@ class NamespaceStats:
     blocks: int
 
 
+class RecoveryState(enum.IntEnum):
+    """Where the disk tier's background recovery is (kvoffload.v1.RecoveryState)."""
+
+    NONE = 0  # no disk tier, or not started
+    RUNNING = 1  # scanning; blocks come online as their chunks are verified
+    DONE = 2
+    STOPPED = 3  # shutdown came first; the rest is scanned at the next start
+
+
+@dataclass(frozen=True)
+class DiskRecovery:
+    """The disk tier's recovery of its slot files after a start (Stats)."""
+
+    state: RecoveryState = RecoveryState.NONE
+    slots_total: int = 0
+    slots_scanned: int = 0
+    bytes_total: int = 0
+    bytes_scanned: int = 0
+    blocks_recovered: int = 0
+    bad_slots: int = 0
+    elapsed_ms: int = 0
+
+
 @dataclass(frozen=True)
 class Stats:
     tiers: tuple[TierStats, ...] = ()
@@ -253,6 +276,7 @@ class Stats:
     evictions: int = 0
     version: str = ""
     extra: dict = field(default_factory=dict)
+    disk_recovery: DiskRecovery = DiskRecovery()
 
     def namespace_for(self, fingerprint: bytes) -> int | None:
         """The id of the namespace registered under ``fingerprint``, if any."""

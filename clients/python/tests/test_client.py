@@ -227,6 +227,11 @@ def test_disk_read_fault_reports_exact_block_ids(fresh_daemon, shm, fingerprint,
     c = d.client()
     reg = c.register(fingerprint, layout, regions)
     assert reg.joined_existing
+    # Stats says where the background recovery of the slot files is.
+    assert wait_for(lambda: c.stats().disk_recovery.state == kv.RecoveryState.DONE)
+    rec = c.stats().disk_recovery
+    assert rec.blocks_recovered == 4 and rec.bad_slots == 0, rec
+    assert 0 < rec.slots_scanned <= rec.slots_total and 0 < rec.bytes_scanned <= rec.bytes_total, rec
     look = c.lookup([reg.namespace_id], hs)
     assert look.ready == 4 and look.tiers == (kv.Tier.DISK,) * 4
     [res] = c.load(reg.registration_id, [kv.Job(2, hs, [8, 9, 10, 11])], wait=True)
