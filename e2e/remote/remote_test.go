@@ -107,21 +107,9 @@ func register(t *testing.T, d *testenv.Daemon, m testenv.Model, fp string) *engi
 	return &engine{d: d, m: m, r: r, c: c, reg: reg}
 }
 
-func (e *engine) hashes(seed uint64, n int) [][]byte {
-	hs := make([][]byte, n)
-	for i := range hs {
-		hs[i] = e.m.Hash(seed, i)
-	}
-	return hs
-}
+func (e *engine) hashes(seed uint64, n int) [][]byte { return e.m.Hashes(seed, n) }
 
-func seq(from, n int) []uint32 {
-	b := make([]uint32, n)
-	for i := range b {
-		b[i] = uint32(from + i)
-	}
-	return b
-}
+func seq(from, n int) []uint32 { return testenv.Seq(from, n) }
 
 var jobSeq atomic.Uint64
 

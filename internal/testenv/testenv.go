@@ -308,6 +308,24 @@ func (m Model) Hash(seed uint64, i int) []byte {
 	return h
 }
 
+// Hashes are the hashes of the first n blocks of the chain named by seed.
+func (m Model) Hashes(seed uint64, n int) [][]byte {
+	hs := make([][]byte, n)
+	for i := range hs {
+		hs[i] = m.Hash(seed, i)
+	}
+	return hs
+}
+
+// Seq is n consecutive engine block ids from from.
+func Seq(from, n int) []uint32 {
+	b := make([]uint32, n)
+	for i := range b {
+		b[i] = uint32(from + i)
+	}
+	return b
+}
+
 // Fill writes the bytes that belong to hash into engine block b.
 func (m Model) Fill(r *Region, b int, hash []byte) {
 	for l := 0; l < m.Layers; l++ {
