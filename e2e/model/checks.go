@@ -133,11 +133,15 @@ func (r *runner) drainResults() error {
 			continue
 		}
 		if m.Sum("kvoffload_pending_jobs") == 0 {
-			// Nothing runs: one more read takes every result there is.
+			// Nothing runs: one more read takes every result there is. A
+			// job leaves the gauge just before its result is queued
+			// (offload/jobs.go finish: the gauge counts copies, not
+			// results), so the read waits for a result briefly: a
+			// result that is on its way arrives in microseconds.
 			for _, cn := range r.conns {
 				for _, g := range cn.regs {
 					if g != nil && len(g.jobs) > 0 {
-						if err := r.readCompletions(g, 0, 0); err != nil {
+						if err := r.readCompletions(g, 500, 0); err != nil {
 							return err
 						}
 					}
