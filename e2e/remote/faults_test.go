@@ -57,7 +57,7 @@ func sharedBlocks(t *testing.T, c *rediscluster.Cluster, a, b *testenv.Daemon, s
 // the others byte-exact, B keeps serving its local tier, and once the
 // master is back (empty) B loads new blocks through it without a restart.
 func TestKilledMaster(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 500 * time.Millisecond})
 	b := startNode(t, c, nodeOpts{timeout: 500 * time.Millisecond})
 	ea, eb, hs := sharedBlocks(t, c, a, b, 3, 30)
@@ -119,7 +119,7 @@ func TestKilledMaster(t *testing.T) {
 // before the master wakes, the other blocks load byte-exact, and after it
 // wakes everything loads again.
 func TestHungMaster(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 200 * time.Millisecond})
 	b := startNode(t, c, nodeOpts{timeout: 200 * time.Millisecond})
 	_, eb, hs := sharedBlocks(t, c, a, b, 6, 30)
@@ -186,7 +186,7 @@ func waitHung(t *testing.T, n *rediscluster.Node) {
 // those blocks, the values are deleted, nothing wrong reaches the engine,
 // and the other blocks load.
 func TestValueCorruptedInCluster(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
 	_, eb, hs := sharedBlocks(t, c, a, b, 7, 12)
 	cc := c.ClusterClient()
@@ -230,7 +230,7 @@ func TestValueCorruptedInCluster(t *testing.T) {
 // drops values; those blocks are MISSING (never IO_ERROR or CORRUPT), the
 // rest load byte-exact.
 func TestEvictedValuesAreMissing(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	if err := c.FlushAll(ctx(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -270,7 +270,7 @@ func TestEvictedValuesAreMissing(t *testing.T) {
 // serves its local tiers; when the cluster comes back it publishes and
 // loads through it without a restart.
 func TestClusterDownAtStart(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	for _, n := range c.Nodes() {
 		n.Kill()
 	}
@@ -329,7 +329,7 @@ func TestClusterDownAtStart(t *testing.T) {
 // once (before the cluster answers again), the publish queue fills, and
 // what does not fit is dropped and counted.
 func TestPublishNeverBlocksStores(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 3 * time.Second, queue: 8})
 	e := register(t, a, model, fingerprint(t))
 	// Long enough that stores on a loaded machine finish well inside it,

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
@@ -20,7 +21,7 @@ import (
 // A reads nothing of it from the cluster until the sweep has gone through,
 // then blocks published afterwards are shared again.
 func TestInvalidateReachesTheCluster(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
 	fp := fingerprint(t)
 	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
@@ -152,7 +153,7 @@ func (g *gatedStore) Exists(ctx context.Context, keys []string, out []remote.Pre
 // leasing Lookups that would queue behind it) never waits for a round trip
 // to the cluster.
 func TestInvalidateNeverWaitsForTheCluster(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)

@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/offload"
@@ -22,21 +20,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
 
-func TestMain(m *testing.M) {
-	rediscluster.QuietLogs()
-	code := m.Run()
-	if err := rediscluster.CloseShared(); err != nil {
-		fmt.Fprintln(os.Stderr, "stopping the redis cluster:", err)
-		code = 1
-	}
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(rediscluster.Main(m)) }
 
 func ctx(t testing.TB) context.Context {
 	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

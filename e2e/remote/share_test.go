@@ -3,6 +3,7 @@ package remote_test
 import (
 	"testing"
 
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
@@ -14,7 +15,7 @@ import (
 // CPU tier. Namespaces that differ in fingerprint or layout, and nodes
 // with another MAC key, see nothing of them.
 func TestTwoDaemonsShareBlocks(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{})
 	b := startNode(t, c, nodeOpts{})
 	fp := fingerprint(t)
@@ -95,7 +96,7 @@ func TestTwoDaemonsShareBlocks(t *testing.T) {
 // into their keyspace without the key (no MAC, or another key's) is
 // CORRUPT, deleted from the cluster, and never reaches the engine.
 func TestMACKeyedFleet(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	mac, _ := remote.NewMAC([]byte("fleet key material, 32 bytes or more"))
 	a := startNode(t, c, nodeOpts{mac: mac})
 	b := startNode(t, c, nodeOpts{mac: mac})
@@ -168,7 +169,7 @@ func TestMACKeyedFleet(t *testing.T) {
 // between the Lookup and the Load is MISSING, its engine block untouched,
 // and the others load.
 func TestRemoteBlockGoneAtLoad(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
 	fp := fingerprint(t)
 	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
@@ -200,7 +201,7 @@ func TestRemoteBlockGoneAtLoad(t *testing.T) {
 // MaxLookupKeys keys past its local prefix (over all its namespaces), so
 // the remote part of a prefix stops there.
 func TestLookupAsksBounded(t *testing.T) {
-	c := testenv.RedisCluster(t)
+	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{})
 	b := startNode(t, c, nodeOpts{asks: 10})
 	fp := fingerprint(t)

@@ -10,39 +10,13 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 )
 
-func TestMain(m *testing.M) {
-	rediscluster.QuietLogs()
-	code := m.Run()
-	if err := rediscluster.CloseShared(); err != nil {
-		fmt.Fprintln(os.Stderr, "stopping the redis cluster:", err)
-		code = 1
-	}
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(rediscluster.Main(m)) }
 
 // cluster returns the package's shared Redis Cluster.
-func cluster(t *testing.T) *rediscluster.Cluster {
-	t.Helper()
-	c, err := rediscluster.Shared()
-	if errors.Is(err, rediscluster.ErrNoRedis) && !rediscluster.Required() {
-		t.Skip(err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
+func cluster(t *testing.T) *rediscluster.Cluster { return rediscluster.ForTest(t) }
 
 func testCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
