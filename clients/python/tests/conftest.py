@@ -114,6 +114,18 @@ class Daemon:
         self._start()
         return rc
 
+    def wait_recovered(self, timeout: float = 30.0) -> None:
+        """Wait until the disk tier's background recovery is done: until then
+        a block on disk is not offered, and a test that serves it at once sees
+        a miss (and stores it again in the CPU tier) instead of the disk read
+        it is about."""
+        c = self.client()
+        end = time.monotonic() + timeout
+        while c.stats().disk_recovery.state != kvoffload.RecoveryState.DONE:
+            if time.monotonic() > end:
+                raise AssertionError(f"disk recovery not done after {timeout}s: {c.stats().disk_recovery}")
+            time.sleep(0.02)
+
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)
 

@@ -258,6 +258,7 @@ def test_hybrid_model_failures_are_per_request_where_vllm_has_them(engine, fresh
     serve(eng, a[:32] + [3, 3], prefix="b")
     assert eng.counters["hit_tokens"] == 32 and eng.counters["load_failures"] == 0
     d.restart()
+    d.wait_recovered()  # else the first request misses and is stored in the CPU tier again
     for i in range(20):
         serve(eng, a[:32] + [4, i], prefix=f"c{i}-")
         if eng.counters["load_failures"]:
