@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"strings"
 	"sync"
@@ -282,6 +283,26 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 		if !strings.Contains(body, want) {
 			t.Errorf("metrics lack %q", want)
 		}
+	}
+	// The arena is backed in the background; the gauge ends at the tier's
+	// capacity (what kvbench waits for before its steps).
+	capacity := regexp.MustCompile(`(?m)^kvoffload_tier_capacity_bytes\{tier="cpu"\} (\S+)$`).FindStringSubmatch(body)
+	if capacity == nil {
+		t.Fatalf("no CPU tier capacity in the metrics")
+	}
+	backed := regexp.MustCompile(`(?m)^kvoffload_cpu_arena_backed_bytes (\S+)$`)
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		got := backed.FindStringSubmatch(scrape(t, metrics))
+		if got == nil {
+			t.Fatal("metrics lack kvoffload_cpu_arena_backed_bytes")
+		}
+		if got[1] == capacity[1] {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("arena backed bytes %s after 60s, capacity %s", got[1], capacity[1])
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 
 	into := make([]uint32, n)

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -66,7 +67,8 @@ const populateStep = 64 << 20
 // the memory is told in the log now rather than at the first store that
 // touches the missing pages. Kernels before 5.14 lack the advice: pages
 // are then backed (and locked) at first use.
-func populate(mem []byte, stop <-chan struct{}, log *slog.Logger) {
+// backed counts the bytes done; it ends at len(mem) only when every page was.
+func populate(mem []byte, backed *atomic.Uint64, stop <-chan struct{}, log *slog.Logger) {
 	start := time.Now()
 	for off := 0; off < len(mem); off += populateStep {
 		select {
@@ -84,6 +86,7 @@ func populate(mem []byte, stop <-chan struct{}, log *slog.Logger) {
 				"backed_bytes", off, "arena_bytes", len(mem), "err", err)
 			return
 		}
+		backed.Store(uint64(end))
 	}
 	log.Info("arena backed by memory", "bytes", len(mem), "took", time.Since(start).Round(time.Millisecond))
 }

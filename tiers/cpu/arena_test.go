@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -51,7 +52,11 @@ func TestArenaLocksOnFault(t *testing.T) {
 	if got := vmStatus(t, "VmRSS") - before; got > size/4 {
 		t.Fatalf("locking the arena faulted in %d bytes at once, want its pages locked as they are touched", got)
 	}
-	populate(mem, make(chan struct{}), slog.Default())
+	var backed atomic.Uint64
+	populate(mem, &backed, make(chan struct{}), slog.Default())
+	if backed.Load() != size {
+		t.Fatalf("populate reports %d bytes backed, want %d", backed.Load(), size)
+	}
 	if got := vmStatus(t, "VmRSS") - before; got < size*9/10 {
 		t.Fatalf("after populate %d bytes are resident, want the whole %d-byte arena", got, size)
 	}
@@ -74,6 +79,9 @@ func TestPopulateKeepsBytes(t *testing.T) {
 		copy(mem[off:], want)
 	}
 	<-tr.Populated()
+	if got := tr.BackedBytes(); got != uint64(len(mem)) {
+		t.Fatalf("BackedBytes = %d once populated, want the arena's %d", got, len(mem))
+	}
 	for off := 0; off+len(want) <= len(mem); off += 16 << 20 {
 		if !bytes.Equal(mem[off:off+len(want)], want) {
 			t.Fatalf("bytes at %d changed while the arena was populated", off)

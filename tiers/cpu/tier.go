@@ -3,6 +3,7 @@ package cpu
 import (
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -26,6 +27,7 @@ type Tier struct {
 
 	stopPopulate chan struct{}
 	populated    chan struct{} // closed when populate has returned
+	backed       atomic.Uint64 // bytes of the arena populate has backed
 }
 
 // New maps the arena and returns the tier.
@@ -49,7 +51,7 @@ func New(cfg Config) (*Tier, error) {
 	t := &Tier{Space: sp, mem: mem, locked: locked, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
 	go func() {
 		defer close(t.populated)
-		populate(mem, t.stopPopulate, cfg.Logger)
+		populate(mem, &t.backed, t.stopPopulate, cfg.Logger)
 	}()
 	return t, nil
 }
@@ -57,6 +59,12 @@ func New(cfg Config) (*Tier, error) {
 // Populated is closed once the arena is backed by memory (or populating
 // it stopped: Close, or a kernel or host that cannot).
 func (t *Tier) Populated() <-chan struct{} { return t.populated }
+
+// BackedBytes reports how much of the arena is backed by memory so far:
+// the arena's size once populating is done. Until then a copy into the
+// rest faults its pages in itself (and competes with populate for the
+// CPUs), so a benchmark that starts before is measuring the start.
+func (t *Tier) BackedBytes() uint64 { return t.backed.Load() }
 
 // Mem is the arena. Slot s starts at Mem()[Offset(s)].
 func (t *Tier) Mem() []byte { return t.mem }
