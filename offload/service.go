@@ -314,7 +314,7 @@ func New(cfg Config) (*Service, error) {
 		if err := s.openDisk(*cfg.Disk, cfg.WriteThrough, cfg.Registerer); err != nil {
 			s.dma.SetArena(nil)
 			t.Close()
-			return nil, fmt.Errorf("disk tier: %w", err)
+			return nil, err // it names the disk tier already
 		}
 		if !cfg.WriteThrough {
 			s.cleanBacklog = s.writeRoom * len(cfg.Disk.Dirs)
