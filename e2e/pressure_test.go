@@ -108,3 +108,58 @@ func TestInvalidateWhileDemotionsWaitForRoom(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStoreLooksAtPinnedCleanCopiesOnce: with every clean CPU copy pinned
+// by a lease, a Store of many blocks used to look at all of them again for
+// each block (an index lock per copy: with a million leased blocks, seconds
+// per Store). Now the first block that finds them all pinned ends the
+// search for the rest of the call; the blocks are refused NO_SPACE as
+// before, and once the lease goes a store takes the clean copies again.
+func TestStoreLooksAtPinnedCleanCopiesOnce(t *testing.T) {
+	o := testenv.Options{CPUBytes: 4 << 20, ChunkBytes: 4 << 20, DiskDirs: []string{t.TempDir()}, WriteThrough: true, Quiet: true}
+	d := testenv.Start(t, o)
+	e := register(t, d, small, "m")
+	first := e.hashes(1, 14)
+	e.lookup(t, first)
+	if res := e.store(t, 1, first, seq(0, 14)); !res.Ok {
+		t.Fatalf("first store into an empty tier: %+v", res)
+	}
+	waitFor(t, "every stored block to be written through", func() bool { c, _ := d.Svc.CPUCopies(); return c == 14 })
+	lease, err := e.c.Lookup(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(first...), 30000)
+	if err != nil || lease.Ready != 14 || lease.LeaseId == 0 {
+		t.Fatalf("lease over the clean copies: %+v %v", lease, err)
+	}
+	before := metric(t, d, "kvoffload_cpu_clean_looked_at_total")
+	burst := e.hashes(2, 12)
+	e.lookup(t, burst)
+	res := e.store(t, 2, burst, seq(20, 12))
+	looked := metric(t, d, "kvoffload_cpu_clean_looked_at_total") - before
+	t.Logf("burst of 12 with 14 pinned clean copies: %d failures, %v clean copies looked at", len(res.Failures), looked)
+	if len(res.Failures) == 0 {
+		t.Fatal("every block of the burst stored: the pinned clean copies gave up their slots")
+	}
+	for _, f := range res.Failures {
+		if f.Status != pb.BlockStatus_BLOCK_STATUS_NO_SPACE {
+			t.Fatalf("burst block failed %v, want NO_SPACE", f.Status)
+		}
+	}
+	if looked > 14 {
+		t.Errorf("%v clean copies looked at for one Store with 14 of them pinned: each refused block looked at all of them again", looked)
+	}
+	// The lease goes (a Load with it releases its pins): the next Store takes
+	// the clean copies again.
+	job := testenv.Job(3, first, seq(40, 14))
+	job.LeaseId = lease.LeaseId
+	if r, err := e.c.Load(ctx(t), e.reg.RegistrationId, []*pb.Job{job}, true); err != nil || !r[0].Ok {
+		t.Fatalf("load with the lease: %+v %v", r, err)
+	}
+	again := e.hashes(3, 4)
+	e.lookup(t, again)
+	if r := e.store(t, 4, again, seq(60, 4)); !r.Ok {
+		t.Fatalf("store after the lease ended: %+v", r)
+	}
+	flush(t, d)
+	if err := d.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}

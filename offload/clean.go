@@ -98,6 +98,7 @@ type cleaning struct {
 type cleanMetrics struct {
 	cleaned   prometheus.Counter
 	dropped   prometheus.Counter
+	looked    prometheus.Counter
 	noSpace   *prometheus.CounterVec
 	evictable prometheus.Gauge
 }
@@ -111,12 +112,14 @@ func newCleaning(s *Service, reg prometheus.Registerer) *cleaning {
 			Help: "Blocks the cleaner wrote to disk ahead of their eviction from the CPU tier, keeping the CPU copy."}),
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvoffload_cpu_clean_dropped_total",
 			Help: "Clean CPU copies (the block stays on disk) dropped to give a store their slot."}),
+		looked: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvoffload_cpu_clean_looked_at_total",
+			Help: "Clean CPU copies looked at to find one no pin holds, to give a store or a disk read its slot (a pinned one is passed over)."}),
 		noSpace: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvoffload_store_no_space_total",
 			Help: "Stored blocks refused NO_SPACE, by what clean CPU copies there were then: none, or only ones pinned (by a load or a lease) or of another block size."},
 			[]string{"clean_copies"}),
 	}
 	if reg != nil {
-		reg.MustRegister(cl.m.cleaned, cl.m.dropped, cl.m.noSpace,
+		reg.MustRegister(cl.m.cleaned, cl.m.dropped, cl.m.looked, cl.m.noSpace,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_cpu_clean_margin_blocks",
 				Help: "Clean CPU copies the cleaner aims to keep: the largest recent Store, or the blocks stored while a disk write lands, whichever is more."},
 				func() float64 { return float64(cl.margin.Load()) }),
@@ -215,6 +218,7 @@ func (s *Service) dropClean(c *slots.Class, tries int) bool {
 		if !ok {
 			return false
 		}
+		s.cl.m.looked.Inc()
 		freed, stale := false, true
 		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 			if !found || e.State != index.Ready || e.CPU == index.NoSlot || e.Disk == index.NoSlot || e.Flags&(index.DiskWriting|index.Promoting) != 0 {
@@ -273,6 +277,31 @@ func (s *Service) allocCPU(c *slots.Class, tries int) (slots.SlotID, bool) {
 		}
 	}
 	return 0, false
+}
+
+// slotSource gives the blocks of one Store or Load their CPU slots. When
+// every clean copy of a class is pinned, the first block that looked at
+// them all marks the class dry, and the call's other blocks take only free
+// slots: a call of n blocks looks at the clean copies once, not n times
+// (each look takes an index shard's lock; leases can pin a million). A
+// copy unpinned meanwhile serves the next call.
+type slotSource struct {
+	s   *Service
+	dry map[*slots.Class]bool
+}
+
+func (a *slotSource) alloc(c *slots.Class) (slots.SlotID, bool) {
+	if a.dry[c] {
+		return c.Alloc()
+	}
+	sl, ok := a.s.allocCPU(c, math.MaxInt)
+	if !ok {
+		if a.dry == nil {
+			a.dry = map[*slots.Class]bool{}
+		}
+		a.dry[c] = true
+	}
+	return sl, ok
 }
 
 // noSpace counts a store refused for want of a CPU slot, by whether clean

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"sync"
 	"time"
 
@@ -467,8 +466,9 @@ func (lj *loadJob) promote(reads []diskRead) {
 	}
 	c.Admit(offer)
 	deadline := time.Now().Add(stageWait)
+	src := slotSource{s: s}
 	for _, rd := range reads {
-		staging, ok := s.allocCPU(c, math.MaxInt)
+		staging, ok := src.alloc(c)
 		if !ok {
 			// Slots free up as evicted blocks reach the disk; the
 			// stager waits for one (briefly) instead of failing now.
@@ -604,6 +604,7 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 		claimed += len(keys)
 	}
 	s.noteStore(claimed)
+	src := slotSource{s: s}
 	for j := range jobs {
 		job := &jobs[j]
 		cl := &claims[j]
@@ -618,7 +619,7 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 			var slotID cpu.SlotID
 			have := false
 			if e, found := s.ix.Get(&ref.key); found && e.State == index.Writing && e.CPU == index.NoSlot {
-				slotID, have = s.allocCPU(c, math.MaxInt)
+				slotID, have = src.alloc(c)
 			}
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if !found || e.State != index.Writing || e.CPU != index.NoSlot {
