@@ -379,9 +379,14 @@ const arenaWait = 5 * time.Minute
 // before that is done faults the arena's pages in itself and shares the
 // CPUs with populate, which measures the daemon's first seconds (2-5 GB/s
 // of 4K or 2 MiB page faults here), not its copies.
+// A gauge that stops moving for arenaStall means the daemon stopped backing
+// the arena (a kernel without MADV_POPULATE_WRITE, or a host without the
+// memory: its log says which).
 func waitArena(ctx context.Context, d *daemon.Daemon, limit time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
+	const arenaStall = 10 * time.Second
+	last, moved := -1.0, time.Now()
 	for {
 		m, err := d.Metrics(ctx)
 		if err == nil {
@@ -391,6 +396,11 @@ func waitArena(ctx context.Context, d *daemon.Daemon, limit time.Duration) error
 			backed, capacity := daemon.Sum(m, "kvoffload_cpu_arena_backed_bytes"), daemon.Sum(m, "kvoffload_tier_capacity_bytes", `tier="cpu"`)
 			if capacity > 0 && backed >= capacity {
 				return nil
+			}
+			if backed != last {
+				last, moved = backed, time.Now()
+			} else if time.Since(moved) > arenaStall {
+				return fmt.Errorf("the daemon stopped backing its arena at %.0f of %.0f bytes (see its log)", backed, capacity)
 			}
 		}
 		select {
