@@ -264,15 +264,20 @@ func (cl *cleaning) popClean(c *slots.Class) (index.Key, bool) {
 	return index.Key{}, false
 }
 
-// allocCPU takes a CPU slot of class c for a store or a disk read: a free
-// one, or one a clean copy gives up (looking at up to tries of them each
-// time; a caller that polls looks at a few at a time).
-func (s *Service) allocCPU(c *slots.Class, tries int) (slots.SlotID, bool) {
-	if sl, ok := c.Alloc(); ok {
+// allocCPU takes a CPU slot of class c for a store or (staging) a disk
+// read: a free one, or one a clean copy gives up (looking at up to tries of
+// them each time; a caller that polls looks at a few at a time). A store
+// leaves the staging slots (slots.Config.Staging) to the reads.
+func (s *Service) allocCPU(c *slots.Class, tries int, staging bool) (slots.SlotID, bool) {
+	alloc := c.Alloc
+	if staging {
+		alloc = c.AllocStaging
+	}
+	if sl, ok := alloc(); ok {
 		return sl, true
 	}
 	for s.dropClean(c, tries) {
-		if sl, ok := c.Alloc(); ok {
+		if sl, ok := alloc(); ok {
 			return sl, true
 		}
 	}
@@ -286,15 +291,19 @@ func (s *Service) allocCPU(c *slots.Class, tries int) (slots.SlotID, bool) {
 // (each look takes an index shard's lock; leases can pin a million). A
 // copy unpinned meanwhile serves the next call.
 type slotSource struct {
-	s   *Service
-	dry map[*slots.Class]bool
+	s       *Service
+	staging bool // blocks read from a lower tier (slots.Config.Staging)
+	dry     map[*slots.Class]bool
 }
 
 func (a *slotSource) alloc(c *slots.Class) (slots.SlotID, bool) {
 	if a.dry[c] {
+		if a.staging {
+			return c.AllocStaging()
+		}
 		return c.Alloc()
 	}
-	sl, ok := a.s.allocCPU(c, math.MaxInt)
+	sl, ok := a.s.allocCPU(c, math.MaxInt, a.staging)
 	if !ok {
 		if a.dry == nil {
 			a.dry = map[*slots.Class]bool{}

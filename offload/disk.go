@@ -536,7 +536,7 @@ func (s *Service) stager() {
 		select {
 		case req := <-s.staging:
 			for {
-				if slot, ok := s.allocCPU(req.c, pollTries); ok {
+				if slot, ok := s.allocCPU(req.c, pollTries, true); ok {
 					req.lj.read(req.rd, slot)
 					break
 				}

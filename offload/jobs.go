@@ -466,7 +466,7 @@ func (lj *loadJob) promote(reads []diskRead) {
 	}
 	c.Admit(offer)
 	deadline := time.Now().Add(stageWait)
-	src := slotSource{s: s}
+	src := slotSource{s: s, staging: true}
 	for _, rd := range reads {
 		staging, ok := src.alloc(c)
 		if !ok {

@@ -402,7 +402,7 @@ func (rt *remoteTier) fetchLoad(req fetchReq) {
 		var batch []remoteRead
 		var staging []cpu.SlotID
 		for len(left) > 0 && len(batch) < per {
-			sl, ok := c.Alloc()
+			sl, ok := c.AllocStaging()
 			if !ok {
 				break
 			}

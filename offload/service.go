@@ -289,6 +289,12 @@ func New(cfg Config) (*Service, error) {
 		// remote tier there.
 		cc.Reserve = 1.0 / 8
 	}
+	if (cfg.Disk != nil || cfg.Remote != nil) && cc.Staging == 0 {
+		// A quarter of the reserve is for blocks read from disk or
+		// fetched from the remote tier only: a burst of stores cannot
+		// take the slots a load needs to stage its reads.
+		cc.Staging = 1.0 / 32
+	}
 	cc.Evict = s.onPolicyEvict
 	cc.Reject = s.onPolicyReject
 	cc.EvictRange = s.onEvictRange

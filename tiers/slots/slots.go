@@ -58,6 +58,12 @@ type Config struct {
 	// written elsewhere (write-back). 0 in a CPU-only daemon. Any
 	// fraction above 0 keeps at least one slot.
 	Reserve float64
+	// Staging is the fraction of each slot size's slots (part of the
+	// reserve) that Alloc leaves free and only AllocStaging takes: disk
+	// reads and remote fetches stage blocks there, so a burst of stores
+	// that takes every other free slot does not fail the loads that need
+	// one. 0 keeps none; any fraction above 0 keeps at least one slot.
+	Staging float64
 	// MaxClasses bounds the slot sizes served at once; 0 (or more than
 	// the chunks) means one per chunk.
 	MaxClasses int
@@ -174,6 +180,7 @@ type Class struct {
 	held    int // chunkHeld of the chunks it owns
 	refs    int
 	maxCost int64
+	keep    int // free slots Alloc leaves for AllocStaging
 	removed bool
 }
 
@@ -519,9 +526,16 @@ func (c *Class) Holds(k *index.Key) bool {
 	return ok
 }
 
-// Alloc takes a free slot for a block being written. The slot starts with
-// one pin, the writer's; Unpin it when the write has drained.
-func (c *Class) Alloc() (SlotID, bool) {
+// Alloc takes a free slot for a block being written, leaving the free
+// slots Config.Staging keeps for AllocStaging. The slot starts with one
+// pin, the writer's; Unpin it when the write has drained.
+func (c *Class) Alloc() (SlotID, bool) { return c.alloc(false) }
+
+// AllocStaging is Alloc for a block read from a lower tier: it may take
+// the free slots Alloc leaves (Config.Staging).
+func (c *Class) AllocStaging() (SlotID, bool) { return c.alloc(true) }
+
+func (c *Class) alloc(staging bool) (SlotID, bool) {
 	t := c.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -529,9 +543,13 @@ func (c *Class) Alloc() (SlotID, bool) {
 	if c.removed {
 		return 0, false
 	}
+	keep := c.keep
+	if staging {
+		keep = 0
+	}
 	for {
 		n := len(c.free)
-		if n == 0 {
+		if n <= keep {
 			return 0, false
 		}
 		s = c.free[n-1]
@@ -630,6 +648,13 @@ func (c *Class) setMaxCostLocked() {
 	usable = max(usable, 0)
 	reserve := int64(math.Ceil(float64(usable) * c.t.cfg.Reserve))
 	c.maxCost = max(usable-reserve, min(usable, 1))
+	// The staging share counts every slot of the class, held ones too: a
+	// tier whose blocks the policy evicted while leases pin them is the
+	// one where a load most needs its slot.
+	c.keep = 0
+	if all := int64(uint64(c.chunks) * c.perChunk); c.t.cfg.Staging > 0 && all > 1 {
+		c.keep = int(min(max(int64(math.Ceil(float64(all)*c.t.cfg.Staging)), 1), all-1))
+	}
 	if c.policy != nil {
 		// An atomic store in ristretto; it takes effect at the next Admit.
 		c.policy.UpdateMaxCost(c.maxCost)

@@ -320,6 +320,47 @@ func TestReserveKeepsASlot(t *testing.T) {
 	}
 }
 
+// TestStagingSlotsAreLeftToAllocStaging: Alloc leaves Config.Staging's
+// share of free slots (at least one) to AllocStaging, which may take them;
+// a slot freed again serves either.
+func TestStagingSlotsAreLeftToAllocStaging(t *testing.T) {
+	sp, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20, Reserve: 1.0 / 8, Staging: 1.0 / 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.Close()
+	c, _ := sp.Class(256 << 10) // 4 slots
+	c.Grow(4)
+	var got []SlotID
+	for {
+		s, ok := c.Alloc()
+		if !ok {
+			break
+		}
+		got = append(got, s)
+	}
+	if len(got) != 3 {
+		t.Fatalf("Alloc took %d of 4 slots, want 3 (one left for staging)", len(got))
+	}
+	st, ok := c.AllocStaging()
+	if !ok {
+		t.Fatal("AllocStaging found no slot with one left for it")
+	}
+	if _, ok := c.AllocStaging(); ok {
+		t.Fatal("AllocStaging took a fifth slot")
+	}
+	sp.Release(st)
+	sp.Unpin(st)
+	if _, ok := c.Alloc(); ok {
+		t.Fatal("Alloc took the slot staging left free again")
+	}
+	sp.Release(got[0])
+	sp.Unpin(got[0])
+	if _, ok := c.Alloc(); !ok {
+		t.Fatal("Alloc found no slot with two free")
+	}
+}
+
 // TestAdmitTwiceInOneBatch: offering a key twice in one batch used to make
 // ristretto reject the second offer, which the owner took for a rejection
 // of the key.
