@@ -190,6 +190,7 @@ class WorkerSide:
         self._down_since: float | None = None  # a call failed: the daemon is not answering
         self._use_leases = True
         self._piggyback = piggyback
+        self._piggy_seen = False  # a Store or Load reply has carried results or pending jobs
         self._waiters = 0  # callers blocked until jobs settle: the poller reads at once
         self._stale_after = 1.0  # a job this long without a result is polled for
         self._pending_loads: Counter[str] = Counter()
@@ -458,14 +459,18 @@ class WorkerSide:
         """Settles the finished jobs a Store or Load reply carried (the
         daemon's results after the cursor, as Completions would return
         them; a result read twice settles once)."""
-        if not c.results and not c.pending and not c.more and sent:
+        if not c.results and not c.pending and not c.more and sent and not self._piggy_seen:
             # This call's jobs are neither pending nor finished on the
-            # reply: the daemon does not return results on Store and Load
-            # (an older one). Completions brings them, as before.
+            # reply, and no reply ever carried anything: the daemon does
+            # not return results on Store and Load (an older one).
+            # Completions brings them, as before. (A daemon that does can
+            # answer so only if a Completions read and acknowledged the
+            # call's results while it ran: never on every reply.)
             log.info("kvoffload: the daemon returns no results on Store and Load; reading them from Completions")
             self._piggyback = False
             self._cv.notify_all()
             return
+        self._piggy_seen = self._piggy_seen or bool(c.results or c.pending or c.more)
         reg.more = c.more
         reg.read_at = self._clock()
         for r in c.results:
