@@ -48,7 +48,7 @@ func TestWaitResultsOfAGivenUpCaller(t *testing.T) {
 	for i := uint64(1); i <= calls; i++ {
 		res, err := reg.Transfer(gone, 0, offload.OpLoad, []offload.Job{e.missingLoad(i, 2)}, true, nil, nil)
 		if err == nil {
-			t.Fatalf("call %d: a caller that gave up was handed %d results nobody reads", i, len(res))
+			t.Fatalf("call %d: a caller that gave up was handed %d results nobody reads", i, len(res.Results))
 		}
 		ids = append(ids, i)
 	}

@@ -15,7 +15,10 @@ import (
 // once, as before the cursor existed. Either way one reply carries at most
 // MaxReplyBytes; the rest wait for the next call (More says so). A Store or
 // Load with wait follows the same rule (see waiter): with an ack_seq its
-// results are queued too, and the reply only carries copies.
+// results are queued too, and the reply only carries copies. A Store or
+// Load without wait but with an ack_seq answers as a Completions call with
+// that ack_seq and no wait would: the finished results ride on a call the
+// client makes anyway, one round trip less per engine step.
 
 // Bytes a result can take on the wire, at most: protobuf's encoding of a
 // JobResult in a repeated field with every varint at its longest, and of a
@@ -65,7 +68,6 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 		defer t.Stop()
 		timer = t.C
 	}
-	budget := r.s.lim.MaxReplyBytes() - replyOverhead
 	for {
 		r.mu.Lock()
 		if ack != nil {
@@ -75,24 +77,8 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			r.mu.Unlock()
 			return Completed{}, fmt.Errorf("%w: registration_id %d was unregistered", ErrUnknownRegistration, r.ID)
 		}
-		if n := len(r.mu.done); n > 0 || timer == nil {
-			if max > 0 && n > max {
-				n = max
-			}
-			size := 0
-			for i := 0; i < n; i++ {
-				size += r.mu.done[i].wireBytes()
-				if size > budget && i > 0 {
-					n = i
-					break
-				}
-			}
-			out := make([]Result, n)
-			copy(out, r.mu.done)
-			res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n}
-			if ack == nil {
-				r.dropLocked(n)
-			}
+		if len(r.mu.done) > 0 || timer == nil {
+			res := r.finishedLocked(max, ack != nil)
 			r.mu.Unlock()
 			return res, nil
 		}
@@ -108,6 +94,35 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			timer = nil
 		}
 	}
+}
+
+// finishedLocked answers with the queue's oldest results, at most max (0:
+// no count limit) and at most what one reply carries, never less than one
+// when there is one. Unless the caller acknowledges (keep), they leave the
+// queue as they are returned. Completions and a Store or Load that
+// acknowledges without waiting (its results piggybacked on the reply) both
+// answer with it, so the two replies are cut alike.
+func (r *Registration) finishedLocked(max int, keep bool) Completed {
+	n := len(r.mu.done)
+	if max > 0 && n > max {
+		n = max
+	}
+	budget := r.s.lim.MaxReplyBytes() - replyOverhead
+	size := 0
+	for i := 0; i < n; i++ {
+		size += r.mu.done[i].wireBytes()
+		if size > budget && i > 0 {
+			n = i
+			break
+		}
+	}
+	out := make([]Result, n)
+	copy(out, r.mu.done)
+	res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n}
+	if !keep {
+		r.dropLocked(n)
+	}
+	return res
 }
 
 // ackLocked drops the results up to seq.

@@ -161,16 +161,20 @@ type blockRef struct {
 }
 
 // Transfer validates every job of a Store or Load request, accepts them all
-// or none, and starts them. With wait it returns their results; otherwise
-// they arrive through Completions. owner is the caller: a Load uses only
-// the leases it owns. ack, when set, acknowledges the results up to it as
-// Completions does, and keeps this request's results queued until a later
-// acknowledgement even when they are returned here (see waiter).
-func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []Job, wait bool, readyEvent []byte, ack *uint64) ([]Result, error) {
+// or none, and starts them. With wait it returns their results (one per
+// job, in request order); otherwise they arrive through Completions. owner
+// is the caller: a Load uses only the leases it owns. ack, when set,
+// acknowledges the results up to it as Completions does, and keeps this
+// request's results queued until a later acknowledgement even when they
+// are returned here (see waiter). Without wait, an ack also makes Transfer
+// answer as Completions would with that ack and no wait, once the jobs are
+// started: the registration's finished results after it, those of this
+// request that already finished among them.
+func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []Job, wait bool, readyEvent []byte, ack *uint64) (Completed, error) {
 	s := r.s
 	if err := r.validate(op, jobs, readyEvent); err != nil {
 		s.m.refused.WithLabelValues("invalid").Inc()
-		return nil, err
+		return Completed{}, err
 	}
 	s.mu.Lock()
 	closing := s.mu.closing
@@ -181,7 +185,7 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 	s.mu.Unlock()
 	if closing {
 		s.m.refused.WithLabelValues("shutting_down").Inc()
-		return nil, ErrShuttingDown
+		return Completed{}, ErrShuttingDown
 	}
 	r.mu.Lock()
 	if ack != nil {
@@ -196,7 +200,7 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 		s.jobs.Add(-len(jobs))
 		s.inflight.Add(-int64(len(jobs)))
 		s.m.refused.WithLabelValues("backlog").Inc()
-		return nil, err
+		return Completed{}, err
 	}
 	s.m.pendingJobs.Add(float64(len(jobs)))
 	var w *waiter
@@ -210,10 +214,20 @@ func (r *Registration) Transfer(ctx context.Context, owner Owner, op Op, jobs []
 			r.startLoad(&jobs[i], owner, w, i, readyEvent)
 		}
 	}
-	if w == nil {
-		return nil, nil
+	if w != nil {
+		res, err := r.waitResults(ctx, w, jobs)
+		return Completed{Results: res}, err
 	}
-	return r.waitResults(ctx, w, jobs)
+	if ack == nil {
+		return Completed{}, nil
+	}
+	// Piggybacked: what is queued now, kept until acknowledged, so a reply
+	// lost on its way costs nothing. The acknowledgement was applied above,
+	// before admission: a backlog refusal still lets go of what the client
+	// has processed.
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.finishedLocked(0, true), nil
 }
 
 func (r *Registration) admitLocked(jobs []Job) error {

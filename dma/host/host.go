@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -56,6 +57,10 @@ type Engine struct {
 	// prioOnce logs the first failure to lower a worker thread's
 	// priority; the copies run anyway.
 	prioOnce sync.Once
+	// split is splitBytes (benchmarks try others); onTask, when set (by
+	// benchmarks only), is told how long each piece took to copy.
+	split  uint64
+	onTask func(d time.Duration)
 
 	mu struct {
 		sync.Mutex
@@ -130,7 +135,7 @@ func New(cfg Config) *Engine {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	e := &Engine{cfg: cfg}
+	e := &Engine{cfg: cfg, split: splitBytes}
 	e.tasks.init()
 	e.mu.maps = map[fileID]*mapping{}
 	for i := 0; i < cfg.Workers; i++ {
@@ -249,7 +254,7 @@ func (e *Engine) Submit(b *dma.Batch) {
 	start, acc := 0, uint64(0)
 	for i, c := range b.Copies {
 		acc += c.Len
-		if acc >= splitBytes {
+		if acc >= e.split {
 			pieces = append(pieces, b.Copies[start:i+1])
 			start, acc = i+1, 0
 		}
@@ -287,8 +292,15 @@ func (e *Engine) worker() {
 		if !ok {
 			return
 		}
+		var t0 time.Time
+		if e.onTask != nil {
+			t0 = time.Now()
+		}
 		if err := e.run(t.copies, t.st.b.ToArena); err != nil {
 			t.st.errOnce.Do(func() { t.st.err = err })
+		}
+		if e.onTask != nil {
+			e.onTask(time.Since(t0))
 		}
 		if t.st.left.Add(-1) == 0 {
 			e.depth.Add(-1)

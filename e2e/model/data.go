@@ -263,7 +263,11 @@ func (r *runner) runCalls(calls []call) error {
 		calls[0].send()
 	} else {
 		for _, c := range calls {
-			if cc, ok := c.(*completionsCall); ok {
+			switch cc := c.(type) {
+			case *completionsCall:
+				cc.concurrent = true
+				cc.ackMax = cc.g.acked
+			case *transferCall:
 				cc.concurrent = true
 				cc.ackMax = cc.g.acked
 			}
@@ -320,6 +324,13 @@ func (r *runner) runCalls(calls []call) error {
 			first = err
 		}
 	}
+	// Results piggybacked on a transfer may be any job's of the burst:
+	// checked once every transfer has filed its jobs.
+	for _, c := range calls {
+		if t, ok := c.(*transferCall); ok && first == nil {
+			first = t.finishPiggyback()
+		}
+	}
 	return first
 }
 
@@ -343,12 +354,16 @@ type transferCall struct {
 	jobs     []sentJob
 	kindOf   Kind
 	accepted func(returned time.Time)
-	cl       *client.Client
-	req      *pb.TransferRequest
-	timeout  time.Duration
-	resp     *pb.TransferResponse
-	err      error
-	returned time.Time
+	// concurrent, ackMax: as completionsCall's, for the results a reply
+	// without wait carries.
+	concurrent bool
+	ackMax     uint64
+	cl         *client.Client
+	req        *pb.TransferRequest
+	timeout    time.Duration
+	resp       *pb.TransferResponse
+	err        error
+	returned   time.Time
 }
 
 func (r *runner) newTransfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted func(time.Time)) (*transferCall, error) {
@@ -358,10 +373,11 @@ func (r *runner) newTransfer(op Op, g *reg, jobs []sentJob, kind Kind, accepted 
 	}
 	c := &transferCall{r: r, op: op, g: g, jobs: jobs, kindOf: kind, accepted: accepted, cl: cl, timeout: callTimeout}
 	c.req = &pb.TransferRequest{RegistrationId: g.id, Wait: op.Wait}
-	if op.Ack && op.Wait && !g.legacy {
+	if op.Ack && !g.legacy {
 		// The cursor: this request acknowledges what the runner has
 		// processed, and its results stay queued until a later call
 		// acknowledges them, so a reply that never arrived costs nothing.
+		// Without wait the reply carries the finished results after it.
 		ack := g.acked
 		c.req.AckSeq = &ack
 	}
@@ -467,8 +483,30 @@ func (c *transferCall) finish(contested map[KeyRef]bool) error {
 				return err
 			}
 		}
-	} else if resp != nil && len(resp.GetResults()) > 0 {
-		return r.fail("wrong-result", "%s without wait returned %d results", kind, len(resp.GetResults()))
+	} else if resp != nil && c.req.AckSeq == nil && (len(resp.GetResults()) > 0 || resp.GetMore() || resp.GetPending() > 0) {
+		return r.fail("wrong-result", "%s without wait and without ack_seq returned %d results (more %v, pending %d)", kind, len(resp.GetResults()), resp.GetMore(), resp.GetPending())
+	}
+	return nil
+}
+
+// finishPiggyback checks the results a transfer without wait and with
+// ack_seq carried, as a Completions reply with that ack_seq: run once
+// every transfer of the call's burst has filed its jobs, since the reply
+// may carry another one's.
+func (c *transferCall) finishPiggyback() error {
+	r, g, resp := c.r, c.g, c.resp
+	if resp == nil || c.err != nil || c.op.Wait || c.req.AckSeq == nil {
+		return nil
+	}
+	if r.conns[g.client].regs[g.slot] != g {
+		return nil // dropped (an earlier finish of a burst failed)
+	}
+	what := fmt.Sprintf("%s without wait", c.kindOf)
+	if err := r.cursorResults(g, what, c.req.GetAckSeq(), c.concurrent, c.ackMax, resp.GetResults()); err != nil {
+		return err
+	}
+	if p := int(resp.GetPending()); p > len(g.jobs) && !c.concurrent {
+		return r.fail("accounting", "%s says %d jobs pending, the registration has %d unfinished", what, p, len(g.jobs))
 	}
 	return nil
 }
@@ -567,35 +605,51 @@ func (c *completionsCall) finish(map[KeyRef]bool) error {
 	if mj := c.req.GetMaxJobs(); mj > 0 && len(resp.GetResults()) > int(mj) {
 		return r.fail("wrong-result", "Completions with max_jobs %d returned %d", mj, len(resp.GetResults()))
 	}
-	prev := c.req.GetAckSeq()
-	for i, res := range resp.GetResults() {
-		if !g.legacy {
-			// The cursor: every queued result, in seq order from the
-			// acknowledged one on, with no gap, until acknowledged. A
-			// wait reply with ack_seq or another call of a burst may
-			// have processed some already: each seq is processed once.
-			seq := res.GetSeq()
-			switch {
-			case seq <= c.req.GetAckSeq():
-				return r.fail("wrong-result", "Completions acknowledging %d returned job %d with seq %d again", c.req.GetAckSeq(), res.GetJobId(), seq)
-			case i == 0 && c.concurrent && seq <= c.ackMax+1:
-			case seq != prev+1:
-				return r.fail("lost-result", "Completions of registration %d acknowledging %d jumped from seq %d to %d (job %d): results in between were lost", g.id, c.req.GetAckSeq(), prev, seq, res.GetJobId())
-			}
-			prev = seq
-			if !g.process(seq) {
-				continue
-			}
-		}
+	if g.legacy {
 		// Without the cursor two calls of a burst split the queue
 		// between them in any order; a result sent twice is caught
-		// below, by its job.
-		if err := r.result(g, res); err != nil {
-			return err
+		// by its job.
+		for _, res := range resp.GetResults() {
+			if err := r.result(g, res); err != nil {
+				return err
+			}
 		}
+	} else if err := r.cursorResults(g, "Completions", c.req.GetAckSeq(), c.concurrent, c.ackMax, resp.GetResults()); err != nil {
+		return err
 	}
 	if p := int(resp.GetPending()); p > len(g.jobs) && !c.concurrent {
 		return r.fail("accounting", "Completions says %d jobs pending, the registration has %d unfinished", p, len(g.jobs))
+	}
+	return nil
+}
+
+// cursorResults checks the results of a reply of g's queue read with
+// acknowledgement ack (Completions', or a transfer's without wait): every
+// queued result, in seq order from the acknowledged one on, with no gap,
+// until acknowledged. A wait reply with ack_seq or another call of a burst
+// may have processed some already: each seq is processed once.
+func (r *runner) cursorResults(g *reg, what string, ack uint64, concurrent bool, ackMax uint64, results []*pb.JobResult) error {
+	piggy := what != "Completions"
+	prev := ack
+	for i, res := range results {
+		seq := res.GetSeq()
+		switch {
+		case seq <= ack:
+			return r.fail("wrong-result", "%s acknowledging %d returned job %d with seq %d again", what, ack, res.GetJobId(), seq)
+		case i == 0 && concurrent && seq <= ackMax+1:
+		case seq != prev+1:
+			return r.fail("lost-result", "%s of registration %d acknowledging %d jumped from seq %d to %d (job %d): results in between were lost", what, g.id, ack, prev, seq, res.GetJobId())
+		}
+		prev = seq
+		if !g.process(seq) {
+			continue
+		}
+		if piggy {
+			r.c.Piggybacked++
+		}
+		if err := r.result(g, res); err != nil {
+			return err
+		}
 	}
 	return nil
 }

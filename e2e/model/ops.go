@@ -100,8 +100,9 @@ type Op struct {
 	// Abandon: wait with a deadline too short for the jobs; their
 	// results must then come through Completions.
 	Abandon bool
-	// Ack: a wait over a registration using the cursor sends ack_seq, so
-	// its results stay queued until acknowledged.
+	// Ack: a transfer over a registration using the cursor sends ack_seq:
+	// with wait its results stay queued until acknowledged; without, the
+	// reply carries the finished results after ack_seq (piggybacked).
 	Ack      bool
 	LeaseMs  uint32
 	Peek     bool

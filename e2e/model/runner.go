@@ -57,6 +57,9 @@ type Counts struct {
 	Lookups, Offered int
 	StoreJobs        int
 	LoadJobs         int
+	// Piggybacked: results first read on the reply of a transfer without
+	// wait (issue 11 item 4).
+	Piggybacked      int
 	BlocksVerified   int // loaded blocks compared byte for byte
 	Faults           float64
 	Corruptions      int
@@ -91,8 +94,8 @@ func (c Counts) Slowest() string {
 }
 
 func (c Counts) String() string {
-	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills; daemon RSS %s -> %s (at most %s), goroutines %.0f -> %.0f",
-		c.Ops, c.Skipped, c.Elapsed.Round(time.Millisecond), float64(c.Ops)/max(c.Elapsed.Seconds(), 1e-9), c.Lookups, c.Offered, c.StoreJobs, c.LoadJobs,
+	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d results piggybacked, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills; daemon RSS %s -> %s (at most %s), goroutines %.0f -> %.0f",
+		c.Ops, c.Skipped, c.Elapsed.Round(time.Millisecond), float64(c.Ops)/max(c.Elapsed.Seconds(), 1e-9), c.Lookups, c.Offered, c.StoreJobs, c.LoadJobs, c.Piggybacked,
 		c.BlocksVerified, c.WrongBytes, c.Faults, c.Corruptions, c.Restarts, c.Kills, mib(c.RSSStart), mib(c.RSSEnd), mib(c.RSSMax), c.GorStart, c.GorEnd)
 }
 

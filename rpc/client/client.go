@@ -101,6 +101,45 @@ func (c *Client) Load(ctx context.Context, registration uint64, jobs []*pb.Job, 
 	return r.GetResults(), err
 }
 
+// Submit sends jobs of op (OP_STORE or OP_LOAD) without waiting for them,
+// acknowledges what this client has read of the registration (the cursor,
+// as Completions), and returns the reply: the registration's finished
+// results after the cursor, in seq order (this request's own among them if
+// they finished already), pending, and more when not all fit (docs/api.md,
+// Results on a Store or Load). A client that sends a Store or Load every
+// step reads its results this way, without a Completions call; the cursor
+// moves as Completions moves it.
+func (c *Client) Submit(ctx context.Context, op pb.Op, registration uint64, jobs []*pb.Job) (*pb.TransferResponse, error) {
+	c.mu.Lock()
+	ack := c.mu.acked[registration]
+	c.mu.Unlock()
+	req := &pb.TransferRequest{RegistrationId: registration, Jobs: jobs, AckSeq: &ack}
+	var r *pb.TransferResponse
+	var err error
+	switch op {
+	case pb.Op_OP_STORE:
+		r, err = c.API.Store(ctx, req)
+	case pb.Op_OP_LOAD:
+		r, err = c.API.Load(ctx, req)
+	default:
+		return nil, fmt.Errorf("submit: op %v is neither a store nor a load", op)
+	}
+	if err == nil {
+		c.read(registration, r.GetResults())
+	}
+	return r, err
+}
+
+// read moves the registration's cursor past results just received.
+func (c *Client) read(registration uint64, rs []*pb.JobResult) {
+	if len(rs) == 0 {
+		return
+	}
+	c.mu.Lock()
+	c.mu.acked[registration] = max(c.mu.acked[registration], rs[len(rs)-1].GetSeq())
+	c.mu.Unlock()
+}
+
 // Completions returns finished jobs, waiting up to waitMs for one. It
 // acknowledges the results the previous call returned for the registration
 // (the cursor, docs/api.md): the daemon keeps a result until the call after
@@ -111,10 +150,8 @@ func (c *Client) Completions(ctx context.Context, registration uint64, waitMs ui
 	ack := c.mu.acked[registration]
 	c.mu.Unlock()
 	r, err := c.API.Completions(ctx, &pb.CompletionsRequest{RegistrationId: registration, WaitMs: waitMs, AckSeq: &ack})
-	if n := len(r.GetResults()); err == nil && n > 0 {
-		c.mu.Lock()
-		c.mu.acked[registration] = max(c.mu.acked[registration], r.Results[n-1].GetSeq())
-		c.mu.Unlock()
+	if err == nil {
+		c.read(registration, r.GetResults())
 	}
 	return r, err
 }

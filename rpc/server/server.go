@@ -380,18 +380,21 @@ func (s *Server) transfer(ctx context.Context, op offload.Op, req *pb.TransferRe
 		}
 		jobs[i] = offload.Job{ID: j.GetJobId(), RequestID: j.GetRequestId(), Keys: keysOf(j.GetKeys()), BlockIDs: j.GetBlockIds(), LeaseID: j.GetLeaseId()}
 	}
-	results, err := reg.Transfer(ctx, ownerOf(ctx), op, jobs, req.GetWait(), req.GetReadyEvent(), req.AckSeq)
+	c, err := reg.Transfer(ctx, ownerOf(ctx), op, jobs, req.GetWait(), req.GetReadyEvent(), req.AckSeq)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	out := &pb.TransferResponse{}
-	if results != nil {
-		out.Results = toResults(results)
+	out := &pb.TransferResponse{Results: toResults(c.Results), More: c.More}
+	if !req.GetWait() && req.AckSeq != nil {
+		out.Pending = uint32(c.Pending)
 	}
 	return out, nil
 }
 
 func toResults(rs []offload.Result) []*pb.JobResult {
+	if len(rs) == 0 {
+		return nil
+	}
 	out := make([]*pb.JobResult, len(rs))
 	for i, r := range rs {
 		jr := &pb.JobResult{JobId: r.JobID, RequestId: r.RequestID, Op: pb.Op(r.Op), Ok: r.OK, Blocks: r.Blocks, Bytes: r.Bytes, Seq: r.Seq}

@@ -26,7 +26,7 @@ import grpc
 
 from ._proto.kvoffload.v1 import kvoffload_pb2 as pb
 from ._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
-from .errors import DeadlineExceeded, KVOffloadError, from_rpc_error
+from .errors import DeadlineExceeded, InvalidArgument, KVOffloadError, from_rpc_error
 from .types import (
     BlockFailure,
     BlockStatus,
@@ -148,6 +148,7 @@ def _result(r: pb.JobResult) -> JobResult:
         ),
         blocks=r.blocks,
         bytes=r.bytes,
+        seq=r.seq,
     )
 
 
@@ -411,13 +412,29 @@ class Client:
 
     def _transfer(
         self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes,
-        timeout: float | None, wait_for_ready: bool | None = None,
-    ) -> list[JobResult] | None:
+        timeout: float | None, wait_for_ready: bool | None = None, completions: bool = False,
+    ) -> list[JobResult] | Completions | None:
+        if wait and completions:
+            raise InvalidArgument(None, "wait and completions exclude each other (a reply with wait carries "
+                                  "this call's results only)", method, from_daemon=False)
         req = pb.TransferRequest(
             registration_id=registration_id, jobs=[_job_pb(j) for j in jobs], wait=wait, ready_event=ready_event
         )
+        if completions:
+            with self._acked_lock:
+                req.ack_seq = self._acked.get(registration_id, 0)
         r = self._call(method, req, timeout=timeout, wait_for_ready=wait_for_ready)
+        if completions:
+            self._advance(registration_id, r.results)
+            return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending, more=r.more)
         return [_result(x) for x in r.results] if wait else None
+
+    def _advance(self, registration_id: int, results) -> None:
+        """Moves the registration's cursor past results just received: the
+        next call that reads results acknowledges them."""
+        if results:
+            with self._acked_lock:
+                self._acked[registration_id] = max(self._acked.get(registration_id, 0), results[-1].seq)
 
     def store(
         self,
@@ -428,13 +445,21 @@ class Client:
         ready_event: bytes = b"",
         timeout: float | None = None,
         wait_for_ready: bool | None = None,
-    ) -> list[JobResult] | None:
+        completions: bool = False,
+    ) -> list[JobResult] | Completions | None:
         """Copies engine blocks into the cache. The daemon accepts every job
         or none. Without ``wait`` the results come through :meth:`completions`;
         with it they are returned here, one per job, in order. With
+        ``completions`` (and no ``wait``) the call is also a
+        :meth:`completions` call without waiting: it acknowledges what the
+        last call returned for the registration, and returns a
+        ``Completions`` with every result finished since (any job's, this
+        call's own if they finished already), oldest first, ``pending`` and
+        ``more`` (docs/api.md, Results on a Store or Load): one round trip
+        instead of two for a client that sends a Store or Load anyway. With
         ``wait_for_ready`` a call made while the connection is down waits for
         it (up to the deadline) instead of failing unsent."""
-        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
+        return self._transfer("Store", registration_id, jobs, wait, ready_event, timeout, wait_for_ready, completions)
 
     def load(
         self,
@@ -445,11 +470,12 @@ class Client:
         ready_event: bytes = b"",
         timeout: float | None = None,
         wait_for_ready: bool | None = None,
-    ) -> list[JobResult] | None:
+        completions: bool = False,
+    ) -> list[JobResult] | Completions | None:
         """Copies cached blocks into engine blocks; see :meth:`store`. On CUDA,
         ``ready_event`` (an IPC event handle recorded on the compute stream)
         makes the copies wait for the kernels still reading those blocks."""
-        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout, wait_for_ready)
+        return self._transfer("Load", registration_id, jobs, wait, ready_event, timeout, wait_for_ready, completions)
 
     def completions(self, registration_id: int, *, wait_ms: int = 0, max_jobs: int = 0) -> Completions:
         """Jobs finished since the last call. With ``wait_ms`` the daemon waits
@@ -459,8 +485,11 @@ class Client:
         registration (``ack_seq``, docs/api.md): the daemon keeps a result
         until then, so a reply lost with the connection comes again on the
         next call instead of being lost. A reply carries at most a few MB;
-        results beyond it come with the next call. Read one registration's
-        completions from one thread."""
+        results beyond it come with the next call. Calls that read results
+        (this one, and ``store``/``load`` with ``completions``) may run on
+        several threads: each reply starts at most one past what the calls
+        before it returned, so a result two replies carry is the same one
+        (skip a ``seq`` already processed)."""
         with self._acked_lock:
             ack = self._acked.get(registration_id, 0)
         r = self._call(
@@ -468,9 +497,7 @@ class Client:
             pb.CompletionsRequest(registration_id=registration_id, wait_ms=wait_ms, max_jobs=max_jobs, ack_seq=ack),
             extra_s=wait_ms / 1000.0,
         )
-        if r.results:
-            with self._acked_lock:
-                self._acked[registration_id] = max(self._acked.get(registration_id, 0), r.results[-1].seq)
+        self._advance(registration_id, r.results)
         return Completions(results=tuple(_result(x) for x in r.results), pending=r.pending, more=r.more)
 
     def wait_jobs(self, registration_id: int, job_ids: Iterable[int], timeout: float = 30.0) -> dict[int, JobResult]:

@@ -197,6 +197,9 @@ class JobResult:
     failures: tuple[BlockFailure, ...]
     blocks: int
     bytes: int
+    # Place in the registration's queue of results (docs/api.md, the
+    # cursor); 0 on a result returned with wait.
+    seq: int = 0
 
     @property
     def failed_block_ids(self) -> list[int]:

@@ -2,9 +2,17 @@
 
 vLLM's model runner calls it from its step loop; it never calls the daemon
 from there. Each step's loads and stores become one batch queued for the
-*sender* thread (one Load, one Store RPC per step), and the *poller* thread
-reads Completions and settles jobs. The step calls only take a lock and
-read or queue.
+*sender* thread (one Load, one Store RPC per step). Each of those calls
+also reads the jobs finished so far (the daemon returns them on the reply,
+docs/api.md "Results on a Store or Load"), so a step that sends anything
+needs no Completions call for its earlier jobs. The *poller* thread reads
+Completions only when the sender will not bring results soon enough: a
+load is in flight (a request waits for it), a caller blocks on a job
+(``sync_stores``, a preemption, shutdown), a reply said more are queued,
+no call has read results for ``poll_wait_ms`` (the engine sends nothing),
+a job has gone a second without a result, or the daemon does not return
+results on Store and Load. The step calls only take a lock and read or
+queue.
 
 A job's engine blocks go back to vLLM (a finished load, a drained store, a
 failed block) only when nothing of the daemon can touch them any more:
@@ -93,6 +101,9 @@ class _Reg:
     unreachable_since: float | None = None
     jobs: set[int] = field(default_factory=set)
     quiet: int = 0  # Completions answers in a row with nothing pending and nothing more
+    loads: int = 0  # load jobs among ``jobs``
+    more: bool = False  # the last reply that read results left some queued
+    read_at: float = 0.0  # when a reply last read this registration's results
 
 
 class WorkerSide:
@@ -115,6 +126,12 @@ class WorkerSide:
         unknown_daemon_grace_s: when the daemon's pid is not visible (another
             pid namespace), how long it must be unreachable before its jobs
             are taken as dead.
+        poll_wait_ms: how long a Completions call waits for a result, and
+            how long the poller leaves results to the sender's calls before
+            reading Completions itself.
+        piggyback: read finished results from the replies of the Store and
+            Load calls (False: from Completions only, as before the daemon
+            returned them there).
     """
 
     def __init__(
@@ -138,6 +155,7 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
         stats: StatsRecorder | None = None,
         pid_probe: Callable[[str], int | None] = daemon_pid,
+        piggyback: bool = True,
     ):
         self.fingerprint = bytes(fingerprint)
         self.num_groups = num_groups
@@ -171,6 +189,10 @@ class WorkerSide:
         self._poll_started: float | None = None
         self._down_since: float | None = None  # a call failed: the daemon is not answering
         self._use_leases = True
+        self._piggyback = piggyback
+        self._piggy_seen = False  # a Store or Load reply has carried results or pending jobs
+        self._waiters = 0  # callers blocked until jobs settle: the poller reads at once
+        self._stale_after = 1.0  # a job this long without a result is polled for
         self._pending_loads: Counter[str] = Counter()
         self._pending_stores: Counter[str] = Counter()
         self._store_out: dict[str, Counter[int]] = {}
@@ -260,7 +282,11 @@ class WorkerSide:
         if j is None:
             return
         if j.reg and j.reg in self._regs:
-            self._regs[j.reg].jobs.discard(jid)
+            r = self._regs[j.reg]
+            if jid in r.jobs:
+                r.jobs.discard(jid)
+                if j.op == Op.LOAD:
+                    r.loads -= 1
         took = self._clock() - j.queued_at
         if j.op == Op.LOAD:
             failed = list(j.block_ids) if failed_all or dropped or result is None else result.failed_block_ids
@@ -356,7 +382,12 @@ class WorkerSide:
                 for jid, j in jobs:
                     j.reg = reg.id
                     reg.jobs.add(jid)
+                    if j.op == Op.LOAD:
+                        reg.loads += 1
                 self._send_started = self._clock()
+                # Its reply reads the results: the poller leaves them to it
+                # unless the call takes longer than poll_wait_ms.
+                reg.read_at = self._send_started
                 use_leases = self._use_leases
             if jobs:
                 self._send(batch, reg, jobs, use_leases)
@@ -375,9 +406,11 @@ class WorkerSide:
         kw: dict[str, Any] = {"timeout": self._rpc_timeout, "wait_for_ready": True}
         if batch.ready_event:
             kw["ready_event"] = batch.ready_event
+        with self._cv:
+            kw["completions"] = self._piggyback
         try:
             try:
-                call(reg.id, wire(use_leases), **kw)
+                reply = call(reg.id, wire(use_leases), **kw)
             except (PermissionDenied, FailedPrecondition, InvalidArgument) as e:
                 if not use_leases or not any(j.lease_id for _, j in jobs) or "lease" not in e.message.lower():
                     raise
@@ -386,7 +419,10 @@ class WorkerSide:
                 log.warning("kvoffload: the daemon refuses the scheduler's leases (%s); loading without them", e)
                 with self._cv:
                     self._use_leases = False
-                call(reg.id, wire(False), **kw)
+                reply = call(reg.id, wire(False), **kw)
+            if reply is not None:
+                with self._cv:
+                    self._take_reply(reg, len(jobs), reply)
         except NotFound as e:
             same = self._same_daemon(reg)  # a socket probe: not under the lock
             with self._cv:
@@ -419,6 +455,52 @@ class WorkerSide:
                     j.sent_at = now
                 reg.quiet = 0
 
+    def _take_reply(self, reg: _Reg, sent: int, c: Any) -> None:
+        """Settles the finished jobs a Store or Load reply carried (the
+        daemon's results after the cursor, as Completions would return
+        them; a result read twice settles once)."""
+        if not c.results and not c.pending and not c.more and sent and not self._piggy_seen:
+            # This call's jobs are neither pending nor finished on the
+            # reply, and no reply ever carried anything: the daemon does
+            # not return results on Store and Load (an older one).
+            # Completions brings them, as before. (A daemon that does can
+            # answer so only if a Completions read and acknowledged the
+            # call's results while it ran: never on every reply.)
+            log.info("kvoffload: the daemon returns no results on Store and Load; reading them from Completions")
+            self._piggyback = False
+            self._cv.notify_all()
+            return
+        self._piggy_seen = self._piggy_seen or bool(c.results or c.pending or c.more)
+        reg.more = c.more
+        reg.read_at = self._clock()
+        for r in c.results:
+            self._settle(r.job_id, r)
+        self._cv.notify_all()
+
+    def _due_locked(self, now: float) -> tuple[list[_Reg], float | None]:
+        """The registrations whose results the poller must read now from
+        Completions, and, when none, how long until one may be due."""
+        due: list[_Reg] = []
+        wake: float | None = None
+        idle = self._poll_wait_ms / 1000.0
+        for r in self._regs.values():
+            if not r.jobs:
+                continue
+            if (not self._piggyback or r.id != self.registration_id or r.more or r.loads or self._waiters
+                    or self._down_since is not None or now - r.read_at >= idle):
+                due.append(r)
+                continue
+            oldest = min((self._jobs[j].sent_at for j in r.jobs if j in self._jobs and self._jobs[j].sent_at > 0),
+                         default=None)
+            if oldest is not None and now - oldest >= self._stale_after:
+                due.append(r)
+                continue
+            left = r.read_at + idle - now
+            if oldest is not None:
+                left = min(left, oldest + self._stale_after - now)
+            wake = left if wake is None else min(wake, left)
+        return due, wake
+
     def _drop_unsent_locked(self) -> None:
         """The daemon stopped answering: what is queued is dropped (stores)
         or failed (loads: vLLM recomputes), never sent late."""
@@ -441,7 +523,7 @@ class WorkerSide:
                 for r in [r for r in self._regs.values() if not r.jobs and r.id != self.registration_id]:
                     r.daemon.close()  # an old registration with nothing left in flight
                     del self._regs[r.id]
-                regs = [r for r in self._regs.values() if r.jobs]
+                regs, wake = self._due_locked(self._clock())
                 need_reg = (self.registration_id is None and self._kv is not None and self.refused is None
                             and self._clock() >= self._next_rereg)
                 probe = not regs and not need_reg and self._down_since is not None
@@ -449,6 +531,10 @@ class WorkerSide:
                     timeout = None
                     if self.registration_id is None and self._kv is not None and self.refused is None:
                         timeout = max(0.01, self._next_rereg - self._clock())
+                    if wake is not None:
+                        # Results are left to the sender's next call for
+                        # a while; then Completions reads them.
+                        timeout = max(0.001, wake) if timeout is None else min(timeout, max(0.001, wake))
                     self._cv.wait(timeout if timeout is not None else 1.0)
                     continue
             if need_reg:
@@ -469,7 +555,7 @@ class WorkerSide:
                         self._cv.wait(0.2)
                 continue
             for reg in regs:
-                self._poll_one(reg, self._poll_wait_ms if len(regs) == 1 else 0)
+                self._poll_one(reg, self._poll_wait_ms if len(regs) == 1 and not reg.more else 0)
 
     def _poll_one(self, reg: _Reg, wait_ms: int) -> None:
         with self._cv:
@@ -511,6 +597,8 @@ class WorkerSide:
             self._poll_started = None
             self._down_since = None
             reg.unreachable_since = None
+            reg.more = c.more
+            reg.read_at = self._clock()
             for r in c.results:
                 self._settle(r.job_id, r)
             self._settle_orphans(reg, c)
@@ -555,13 +643,18 @@ class WorkerSide:
         with those jobs accepted makes this wait long; it is logged."""
         t0 = self._clock()
         warned = t0
-        while not done():
-            self._cv.wait(0.5)
-            now = self._clock()
-            if now - warned >= 5.0:
-                warned = now
-                log.warning("kvoffload: waiting %.0fs for %s: the daemon accepted them and has not finished", now - t0,
-                            what)
+        self._waiters += 1
+        self._cv.notify_all()  # the poller reads Completions while a caller blocks
+        try:
+            while not done():
+                self._cv.wait(0.5)
+                now = self._clock()
+                if now - warned >= 5.0:
+                    warned = now
+                    log.warning("kvoffload: waiting %.0fs for %s: the daemon accepted them and has not finished",
+                                now - t0, what)
+        finally:
+            self._waiters -= 1
 
     def start_load_kv(self, plan: StepPlan, ready_event: bytes = b"") -> list[int]:
         """Queues every load of the step as one Load. ``ready_event`` (CUDA)
@@ -700,7 +793,12 @@ class WorkerSide:
         """Waits a little for jobs in flight, unregisters and stops the threads."""
         with self._cv:
             self._drop_queued(lambda j: True)
-            self._cv.wait_for(lambda: not self._jobs, timeout_s)
+            self._waiters += 1
+            self._cv.notify_all()
+            try:
+                self._cv.wait_for(lambda: not self._jobs, timeout_s)
+            finally:
+                self._waiters -= 1
             reg = self.registration_id
         if reg is not None:
             try:

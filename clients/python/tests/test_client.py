@@ -302,3 +302,47 @@ def test_a_new_registration_reads_its_results_from_the_start(fresh_daemon, shm, 
     c.store(reg2.registration_id, [kv.Job(1, [hs[3]], [3])])
     res = wait_for(lambda: c.completions(reg2.registration_id, wait_ms=100).results, timeout=3)
     assert [x.job_id for x in res] == [1], "the new registration's first result was acknowledged before it was read"
+
+
+def test_store_and_load_return_the_finished_results(client, shm, fingerprint):
+    """``completions=True`` on a Store or Load: the call acknowledges the
+    cursor and returns what completions() would, so a client that sends a
+    Store or Load anyway needs no Completions call (docs/api.md, Results on
+    a Store or Load). A reply that never reached the client costs nothing:
+    its results come again with the next call."""
+    from kvoffload._proto.kvoffload.v1 import kvoffload_pb2 as pb
+
+    r, layout, regions = kv_region(shm)
+    reg = client.register(fingerprint, layout, regions)
+    rid = reg.registration_id
+    hs = keys(4, fingerprint)
+    missing = keys(2, fingerprint + b"/never stored")
+    for b in range(2):
+        fill(r, b, 50 + b)
+    # A load of keys never stored finishes inside its call: its own result
+    # is on the reply.
+    c = client.load(rid, [kv.Job(1, missing, [8, 9])], completions=True)
+    assert isinstance(c, kv.Completions) and [x.job_id for x in c.results] == [1] and not c.more
+    assert c.results[0].failed_block_ids == [8, 9] and c.results[0].seq == 1
+    with pytest.raises(kv.InvalidArgument):
+        client.store(rid, [kv.Job(2, hs[:1], [0])], wait=True, completions=True)
+    # A store; once it finished, the next call brings it.
+    c = client.store(rid, [kv.Job(2, hs[:2], [0, 1])], completions=True)
+    assert all(x.job_id == 2 for x in c.results)
+    assert wait_for(lambda: client._stub.Completions(
+        pb.CompletionsRequest(registration_id=rid, ack_seq=1), timeout=10).pending == 0)
+    if not c.results:
+        c = client.load(rid, [kv.Job(3, missing, [10, 11])], completions=True)
+        assert [x.job_id for x in c.results][:1] == [2]
+    # Had the last reply been lost, a call from the same cursor gets its
+    # results again; the client's next call acknowledges them.
+    last = c.results
+    again = client._stub.Completions(pb.CompletionsRequest(registration_id=rid, ack_seq=last[0].seq - 1), timeout=10)
+    assert [x.job_id for x in again.results] == [x.job_id for x in last]
+    c = client.load(rid, [kv.Job(4, hs[:2], [12, 13])], completions=True)
+    assert not {x.job_id for x in c.results} & {x.job_id for x in last}, "a result came twice"
+    got = {x.job_id: x for x in c.results}
+    while 4 not in got:
+        got.update((x.job_id, x) for x in client.completions(rid, wait_ms=1000).results)
+    assert got[4].ok and [block_bytes(r, b) for b in (12, 13)] == [block_bytes(r, b) for b in (0, 1)]
+    assert client.completions(rid).results == ()

@@ -345,3 +345,42 @@ def test_loads_and_stores_carry_the_engines_ready_event(shm):
         else:
             sys.modules["torch"] = saved
 
+
+
+def test_round_trips_per_step(daemon, shm, monkeypatch):
+    """The same seeded workload in the stand-in, with the workers reading
+    results from their Store and Load replies and, as before, from
+    Completions only: the Store, Load and Completions calls per step of
+    each (issue 11 item 4). The stand-in steps back to back (no forward
+    pass), so this reports what the connector decided; the exact counts
+    are asserted in test_piggyback.py, where the worker's clock is held."""
+    from kvoffload import client as kclient
+
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+    real = kclient.Client._call
+
+    def counting(self, method, request, *a, **kw):
+        with lock:
+            calls[method] = calls.get(method, 0) + 1
+        return real(self, method, request, *a, **kw)
+
+    monkeypatch.setattr(kclient.Client, "_call", counting)
+    per_step = {}
+    for piggyback in (True, False):
+        calls.clear()
+        cfg = Config(async_scheduling=True, model=f"rtt-{piggyback}")
+        cfg.extra = {**cfg.extra, "lookup_deadline_ms": 2000}
+
+        def setup(eng, piggyback=piggyback):
+            for w in eng.workers:
+                w._worker._piggyback = piggyback
+
+        rep = run(cfg, daemon, shm, seed=11, steps=120, events={0: setup})
+        s = rep.summary()
+        assert s["errored"] == 0 and s["finished"] > 20, s
+        with lock:
+            got = {m: calls.get(m, 0) for m in ("Store", "Load", "Completions")}
+        per_step[piggyback] = {m: round(n / rep.steps, 2) for m, n in got.items()}
+        print(f"piggyback={piggyback}: {rep.steps} steps, {got}, per step {per_step[piggyback]}")
+    assert per_step[True]["Completions"] < per_step[False]["Completions"], per_step

@@ -1225,11 +1225,12 @@ type TransferRequest struct {
 	// complete within the daemon's --cuda-ready-timeout fails (DMA_ERROR).
 	ReadyEvent []byte `protobuf:"bytes,4,opt,name=ready_event,json=readyEvent,proto3" json:"ready_event,omitempty"`
 	// The cursor, as CompletionsRequest.ack_seq: the results with
-	// seq <= ack_seq leave the daemon. When set, this request's results are
-	// queued with their seq like any other (with wait, the reply carries them
-	// too) and stay until acknowledged, so a reply that never arrived is sent
-	// again by Completions. When absent, results returned with wait have seq 0
-	// and leave the daemon as they are sent.
+	// seq <= ack_seq leave the daemon (even when the jobs are refused for
+	// the backlog). When set, this request's results are queued with their
+	// seq like any other and stay until acknowledged, so a reply that never
+	// arrived is sent again by Completions or by the next Store or Load.
+	// When absent, results returned with wait have seq 0 and leave the daemon
+	// as they are sent. What the reply carries in each case: TransferResponse.
 	AckSeq        *uint64 `protobuf:"varint,5,opt,name=ack_seq,json=ackSeq,proto3,oneof" json:"ack_seq,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1300,10 +1301,31 @@ func (x *TransferRequest) GetAckSeq() uint64 {
 	return 0
 }
 
+// What a Store or Load reply carries depends on wait and ack_seq:
+//
+//   - wait, ack_seq set: results holds one result per job, in request
+//     order, with their seq; they stay queued until acknowledged.
+//   - wait, no ack_seq: one result per job, in request order, seq 0; they
+//     never join the queue.
+//   - no wait, ack_seq set: results holds the registration's finished
+//     results after ack_seq (any job's, this request's own among them if
+//     they finished already), in seq order, exactly what a Completions call
+//     with the same ack_seq, wait_ms 0 and max_jobs 0 would return at that
+//     moment, cut to the same reply bound (more says so); they stay queued
+//     until a later ack_seq covers them. So a client that sends a Store or
+//     Load anyway reads its finished results without a Completions call.
+//   - no wait, no ack_seq: nothing (results through Completions).
+//
+// pending and more are set only without wait and with ack_seq.
 type TransferResponse struct {
-	state protoimpl.MessageState `protogen:"open.v1"`
-	// Only when wait was set: one result per job, in request order.
-	Results       []*JobResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Results []*JobResult           `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	// Jobs of this registration accepted and not yet finished, this
+	// request's included (as CompletionsResponse.pending).
+	Pending uint32 `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	// More finished results are queued than this reply carries: read them
+	// with Completions (or the next Store or Load) without waiting.
+	More          bool `protobuf:"varint,3,opt,name=more,proto3" json:"more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1343,6 +1365,20 @@ func (x *TransferResponse) GetResults() []*JobResult {
 		return x.Results
 	}
 	return nil
+}
+
+func (x *TransferResponse) GetPending() uint32 {
+	if x != nil {
+		return x.Pending
+	}
+	return 0
+}
+
+func (x *TransferResponse) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
 }
 
 // A block of a job that did not succeed.
@@ -2418,9 +2454,11 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"readyEvent\x12\x1c\n" +
 	"\aack_seq\x18\x05 \x01(\x04H\x00R\x06ackSeq\x88\x01\x01B\n" +
 	"\n" +
-	"\b_ack_seq\"E\n" +
+	"\b_ack_seq\"s\n" +
 	"\x10TransferResponse\x121\n" +
-	"\aresults\x18\x01 \x03(\v2\x17.kvoffload.v1.JobResultR\aresults\"\x86\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x17.kvoffload.v1.JobResultR\aresults\x12\x18\n" +
+	"\apending\x18\x02 \x01(\rR\apending\x12\x12\n" +
+	"\x04more\x18\x03 \x01(\bR\x04more\"\x86\x01\n" +
 	"\fBlockFailure\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12\x19\n" +
 	"\bblock_id\x18\x02 \x01(\rR\ablockId\x12\x12\n" +

@@ -51,7 +51,8 @@ type KVOffloadClient interface {
 	Resolve(ctx context.Context, in *ResolveRequest, opts ...grpc.CallOption) (*ResolveResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
-	// Store copies engine blocks into the cache.
+	// Store copies engine blocks into the cache. With ack_seq and without
+	// wait the reply also carries the finished results (TransferResponse).
 	Store(ctx context.Context, in *TransferRequest, opts ...grpc.CallOption) (*TransferResponse, error)
 	// Load copies cached blocks into engine blocks.
 	Load(ctx context.Context, in *TransferRequest, opts ...grpc.CallOption) (*TransferResponse, error)
@@ -203,7 +204,8 @@ type KVOffloadServer interface {
 	Resolve(context.Context, *ResolveRequest) (*ResolveResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
-	// Store copies engine blocks into the cache.
+	// Store copies engine blocks into the cache. With ack_seq and without
+	// wait the reply also carries the finished results (TransferResponse).
 	Store(context.Context, *TransferRequest) (*TransferResponse, error)
 	// Load copies cached blocks into engine blocks.
 	Load(context.Context, *TransferRequest) (*TransferResponse, error)

@@ -102,7 +102,8 @@ class KVOffloadServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Store(self, request, context):
-        """Store copies engine blocks into the cache.
+        """Store copies engine blocks into the cache. With ack_seq and without
+        wait the reply also carries the finished results (TransferResponse).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
