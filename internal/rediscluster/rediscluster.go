@@ -355,6 +355,26 @@ func (n *Node) Start(ctx context.Context) error {
 	return n.waitPing(ctx)
 }
 
+// Pause stops the node's process (SIGSTOP) until Resume, as a stalled or
+// partitioned host would: it answers nothing, its connections stay open,
+// and it keeps its data, so what it held is there again when it resumes.
+// Keep a pause well under cluster-node-timeout (15 s), or the other
+// masters vote it failed.
+func (n *Node) Pause() error { return n.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused node (SIGCONT); a running node is unaffected.
+func (n *Node) Resume() error { return n.signal(syscall.SIGCONT) }
+
+func (n *Node) signal(sig syscall.Signal) error {
+	n.mu.Lock()
+	cmd := n.cmd
+	n.mu.Unlock()
+	if cmd == nil {
+		return errors.New("rediscluster: node not started")
+	}
+	return cmd.Process.Signal(sig)
+}
+
 // Hang makes the node stop answering for d (DEBUG SLEEP), as a stalled or
 // partitioned node would. It returns at once; the returned channel is
 // closed when the node answers again.
@@ -468,6 +488,7 @@ func (c *Cluster) Close() error {
 		if cmd == nil {
 			continue
 		}
+		cmd.Process.Signal(syscall.SIGCONT) // a paused node would not act on SIGTERM
 		cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-exited:
