@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,26 +19,32 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
 
-// pause stops master n (SIGSTOP) until the returned func resumes it (also
-// on cleanup): it answers nothing and keeps what it holds, so the values
-// whose deletes it missed are there when it is back.
-func pause(t *testing.T, n *rediscluster.Node) func() {
+// down takes master n down, having it keep what it holds (a snapshot),
+// until the returned func brings it back with it: the values whose deletes
+// it missed are there again. (A stalled master is no test of this: the
+// delete waits in its socket and runs when it wakes up.)
+func down(t *testing.T, n *rediscluster.Node) func() {
 	t.Helper()
-	if err := n.Pause(); err != nil {
+	if err := n.Snapshot(ctx(t)); err != nil {
 		t.Fatal(err)
 	}
-	resumed := false
-	resume := func() {
-		if resumed {
+	n.Kill()
+	back := false
+	up := func() {
+		if back {
 			return
 		}
-		resumed = true
-		if err := n.Resume(); err != nil {
+		back = true
+		if err := n.Restart(ctx(t)); err != nil {
+			t.Error(err)
+		}
+		// Later restarts (other tests) start empty, as usual.
+		if err := n.DropSnapshot(); err != nil {
 			t.Error(err)
 		}
 	}
-	t.Cleanup(resume)
-	return resume
+	t.Cleanup(up)
+	return up
 }
 
 // victimOf is the master that holds h's key.
@@ -99,11 +106,11 @@ func waitPending(t *testing.T, d *testenv.Daemon, keys, namespaces int) {
 	})
 }
 
-// TestFailedDeleteIsRetried: a master that does not answer when node A
-// invalidates keys keeps its copies; A tries the delete again until it
-// goes through once the master is back, and then node B (a second daemon,
-// empty local cache) gets MISSING for every key, never the old bytes. A
-// never offers them meanwhile.
+// TestFailedDeleteIsRetried: a master that is down when node A
+// invalidates keys, and comes back with its data, keeps its copies; A
+// tries the delete again until it goes through once the master is back,
+// and then node B (a second daemon, empty local cache) gets MISSING for
+// every key, never the old bytes. A never offers them meanwhile.
 func TestFailedDeleteIsRetried(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
@@ -113,12 +120,12 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	on := onNode(t, c, ea, hs, victim)
 	nOn := onSome(t, on)
 
-	resume := pause(t, victim)
+	up := down(t, victim)
 	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
 		t.Fatal(err)
 	}
 	if keys, _ := a.Svc.RemotePendingDeletes(); keys != nOn {
-		t.Fatalf("%d deletes pending after the invalidation, want %d (the paused master's)", keys, nOn)
+		t.Fatalf("%d deletes pending after the invalidation, want %d (the dead master's)", keys, nOn)
 	}
 	if n := metric(t, a, "kvoffload_remote_pending_deletes", "kind", "key"); n != float64(nOn) {
 		t.Fatalf("kvoffload_remote_pending_deletes{kind=key} %v, want %d", n, nOn)
@@ -126,7 +133,7 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if lr := ea.lookup(t, hs); lr.Ready != 0 {
 		t.Fatalf("A offers %d blocks it invalidated", lr.Ready)
 	}
-	resume()
+	up()
 
 	waitPending(t, a, 0, 0)
 	if n := inCluster(t, c, ea, hs); n != 0 {
@@ -188,12 +195,12 @@ func copyFiles(t *testing.T, dir string) string {
 }
 
 // TestFencesSurviveRestart: node A (with a disk tier) invalidates keys and
-// a namespace whole while a master is paused, so their deletes and the
-// sweep cannot go through, and stops (SIGTERM), or is killed (kill -9:
-// its files as they are when Invalidate returned). Restarted before the
-// master is back, A fences them again: once the master answers, A never
-// loads the old bytes it kept; the deletes and the sweep are resumed and
-// go through, and B finds nothing of them either.
+// a namespace whole while a master is down, so their deletes and the sweep
+// cannot go through, and stops (SIGTERM), or is killed (kill -9: its files
+// as they are when Invalidate returned). Restarted before the master is
+// back, A fences them again: once the master is back with its data, A
+// never loads the old bytes it kept; the deletes and the sweep are resumed
+// and go through, and B finds nothing of them either.
 func TestFencesSurviveRestart(t *testing.T) {
 	for _, kill := range []bool{false, true} {
 		t.Run(map[bool]string{false: "SIGTERM", true: "kill-9"}[kill], func(t *testing.T) {
@@ -217,7 +224,7 @@ func TestFencesSurviveRestart(t *testing.T) {
 			on := onNode(t, c, ea, hs, victim)
 			nOn := onSome(t, on)
 
-			resume := pause(t, victim)
+			up := down(t, victim)
 			if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
 				t.Fatal(err)
 			}
@@ -242,7 +249,7 @@ func TestFencesSurviveRestart(t *testing.T) {
 				t.Fatalf("fences after the restart: %d keys, %d namespaces; want %d and 1", k, n, nOn)
 			}
 			ea2, ew2 := register(t, a2, model, fp), register(t, a2, model, fpWhole)
-			resume()
+			up()
 			// The master is back with the old values: A does not read
 			// them, whether or not its deletes have gone through yet.
 			if lr := ea2.lookup(t, hs); lr.Ready != 0 {
@@ -317,6 +324,12 @@ func TestRestoredWhileCancelledIsPublished(t *testing.T) {
 	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
 	hs := ea.hashes(81, 2)
 	x, k := hs[:1], hs[1:]
+	var open sync.Once
+	release := func() {
+		g.armed.Store(false)
+		open.Do(func() { close(g.release) })
+	}
+	t.Cleanup(release) // a failure must not leave A's publisher held at its Stop
 
 	g.armed.Store(true)
 	ea.store(t, x, seq(0, 1))
@@ -336,8 +349,7 @@ func TestRestoredWhileCancelledIsPublished(t *testing.T) {
 		return nil
 	})
 	ea.store(t, k, seq(1, 1)) // its engine computed it again
-	g.armed.Store(false)
-	close(g.release)
+	release()
 	if err := <-invalidated; err != nil {
 		t.Fatal(err)
 	}
@@ -363,6 +375,7 @@ func TestStoreRejectedByInvalidateKeepsFence(t *testing.T) {
 	gate := testenv.NewGate()
 	a := startNode(t, c, nodeOpts{wrap: gate.Wrap})
 	b := startNode(t, c, nodeOpts{})
+	t.Cleanup(gate.Release) // a failure must not leave A's copies held at its Stop
 	ea, _, k := sharedBlocks(t, c, a, b, 91, 1)
 	gate.Arrived(1) // the store's copy
 	cc := c.ClusterClient()

@@ -355,24 +355,23 @@ func (n *Node) Start(ctx context.Context) error {
 	return n.waitPing(ctx)
 }
 
-// Pause stops the node's process (SIGSTOP) until Resume, as a stalled or
-// partitioned host would: it answers nothing, its connections stay open,
-// and it keeps its data, so what it held is there again when it resumes.
-// Keep a pause well under cluster-node-timeout (15 s), or the other
-// masters vote it failed.
-func (n *Node) Pause() error { return n.signal(syscall.SIGSTOP) }
+// Snapshot has the node write what it holds to its directory (SAVE), so
+// that the next Restart brings it back: a master that was down and kept
+// its data, rather than one that comes back empty. DropSnapshot removes it
+// again; call it (t.Cleanup) so later restarts start empty as usual.
+func (n *Node) Snapshot(ctx context.Context) error {
+	cl := n.Client()
+	defer cl.Close()
+	return cl.Save(ctx).Err()
+}
 
-// Resume continues a paused node (SIGCONT); a running node is unaffected.
-func (n *Node) Resume() error { return n.signal(syscall.SIGCONT) }
-
-func (n *Node) signal(sig syscall.Signal) error {
-	n.mu.Lock()
-	cmd := n.cmd
-	n.mu.Unlock()
-	if cmd == nil {
-		return errors.New("rediscluster: node not started")
+// DropSnapshot removes the node's snapshot, if any.
+func (n *Node) DropSnapshot() error {
+	err := os.Remove(filepath.Join(n.dir, "dump.rdb"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
-	return cmd.Process.Signal(sig)
+	return err
 }
 
 // Hang makes the node stop answering for d (DEBUG SLEEP), as a stalled or
@@ -488,7 +487,6 @@ func (c *Cluster) Close() error {
 		if cmd == nil {
 			continue
 		}
-		cmd.Process.Signal(syscall.SIGCONT) // a paused node would not act on SIGTERM
 		cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-exited:

@@ -205,6 +205,9 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 	p, m := newPublisher(t, r, nil, 8, 1)
 	ids, keys, vals := testBlocks(t, 2, 1000, nil)
 	gate := make(chan struct{})
+	var open sync.Once
+	release := func() { open.Do(func() { close(gate) }) }
+	t.Cleanup(release) // before the publisher's Close, which waits for the worker
 	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
 	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
 	<-held.reading // the one worker holds block 0
@@ -224,9 +227,9 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 		t.Fatal(err)
 	}
 	if d := p.Depth(); d != 3 {
-		t.Fatalf("depth %d, want 3 (one in flight, the cancelled item and the new one queued)", d)
+		t.Errorf("depth %d, want 3 (one in flight, the cancelled item and the new one queued)", d)
 	}
-	close(gate)
+	release()
 	if err := p.Flush(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}
