@@ -110,7 +110,9 @@ func waitPending(t *testing.T, d *testenv.Daemon, keys, namespaces int) {
 // invalidates keys, and comes back with its data, keeps its copies; A
 // tries the delete again until it goes through once the master is back,
 // and then node B (a second daemon, empty local cache) gets MISSING for
-// every key, never the old bytes. A never offers them meanwhile.
+// every key, never the old bytes. A never offers them meanwhile; a key A
+// stores again meanwhile stays fenced and is published once its delete has
+// gone through.
 func TestFailedDeleteIsRetried(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
@@ -133,16 +135,36 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if lr := ea.lookup(t, hs); lr.Ready != 0 {
 		t.Fatalf("A offers %d blocks it invalidated", lr.Ready)
 	}
+	// A's engine stores one of the dead master's blocks again: it stays
+	// fenced (the master still has the old value) and is not published
+	// until the delete has gone through.
+	j := firstOn(on)
+	again := hs[j : j+1]
+	ea.store(t, again, seq(30, 1))
+	if keys, _ := a.Svc.RemoteFences(); keys != 24 {
+		t.Fatalf("A fences %d keys after storing one whose delete is pending, want 24", keys)
+	}
 	up()
 
 	waitPending(t, a, 0, 0)
-	if n := inCluster(t, c, ea, hs); n != 0 {
+	flush(t, a)
+	rest := append(append([][]byte{}, hs[:j]...), hs[j+1:]...)
+	if n := inCluster(t, c, ea, rest); n != 0 {
 		t.Fatalf("%d invalidated blocks still in the cluster after the deletes went through", n)
 	}
-	if st := eb.load(t, hs, seq(0, 24)); count(st)[missingSt] != 24 {
+	if n := inCluster(t, c, ea, again); n != 1 {
+		t.Fatal("the block stored again while its delete was pending was not published once it went through")
+	}
+	if keys, _ := a.Svc.RemoteFences(); keys != 23 {
+		t.Fatalf("A fences %d keys once the delete of the one it stored again went through, want 23", keys)
+	}
+	if st := eb.load(t, rest, seq(0, 23)); count(st)[missingSt] != 23 {
 		t.Fatalf("B loading blocks A invalidated: %v, want all MISSING", count(st))
 	}
-	if st := ea.load(t, hs, seq(0, 24)); count(st)[missingSt] != 24 {
+	if st := eb.load(t, again, seq(40, 1)); count(st)[okSt] != 1 {
+		t.Fatalf("B loading the block A stored again: %v", count(st))
+	}
+	if st := ea.load(t, rest, seq(0, 23)); count(st)[missingSt] != 23 {
 		t.Fatalf("A loading blocks it invalidated: %v, want all MISSING", count(st))
 	}
 	if n := metric(t, a, "kvoffload_remote_blocks_total", "op", "invalidate", "result", "deleted"); n != 24 {
@@ -151,13 +173,14 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if n := metric(t, a, "kvoffload_remote_blocks_total", "op", "invalidate", "result", "error"); n != float64(nOn) {
 		t.Fatalf("invalidate error %v, want %d (each failed once)", n, nOn)
 	}
-	// Stored again by A: shared again.
-	ea.store(t, hs[:4], seq(0, 4))
+	// Stored again by A once the deletes went through: shared again.
+	more := rest[:4]
+	ea.store(t, more, seq(0, 4))
 	flush(t, a)
-	if keys, _ := a.Svc.RemoteFences(); keys != 20 {
-		t.Fatalf("A fences %d keys after storing 4 of 24 again, want 20", keys)
+	if keys, _ := a.Svc.RemoteFences(); keys != 19 {
+		t.Fatalf("A fences %d keys after storing 4 more of 24 again, want 19", keys)
 	}
-	if st := eb.load(t, hs[:4], seq(0, 4)); count(st)[okSt] != 4 {
+	if st := eb.load(t, more, seq(0, 4)); count(st)[okSt] != 4 {
 		t.Fatalf("B loading blocks A stored again: %v", count(st))
 	}
 }
