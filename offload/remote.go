@@ -93,7 +93,8 @@ type remoteTier struct {
 	m       *remote.Metrics
 	log     *slog.Logger
 
-	fence fence // what this node must not read back (remote_inval.go)
+	fence  fence      // what this node must not read back (remote_inval.go)
+	saveMu sync.Mutex // orders the saves of the fences file (remote_fences.go)
 
 	fetches     chan fetchReq
 	wg          sync.WaitGroup // fetchers, the health checker and the sweeper
@@ -132,8 +133,10 @@ func (c *RemoteConfig) validate() error {
 	return nil
 }
 
-// openRemote starts the remote tier (its config validated by New).
-func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
+// openRemote starts the remote tier (its config validated by New). It
+// fails only when the fences file of the disk tier cannot be read; the
+// store is closed then.
+func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error {
 	if cfg.Queue <= 0 {
 		cfg.Queue = 256
 	}
@@ -152,6 +155,11 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 		batch: cfg.BatchBytes, maxAsks: cfg.MaxLookupKeys, m: m, log: s.log, store: remote.Instrument(cfg.Store, m),
 		fetches: make(chan fetchReq, fetchQueue), stop: make(chan struct{}),
 	}
+	rt.fence.init()
+	if err := rt.loadFences(); err != nil {
+		rt.store.Close()
+		return err
+	}
 	if cfg.Write != WriteNone {
 		rt.pub = remote.NewPublisher(remote.PublisherConfig{
 			Store: rt.store, Keyspace: rt.ks, MAC: cfg.MAC, Queue: cfg.Queue, Workers: cfg.Publishers,
@@ -167,6 +175,21 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 			}
 			return float64(rt.pub.Depth())
 		}))
+		pending := func(namespaces bool) func() float64 {
+			return func() float64 {
+				keys, nss := s.RemotePendingDeletes()
+				if namespaces {
+					return float64(nss)
+				}
+				return float64(keys)
+			}
+		}
+		const help = "Deletes from the remote tier of blocks invalidated on this node still to go through, tried again every 2 s: kind=key, keys whose delete failed; kind=namespace, namespaces invalidated whole whose sweep has not finished. This node does not read them from the remote tier meanwhile; other nodes may."
+		for kind, namespaces := range map[string]bool{"key": false, "namespace": true} {
+			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvoffload_remote_pending_deletes", Help: help, ConstLabels: prometheus.Labels{"kind": kind},
+			}, pending(namespaces)))
+		}
 	}
 	// A store that is down at start is a warning: the local tiers serve,
 	// and every later call tries the store again.
@@ -174,7 +197,6 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 	err := rt.store.Ping(ctx)
 	cancel()
 	rt.setUp(err, true)
-	rt.fence.init()
 	sweepCtx, cancelSweep := context.WithCancel(context.Background())
 	rt.cancelSweep = cancelSweep
 	rt.wg.Add(cfg.Fetchers + 2)
@@ -184,6 +206,7 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) {
 	go rt.health(err == nil)
 	go rt.sweeper(sweepCtx)
 	s.rem = rt
+	return nil
 }
 
 func (rt *remoteTier) setUp(err error, first bool) {
@@ -229,6 +252,10 @@ func (rt *remoteTier) close() error {
 	close(rt.stop)
 	rt.cancelSweep()
 	rt.wg.Wait()
+	// The sweeper may have stopped between a delete and its save.
+	if err := rt.saveFences(); err != nil {
+		rt.log.Warn("remote tier: could not update the fences file at close; it lists deletes that went through since (the next start tries them again)", "err", err)
+	}
 	if rt.pub != nil {
 		rt.pub.Close()
 	}
@@ -535,19 +562,24 @@ func rank(t Tier) int {
 	return [...]int{TierNone: 0, TierRemote: 1, TierDisk: 2, TierCPU: 3, TierCPUAndDisk: 4}[t]
 }
 
-// publishStored hands a block a Store just made ready to the publisher.
-// The caller still holds the store's pin on slot.
+// publishStored hands a block a Store just made ready to the publisher,
+// and lifts the key's fence. The caller still holds the store's pin on
+// slot. A store that did not make the block ready (invalidated or dropped
+// while its copy ran) lifts nothing: the key was invalidated after it.
 func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID) {
-	rt.unfence(ns, &k)
-	if rt.pub == nil {
-		return
-	}
 	s := rt.s
 	payload := ns.Layout.PayloadBytes(k.Group)
 	src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
 	ready := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		ready = found && e.State == index.Ready && e.CPU == slot
+		if !found || e.State != index.Ready {
+			return found
+		}
+		// Under the entry's lock: an Invalidate drops the entry (under
+		// this lock) before it fences the key, so the fence lifted here
+		// is one set before this store, never the one of an Invalidate
+		// that is removing the block.
+		ready = rt.stored(ns, &k) && rt.pub != nil && e.CPU == slot
 		if ready && rt.write == WriteAll {
 			// Pinned while the entry names it, so it is in use; the
 			// publisher unpins it when done. A slot at its pin

@@ -332,7 +332,10 @@ func New(cfg Config) (*Service, error) {
 		close(s.rec.done)
 	}
 	if cfg.Remote != nil {
-		s.openRemote(*cfg.Remote, cfg.Registerer)
+		if err := s.openRemote(*cfg.Remote, cfg.Registerer); err != nil {
+			s.Close()
+			return nil, err
+		}
 	}
 	s.mu.Lock()
 	s.mu.started = true
@@ -875,6 +878,13 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			}
 		}
 	}
+	if keys == nil {
+		// Refused before anything goes: the remote tier could not
+		// keep the fences this would need.
+		if err := s.rem.canFenceWhole(nss); err != nil {
+			return 0, err
+		}
+	}
 	// Before any entry goes: copies the disk tier's recovery has not
 	// reached yet must not come back after this call (recover.go).
 	s.rec.invalidating(nss, keys)
@@ -930,7 +940,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		clock = s.disk.WriteClock() + 1
 	}
 	s.inval.Unlock()
-	rinv.reach()
+	remErr := rinv.reach()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
 	if keys == nil {
@@ -938,6 +948,10 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	}
 	if err := s.markInvalidated(nss, want, clock); err != nil {
 		return len(dropped), err
+	}
+	if remErr != nil {
+		s.log.Error("an invalidation's deletes from the remote tier still to go through could not be recorded on disk: after a restart this node may load those blocks from the cluster", "err", remErr)
+		return len(dropped), storageError(fmt.Errorf("the blocks are invalidated, but recording their deletes from the remote tier still to go through failed (after a restart this node may load them from the cluster): %w", remErr))
 	}
 	return len(dropped), nil
 }

@@ -36,7 +36,7 @@ func (r *remoteFlags) register(fs *flag.FlagSet) {
 	r.timeout = 500 * time.Millisecond
 	r.write = "all"
 	r.queue = 256
-	fs.Func("remote-redis", "seed nodes of a Redis Cluster (or Valkey) for the shared remote tier, host:port[,host:port...]; the rest of the cluster is learned from them. Without it there is no remote tier. A cluster that is down at start is a warning: the local tiers serve and the daemon keeps trying.", func(v string) error {
+	fs.Func("remote-redis", "seed nodes of a Redis Cluster (or Valkey) for the shared remote tier, host:port[,host:port...]; the rest of the cluster is learned from them. Without it there is no remote tier. A cluster that is down at start is a warning: the local tiers serve and the daemon keeps trying. Deletes of invalidated blocks from the cluster that fail are tried again until they go through; with --disk-dir they are kept there and resumed after a restart, without one a restart forgets them.", func(v string) error {
 		for _, a := range strings.Split(v, ",") {
 			if a = strings.TrimSpace(a); a != "" {
 				r.addrs = append(r.addrs, a)

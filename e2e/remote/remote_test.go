@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/offload"
@@ -35,7 +36,13 @@ type nodeOpts struct {
 	write   offload.WriteMode
 	queue   int
 	disk    bool
-	asks    int // MaxLookupKeys
+	diskDir string // the disk tier's directory (default a new one, with disk)
+	asks    int    // MaxLookupKeys
+	// publishers is RemoteConfig.Publishers; wrapStore, when set, wraps
+	// the node's store (to gate it); wrap wraps its copy engine.
+	publishers int
+	wrapStore  func(remote.Store) remote.Store
+	wrap       func(dma.Engine) dma.Engine
 }
 
 // startNode starts a daemon whose remote tier is the shared cluster.
@@ -44,18 +51,25 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 	if o.timeout == 0 {
 		o.timeout = 2 * time.Second
 	}
+	var store remote.Store
 	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if o.wrapStore != nil {
+		store = o.wrapStore(store)
 	}
 	// One chunk for the arena: the policy's capacity is the chunks a
 	// class holds, and a class grows only when it has fewer free slots
 	// than a store asks for, so several chunks would make stores near a
 	// chunk's end REJECTED while the arena is mostly free.
 	opts := testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
-		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks,
-	}}
-	if o.disk {
+		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks, Publishers: o.publishers,
+	}, Wrap: o.wrap}
+	switch {
+	case o.diskDir != "":
+		opts.DiskDirs = []string{o.diskDir}
+	case o.disk:
 		opts.DiskDirs = []string{t.TempDir()}
 	}
 	return testenv.Start(t, opts)

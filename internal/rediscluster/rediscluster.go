@@ -355,6 +355,25 @@ func (n *Node) Start(ctx context.Context) error {
 	return n.waitPing(ctx)
 }
 
+// Snapshot has the node write what it holds to its directory (SAVE), so
+// that the next Restart brings it back: a master that was down and kept
+// its data, rather than one that comes back empty. DropSnapshot removes it
+// again; call it (t.Cleanup) so later restarts start empty as usual.
+func (n *Node) Snapshot(ctx context.Context) error {
+	cl := n.Client()
+	defer cl.Close()
+	return cl.Save(ctx).Err()
+}
+
+// DropSnapshot removes the node's snapshot, if any.
+func (n *Node) DropSnapshot() error {
+	err := os.Remove(filepath.Join(n.dir, "dump.rdb"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}
+
 // Hang makes the node stop answering for d (DEBUG SLEEP), as a stalled or
 // partitioned node would. It returns at once; the returned channel is
 // closed when the node answers again.

@@ -109,11 +109,11 @@ func (i instrumented) Set(ctx context.Context, items []Item) []error {
 	return errs
 }
 
-func (i instrumented) Delete(ctx context.Context, keys []string) error {
+func (i instrumented) Delete(ctx context.Context, keys []string) []error {
 	start := time.Now()
-	err := i.s.Delete(ctx, keys)
-	i.observe("delete", start, err)
-	return err
+	errs := i.s.Delete(ctx, keys)
+	i.observe("delete", start, errors.Join(errs...))
+	return errs
 }
 
 func (i instrumented) DeletePrefix(ctx context.Context, prefix string) (int, error) {

@@ -56,19 +56,27 @@ type Publisher struct {
 
 	mu struct {
 		sync.Mutex
-		pending map[string]bool // keys queued or in flight: true once cancelled
+		// pending is the latest item of each key queued or in flight.
+		// An item cancelled since may still be queued behind a newer one
+		// of the same key: n counts them all.
+		pending map[string]*pubState
+		n       int
 		closed  bool
-		idle    chan struct{} // closed and replaced when pending empties
+		idle    chan struct{} // closed and replaced when n drops to 0
 	}
 }
 
 type pubItem struct {
-	key  string
-	id   Ident
-	hash [MaxHashLen]byte
-	size int
-	src  Source
+	key   string
+	id    Ident
+	hash  [MaxHashLen]byte
+	size  int
+	src   Source
+	state *pubState
 }
+
+// pubState is one queued item's: cancelled under Publisher.mu.
+type pubState struct{ cancelled bool }
 
 // NewPublisher starts the workers.
 func NewPublisher(cfg PublisherConfig) *Publisher {
@@ -91,7 +99,7 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 		cfg.Logger = slog.Default()
 	}
 	p := &Publisher{cfg: cfg, queue: make(chan pubItem, cfg.Queue), stop: make(chan struct{})}
-	p.mu.pending = map[string]bool{}
+	p.mu.pending = map[string]*pubState{}
 	p.mu.idle = make(chan struct{})
 	close(p.mu.idle)
 	p.wg.Add(cfg.Workers)
@@ -103,9 +111,11 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 
 // Publish queues a block of size payload bytes. It never waits: a block
 // already queued or in flight is released at once (duplicate), and so is
-// one that finds the queue full (dropped, ErrQueueFull).
+// one that finds the queue full (dropped, ErrQueueFull). A block whose
+// queued item was cancelled (invalidated) is queued again: the item
+// cancelled holds the invalidated bytes and is not sent, this one is.
 func (p *Publisher) Publish(id Ident, size int, src Source) error {
-	it := pubItem{id: id, size: size, src: src}
+	it := pubItem{id: id, size: size, src: src, state: &pubState{}}
 	copy(it.hash[:], id.Hash)
 	it.key = p.cfg.Keyspace.Key(id)
 	m := p.cfg.Metrics.Blocks
@@ -116,9 +126,7 @@ func (p *Publisher) Publish(id Ident, size int, src Source) error {
 		m.WithLabelValues("publish", "dropped").Inc()
 		return ErrQueueFull
 	}
-	// A key queued but cancelled since is still a duplicate: its item
-	// leaves the queue as cancelled, and the block waits for its next store.
-	if _, dup := p.mu.pending[it.key]; dup {
+	if st, dup := p.mu.pending[it.key]; dup && !st.cancelled {
 		p.mu.Unlock()
 		src.Release()
 		m.WithLabelValues("publish", "duplicate").Inc()
@@ -132,10 +140,11 @@ func (p *Publisher) Publish(id Ident, size int, src Source) error {
 		m.WithLabelValues("publish", "dropped").Inc()
 		return ErrQueueFull
 	}
-	if len(p.mu.pending) == 0 {
+	if p.mu.n == 0 {
 		p.mu.idle = make(chan struct{})
 	}
-	p.mu.pending[it.key] = false
+	p.mu.n++
+	p.mu.pending[it.key] = it.state
 	p.mu.Unlock()
 	return nil
 }
@@ -144,7 +153,7 @@ func (p *Publisher) Publish(id Ident, size int, src Source) error {
 func (p *Publisher) Depth() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return len(p.mu.pending)
+	return p.mu.n
 }
 
 // Flush waits until every block queued so far has been published (or
@@ -165,13 +174,14 @@ func (p *Publisher) Flush(ctx context.Context) error {
 // Cancel keeps the blocks queued or in flight whose keys match from being
 // published (a block invalidated on this node), unless their payload has
 // been read already: Barrier waits for those. It returns how many matched.
+// A block published after it is queued anew.
 func (p *Publisher) Cancel(match func(key string) bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	n := 0
-	for k := range p.mu.pending {
-		if match(k) {
-			p.mu.pending[k] = true
+	for k, st := range p.mu.pending {
+		if !st.cancelled && match(k) {
+			st.cancelled = true
 			n++
 		}
 	}
@@ -187,10 +197,10 @@ func (p *Publisher) Barrier() {
 	p.batching.Unlock() // nothing to guard: waiting for the holders is the point
 }
 
-func (p *Publisher) cancelled(key string) bool {
+func (p *Publisher) cancelled(it *pubItem) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.mu.pending[key]
+	return it.state.cancelled
 }
 
 // Close stops the workers after their batch in flight and releases the
@@ -209,7 +219,7 @@ func (p *Publisher) Close() {
 		select {
 		case it := <-p.queue:
 			it.src.Release()
-			p.done(it.key)
+			p.done(&it)
 			p.cfg.Metrics.Blocks.WithLabelValues("publish", "dropped").Inc()
 		default:
 			return
@@ -217,10 +227,15 @@ func (p *Publisher) Close() {
 	}
 }
 
-func (p *Publisher) done(key string) {
+// done ends an item: the key leaves pending unless a newer item of it
+// is queued.
+func (p *Publisher) done(it *pubItem) {
 	p.mu.Lock()
-	delete(p.mu.pending, key)
-	if len(p.mu.pending) == 0 {
+	if p.mu.pending[it.key] == it.state {
+		delete(p.mu.pending, it.key)
+	}
+	p.mu.n--
+	if p.mu.n == 0 {
 		close(p.mu.idle)
 	}
 	p.mu.Unlock()
@@ -267,8 +282,8 @@ func (p *Publisher) worker() {
 func (p *Publisher) publish(batch []pubItem) {
 	m := p.cfg.Metrics
 	defer func() {
-		for _, it := range batch {
-			p.done(it.key)
+		for i := range batch {
+			p.done(&batch[i])
 		}
 	}()
 	keys := make([]string, len(batch))
@@ -296,7 +311,7 @@ func (p *Publisher) publish(batch []pubItem) {
 			it.src.Release()
 			continue
 		}
-		if p.cancelled(it.key) {
+		if p.cancelled(it) {
 			m.Blocks.WithLabelValues("publish", "cancelled").Inc()
 			it.src.Release()
 			continue

@@ -194,3 +194,57 @@ func TestPublisherCloseReleasesQueued(t *testing.T) {
 	}
 	p.Flush(context.Background())
 }
+
+// TestPublisherRepublishesAfterCancel: a block published again after its
+// queued publish was cancelled is queued anew and sent, with the new
+// source's bytes; the cancelled item is not sent, and both are released.
+// It used to count as a duplicate of the cancelled item and be dropped.
+func TestPublisherRepublishesAfterCancel(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 8, 1)
+	ids, keys, vals := testBlocks(t, 2, 1000, nil)
+	gate := make(chan struct{})
+	var open sync.Once
+	release := func() { open.Do(func() { close(gate) }) }
+	t.Cleanup(release) // before the publisher's Close, which waits for the worker
+	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
+	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	<-held.reading // the one worker holds block 0
+	size := len(vals[1]) - HeaderSize
+	stale := &memSource{payload: bytes.Repeat([]byte{0xee}, size)} // what was invalidated
+	if err := p.Publish(ids[1], size, stale); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.Cancel(func(k string) bool { return k == keys[1] }); n != 1 {
+		t.Fatalf("cancel matched %d, want 1", n)
+	}
+	if n := p.Cancel(func(k string) bool { return k == keys[1] }); n != 0 {
+		t.Fatalf("cancelling again matched %d, want 0", n)
+	}
+	fresh := &memSource{payload: vals[1][HeaderSize:]}
+	if err := p.Publish(ids[1], size, fresh); err != nil {
+		t.Fatal(err)
+	}
+	if d := p.Depth(); d != 3 {
+		t.Errorf("depth %d, want 3 (one in flight, the cancelled item and the new one queued)", d)
+	}
+	release()
+	if err := p.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	got, errs := getAll(t, testCtx(t), r, keys[1:], sizesOf(vals[1:]))
+	if errs[0] != nil || !bytes.Equal(got[0], vals[1]) {
+		t.Fatalf("the block published again after a cancel: err %v, stored value is the new one: %v", errs[0], bytes.Equal(got[0], vals[1]))
+	}
+	for result, want := range map[string]int{"published": 2, "cancelled": 1, "duplicate": 0} {
+		if n := count(m, result); n != want {
+			t.Errorf("%s: %d, want %d", result, n, want)
+		}
+	}
+	for i, s := range []*memSource{held, stale, fresh} {
+		if n := s.released.Load(); n != 1 {
+			t.Errorf("source %d released %d times", i, n)
+		}
+	}
+}

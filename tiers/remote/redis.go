@@ -299,11 +299,12 @@ func (r *Redis) Set(ctx context.Context, items []Item) []error {
 }
 
 // Delete implements Store with UNLINK: Redis frees a large value off its
-// main thread. Keys of a node in its back-off are not deleted (reported).
-func (r *Redis) Delete(ctx context.Context, keys []string) error {
+// main thread. Keys of a node in its back-off are not deleted (their error
+// says so).
+func (r *Redis) Delete(ctx context.Context, keys []string) []error {
 	addrs, skip := r.route(ctx, keys)
 	cmds := make([]*redis.IntCmd, len(keys))
-	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, k := range keys {
 			if !skip[i] {
 				cmds[i] = p.Unlink(ctx, k)
@@ -311,16 +312,16 @@ func (r *Redis) Delete(ctx context.Context, keys []string) error {
 		}
 		return nil
 	})
-	var first error
+	errs := make([]error, len(keys))
 	for i, c := range cmds {
 		if skip[i] {
-			first = cmp(first, backoffErr(addrs[i]))
-		} else {
-			first = cmp(first, c.Err())
+			errs[i] = backoffErr(addrs[i])
+		} else if err := c.Err(); err != nil {
+			errs[i] = unavailable(err)
 		}
 	}
-	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
-	return unavailable(cmp(first, pipelineErr(err)))
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
+	return errs
 }
 
 // DeletePrefix implements Store: every master is scanned (SCAN MATCH, a

@@ -160,7 +160,7 @@ func TestRedisBatchOneRoundTripPerNode(t *testing.T) {
 			t.Fatalf("key %d: err %v, value equal %v", i, errs[i], bytes.Equal(got[i], vals[i]))
 		}
 	}
-	if err := r.Delete(ctx, keys[:150]); err != nil {
+	if err := errors.Join(r.Delete(ctx, keys[:150])...); err != nil {
 		t.Fatal(err)
 	}
 	rt.reset()

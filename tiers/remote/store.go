@@ -22,8 +22,10 @@ type Store interface {
 	// Set stores values (overwriting), and returns one error per item
 	// (nil: stored).
 	Set(ctx context.Context, items []Item) []error
-	// Delete removes keys; a key already gone is not an error.
-	Delete(ctx context.Context, keys []string) error
+	// Delete removes keys, and returns one error per key (nil: the key
+	// is gone from the store, deleted now or absent already). A key whose
+	// server could not be reached has its error: it may still be there.
+	Delete(ctx context.Context, keys []string) []error
 	// DeletePrefix removes every key that starts with prefix (a
 	// namespace invalidated whole) and returns how many it removed. It
 	// walks the whole store, many round trips; ctx bounds it all. An

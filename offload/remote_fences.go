@@ -1,0 +1,280 @@
+package offload
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/zeebo/xxh3"
+)
+
+// The remote tier's fences on disk. A delete of an invalidated key that
+// has not gone through (a master was down) and a namespace sweep that has
+// not finished must outlive a restart: the master may still hold the old
+// value, and a restarted node that forgot its fence would load it. With a
+// disk tier they are kept in a state file in every --disk-dir
+// (kvoffload-<i>.remote-fences, written like the namespace catalog:
+// replaced, synced, renamed, directory synced), written before Invalidate
+// returns, and brought back at start: fenced again, their deletes and
+// sweeps resumed. The fences of keys whose delete has gone through are not
+// kept: the old value is gone from the store, and what another node
+// publishes after that is that node's own computation.
+//
+// A copy that exists but cannot be read (bad checksum, unknown version,
+// cut short) makes the daemon refuse to start: dropping it could let the
+// node load blocks it invalidated, and guessing wider (sweeping every
+// namespace the node ever knew from the shared store) would cost the whole
+// fleet its cache. The message says how to start without it.
+//
+// Format, little-endian:
+//
+//	0   8  magic "KVOFRFNC"
+//	8   2  version (1)
+//	10  2  reserved, zero
+//	12  4  key count (at most maxPendingDeletes)
+//	16  4  namespace count (at most maxDurableNamespaces)
+//	20  4  reserved, zero
+//	24     keys: namespace digest (32), group (u32), hash (32, zero padded),
+//	       store key length (u16, 1..maxStoreKey), store key
+//	       namespaces: namespace digest (32), prefix length (u16,
+//	       1..maxStoreKey), store key prefix to sweep
+//	end 8  xxh3-64 of every byte before it
+
+const (
+	fencesState          = "remote-fences"
+	fencesMagic          = "KVOFRFNC"
+	fencesVersion        = 1
+	fencesHeader         = 24
+	maxStoreKey          = 1024
+	maxDurableNamespaces = 1 << 16
+)
+
+// durableFences is what the fences file keeps.
+type durableFences struct {
+	keys   []durableKey
+	spaces []durableSpace
+}
+
+type durableKey struct {
+	fk    fenceKey
+	store string
+}
+
+type durableSpace struct {
+	ns     [32]byte
+	prefix string
+}
+
+func encodeFences(df durableFences) []byte {
+	sort.Slice(df.keys, func(i, j int) bool { return df.keys[i].store < df.keys[j].store })
+	sort.Slice(df.spaces, func(i, j int) bool {
+		a, b := df.spaces[i], df.spaces[j]
+		c := bytes.Compare(a.ns[:], b.ns[:])
+		return c < 0 || c == 0 && a.prefix < b.prefix
+	})
+	le := binary.LittleEndian
+	b := make([]byte, fencesHeader, 4096)
+	copy(b, fencesMagic)
+	le.PutUint16(b[8:], fencesVersion)
+	le.PutUint32(b[12:], uint32(len(df.keys)))
+	le.PutUint32(b[16:], uint32(len(df.spaces)))
+	for _, k := range df.keys {
+		b = append(b, k.fk.ns[:]...)
+		b = le.AppendUint32(b, k.fk.group)
+		b = append(b, k.fk.hash[:]...)
+		b = le.AppendUint16(b, uint16(len(k.store)))
+		b = append(b, k.store...)
+	}
+	for _, s := range df.spaces {
+		b = append(b, s.ns[:]...)
+		b = le.AppendUint16(b, uint16(len(s.prefix)))
+		b = append(b, s.prefix...)
+	}
+	return le.AppendUint64(b, xxh3.Hash(b))
+}
+
+var errFences = errors.New("unreadable fences file")
+
+func decodeFences(b []byte) (durableFences, error) {
+	le := binary.LittleEndian
+	bad := func(format string, a ...any) (durableFences, error) {
+		return durableFences{}, fmt.Errorf("%w: %s", errFences, fmt.Sprintf(format, a...))
+	}
+	if len(b) < fencesHeader+8 {
+		return bad("%d bytes, shorter than a header", len(b))
+	}
+	body := b[:len(b)-8]
+	switch {
+	case string(body[:8]) != fencesMagic:
+		return bad("bad magic %q", body[:8])
+	case le.Uint64(b[len(body):]) != xxh3.Hash(body):
+		return bad("checksum mismatch")
+	case le.Uint16(body[8:]) != fencesVersion:
+		return bad("version %d; this build reads version %d", le.Uint16(body[8:]), fencesVersion)
+	case le.Uint16(body[10:]) != 0 || le.Uint32(body[20:]) != 0:
+		return bad("reserved bytes are not zero")
+	}
+	nk, nn := le.Uint32(body[12:]), le.Uint32(body[16:])
+	if nk > maxPendingDeletes || nn > maxDurableNamespaces {
+		return bad("%d keys and %d namespaces, at most %d and %d", nk, nn, maxPendingDeletes, maxDurableNamespaces)
+	}
+	rest := body[fencesHeader:]
+	str := func() (string, bool) {
+		if len(rest) < 2 {
+			return "", false
+		}
+		n := int(le.Uint16(rest))
+		if n == 0 || n > maxStoreKey || len(rest) < 2+n {
+			return "", false
+		}
+		s := string(rest[2 : 2+n])
+		rest = rest[2+n:]
+		return s, true
+	}
+	var df durableFences
+	for i := range nk {
+		if len(rest) < 68 {
+			return bad("key %d of %d is cut short", i, nk)
+		}
+		var k durableKey
+		copy(k.fk.ns[:], rest)
+		k.fk.group = le.Uint32(rest[32:])
+		copy(k.fk.hash[:], rest[36:68])
+		rest = rest[68:]
+		var ok bool
+		if k.store, ok = str(); !ok {
+			return bad("key %d of %d: bad store key", i, nk)
+		}
+		df.keys = append(df.keys, k)
+	}
+	for i := range nn {
+		if len(rest) < 32 {
+			return bad("namespace %d of %d is cut short", i, nn)
+		}
+		var s durableSpace
+		copy(s.ns[:], rest)
+		rest = rest[32:]
+		var ok bool
+		if s.prefix, ok = str(); !ok {
+			return bad("namespace %d of %d: bad prefix", i, nn)
+		}
+		df.spaces = append(df.spaces, s)
+	}
+	if len(rest) != 0 {
+		return bad("%d bytes after the last entry", len(rest))
+	}
+	return df, nil
+}
+
+// saveFences writes the fences file if what it keeps changed since the
+// last save. Without a disk tier there is nowhere to keep it.
+func (rt *remoteTier) saveFences() error {
+	if rt.s.disk == nil {
+		return nil
+	}
+	rt.saveMu.Lock()
+	defer rt.saveMu.Unlock()
+	f := &rt.fence
+	f.mu.Lock()
+	if f.version == f.saved {
+		f.mu.Unlock()
+		return nil
+	}
+	v := f.version
+	var df durableFences
+	for sk, fk := range f.retry {
+		df.keys = append(df.keys, durableKey{fk: fk, store: sk})
+	}
+	for d, nf := range f.whole {
+		for _, p := range nf.prefixes {
+			df.spaces = append(df.spaces, durableSpace{ns: d, prefix: p})
+		}
+	}
+	f.mu.Unlock()
+	if err := rt.s.disk.SaveState(fencesState, encodeFences(df)); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	f.saved = max(f.saved, v)
+	f.mu.Unlock()
+	return nil
+}
+
+// loadFences brings the fences file back at start (the caller has not
+// started the sweeper yet): the keys fenced again and their deletes tried
+// again, the namespaces fenced whole and swept. An unreadable copy is an
+// error: the daemon refuses to start.
+func (rt *remoteTier) loadFences() error {
+	if rt.s.disk == nil {
+		return nil
+	}
+	copies, err := rt.s.disk.LoadState(fencesState)
+	if err != nil {
+		return fmt.Errorf("remote tier: %w; it lists deletes of invalidated blocks from the cluster that had not gone through, and without it this node could load them; refusing to start (move the file away to start without it)", err)
+	}
+	f := &rt.fence
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	keys, spaces := 0, 0
+	for path, b := range copies {
+		df, err := decodeFences(b)
+		if err != nil {
+			return fmt.Errorf("remote tier: %s: %w; it lists deletes of invalidated blocks from the cluster that had not gone through, and without it this node could load them; refusing to start (move the file away to start without it)", path, err)
+		}
+		for _, s := range df.spaces {
+			if nf := f.whole[s.ns]; nf == nil || !containsString(nf.prefixes, s.prefix) {
+				rt.wholeLocked(s.ns, s.prefix)
+				spaces++
+			}
+		}
+		for _, k := range df.keys {
+			if _, ok := f.retry[k.store]; ok {
+				continue
+			}
+			if _, ok := f.whole[k.fk.ns]; ok {
+				continue // swept whole
+			}
+			if len(f.retry) >= maxPendingDeletes {
+				// Copies that differ (a save failed in one
+				// directory) add up past the bound.
+				rt.wholeLocked(k.fk.ns, nsPrefixOf(k.store))
+				spaces++
+				continue
+			}
+			f.retry[k.store] = k.fk
+			keys++
+			// Fenced for reading in this node's keyspace only: a key
+			// of another (the key file changed) is only deleted.
+			if strings.HasPrefix(k.store, rt.ks.Prefix()) {
+				f.gen++
+				f.keys[k.fk] = &keyFence{store: k.store, pending: true, gen: f.gen}
+			}
+		}
+	}
+	f.countLocked()
+	if keys+spaces == 0 {
+		return nil
+	}
+	f.version, f.saved = 1, 0 // the copies are rewritten alike at the next save
+	f.kick()
+	rt.log.Warn("remote tier: fences brought back from disk: deletes of invalidated blocks and namespace sweeps that had not gone through are resumed; until then this node does not read them from the cluster",
+		"keys", keys, "namespaces", spaces)
+	return nil
+}
+
+// nsPrefixOf is the namespace prefix of a store key (docs/remote.md):
+// kvo:1:<key id>:<namespace>: of kvo:1:<key id>:<namespace>:<group>:<hash>.
+func nsPrefixOf(store string) string {
+	n := 0
+	for i := 0; i < len(store); i++ {
+		if store[i] == ':' {
+			if n++; n == 4 {
+				return store[:i+1]
+			}
+		}
+	}
+	return store
+}
