@@ -2199,7 +2199,10 @@ type WatchEventsRequest struct {
 	// The namespaces to follow; empty follows every namespace, those made
 	// later included.
 	NamespaceIds []uint32 `protobuf:"varint,1,rep,packed,name=namespace_ids,json=namespaceIds,proto3" json:"namespace_ids,omitempty"`
-	// At most this many events per response; 0 or more than 1024 means 1024.
+	// Events per response: at most this many (0 or more than 1024 means
+	// 1024, less than 8 means 8), plus one CAUGHT_UP marker when the
+	// response ends the initial snapshot; a reader's buffer should take
+	// max(max_events, 8) + 1 events.
 	MaxEvents     uint32 `protobuf:"varint,2,opt,name=max_events,json=maxEvents,proto3" json:"max_events,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
