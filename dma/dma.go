@@ -99,7 +99,14 @@ type Batch struct {
 	// not overwrite blocks its kernels are still reading. The host backend
 	// ignores it.
 	ReadyEvent []byte
-	Done       func(error)
+	// Abandoned, when set, is asked once the ready event has completed,
+	// before any copy is issued: true (the requester's connection closed
+	// while the batch waited) fails the batch instead. An engine process
+	// that died mid-forward left its blocks half written, and whether its
+	// IPC event then reads as complete is the driver's business: a store
+	// of a requester already gone is not worth that risk.
+	Abandoned func() bool
+	Done      func(error)
 }
 
 // Engine is a copy engine.

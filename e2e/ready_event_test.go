@@ -120,3 +120,60 @@ func TestArenaReleasedBeforeUnmap(t *testing.T) {
 		t.Fatalf("SetArena calls: set %v, released %v; want the arena released at shutdown", rec.arena != nil, rec.released)
 	}
 }
+
+// gatedEngine holds every batch with a ready event until the test lets it
+// go, as the CUDA engine holds one until the event completes.
+type gatedEngine struct {
+	dma.Engine
+	gated chan *dma.Batch
+}
+
+func (g *gatedEngine) Submit(b *dma.Batch) {
+	if len(b.ReadyEvent) > 0 {
+		g.gated <- b
+		return
+	}
+	g.Engine.Submit(b)
+}
+
+// TestStoreOfAClosedConnectionIsAbandoned: a store waiting for its ready
+// event is abandoned once its connection closes (its engine may have died
+// mid-forward, with its event's state up to the driver); one whose client
+// is still connected is not. The CUDA engine asks Abandoned when the event
+// completes and fails the batch instead of copying (dma/cuda's
+// TestEngineAbandonedBatchIsNotIssued); the block is then never offered.
+func TestStoreOfAClosedConnectionIsAbandoned(t *testing.T) {
+	g := &gatedEngine{gated: make(chan *dma.Batch, 4)}
+	d := testenv.Start(t, testenv.Options{Wrap: func(e dma.Engine) dma.Engine {
+		g.Engine = e
+		return g
+	}})
+	m := testenv.Model{Layers: 2, Blocks: 16, SegBytes: 4096}
+	e := register(t, d, m, "abandoned")
+	hs := e.hashes(3, 1)
+	e.m.Fill(e.r, 0, hs[0])
+	if _, err := e.c.API.Store(ctx(t), &pb.TransferRequest{
+		RegistrationId: e.reg.RegistrationId, ReadyEvent: bytes.Repeat([]byte{0x5e}, 64),
+		Jobs: []*pb.Job{testenv.Job(1, hs, seq(0, 1))},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	b := <-g.gated
+	if b.Abandoned == nil || b.Abandoned() {
+		t.Fatal("a store of a connected client reads as abandoned (or cannot be asked)")
+	}
+	e.c.Close() // the engine dies: its connection closes
+	waitFor(t, "the store to read as abandoned", b.Abandoned)
+	b.Done(dma.ErrCopy) // what the CUDA engine then does
+	other := d.Client(t)
+	ns, err := other.Resolve(ctx(t), []byte("abandoned"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ns[0] != 0 {
+		lr, err := other.Lookup(ctx(t), ns, testenv.Keys(hs...), 0)
+		if err != nil || lr.Ready != 0 {
+			t.Fatalf("the abandoned block is offered: %+v %v", lr, err)
+		}
+	}
+}

@@ -124,6 +124,14 @@ func newRegistration(s *Service, id uint64, ns *Namespace, reg *layout.Regions, 
 // Namespace is the registration's namespace.
 func (r *Registration) Namespace() *Namespace { return r.ns }
 
+// closing reports whether the registration is being unregistered: its
+// connection closed (the engine may be gone) or its client asked.
+func (r *Registration) closing() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.mu.closed
+}
+
 // close refuses new jobs, waits for the registration's jobs to drain and
 // unmaps its regions. It reports false if the registration was already
 // closing.
@@ -686,14 +694,18 @@ func (r *Registration) runCopies(job *Job, refs []blockRef, toArena bool, readyE
 	}
 	res.Bytes = uint64(len(refs)) * slotBytes
 	jobCopy := *job
-	r.s.dma.Submit(&dma.Batch{
+	b := &dma.Batch{
 		ToArena:    toArena,
 		Copies:     copies,
 		ReadyEvent: readyEvent,
 		Done: func(err error) {
 			r.complete(&jobCopy, refs, err, res, start, w, slot)
 		},
-	})
+	}
+	if len(readyEvent) > 0 {
+		b.Abandoned = r.closing
+	}
+	r.s.dma.Submit(b)
 }
 
 // complete settles a job after its copies drained (or failed): a store's

@@ -67,6 +67,7 @@ func newCopier(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dma.En
 	}
 	stat("kvoffload_cuda_ready_waits_total", "Copy batches whose ready event had not completed when they arrived.", func(s cuda.Stats) uint64 { return s.ReadyWaits })
 	stat("kvoffload_cuda_ready_timeouts_total", "Copy batches failed because the engine's ready event never completed.", func(s cuda.Stats) uint64 { return s.ReadyTimeouts })
+	stat("kvoffload_cuda_ready_abandoned_total", "Copy batches failed because their connection closed before the engine's ready event completed (the engine may have died mid-forward).", func(s cuda.Stats) uint64 { return s.ReadyAbandoned })
 	stat("kvoffload_cuda_driver_copies_total", "Driver copy calls (a batched call counts once).", func(s cuda.Stats) uint64 { return s.DriverCopies })
 	stat("kvoffload_cuda_batched_copies_total", "Copies issued through cuMemcpyBatchAsync.", func(s cuda.Stats) uint64 { return s.BatchedCopies })
 	return e, nil

@@ -148,6 +148,9 @@ type Stats struct {
 	BytesToDevice uint64 // bytes of successful load batches
 	ReadyWaits    uint64 // batches whose ready event had not completed when they arrived
 	ReadyTimeouts uint64 // batches failed because their ready event never completed
+	// ReadyAbandoned: batches failed because their requester's connection
+	// closed before their ready event completed (dma.Batch.Abandoned).
+	ReadyAbandoned uint64
 }
 
 // Engine is the CUDA copy engine. See the package documentation.
@@ -171,7 +174,7 @@ type Engine struct {
 	}
 
 	stats struct {
-		batches, failed, driverErrs, copies, driverCopies, batched, toArena, toDevice, readyWaits, readyTimeouts atomic.Uint64
+		batches, failed, driverErrs, copies, driverCopies, batched, toArena, toDevice, readyWaits, readyTimeouts, readyAbandoned atomic.Uint64
 	}
 
 	// qmu orders Submit's sends on queue before Close closes it. It is kept
@@ -337,7 +340,7 @@ func (e *Engine) Stats() Stats {
 		Batches: s.batches.Load(), FailedBatches: s.failed.Load(), DriverErrors: s.driverErrs.Load(),
 		Copies: s.copies.Load(), DriverCopies: s.driverCopies.Load(), BatchedCopies: s.batched.Load(),
 		BytesToArena: s.toArena.Load(), BytesToDevice: s.toDevice.Load(),
-		ReadyWaits: s.readyWaits.Load(), ReadyTimeouts: s.readyTimeouts.Load(),
+		ReadyWaits: s.readyWaits.Load(), ReadyTimeouts: s.readyTimeouts.Load(), ReadyAbandoned: s.readyAbandoned.Load(),
 	}
 }
 

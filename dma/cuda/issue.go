@@ -209,6 +209,10 @@ func (e *Engine) opened(g *gate, cur **device, p *planner, issued *int) bool {
 	switch {
 	case err != nil:
 		f.err = fmt.Errorf("%w: the ready event: %w", dma.ErrCopy, err)
+	case done && f.b.Abandoned != nil && f.b.Abandoned():
+		e.stats.readyAbandoned.Add(1)
+		f.err = fmt.Errorf("%w: the requester's connection closed while the batch waited for its ready event (its engine may have died mid-forward): "+
+			"the batch's %d copies were never issued", dma.ErrCopy, len(f.b.Copies))
 	case done:
 	case time.Now().After(g.deadline):
 		e.stats.readyTimeouts.Add(1)

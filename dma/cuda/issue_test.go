@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -69,6 +70,47 @@ func TestEngineCloseWithGatedBatch(t *testing.T) {
 		}
 	default:
 		t.Fatal("Close returned before the gated batch's Done")
+	}
+}
+
+// TestEngineAbandonedBatchIsNotIssued: a store waiting on its ready event
+// whose requester's connection closed meanwhile is failed when the event
+// completes, its copies never issued (a dead engine's event may read as
+// complete over blocks its forward never finished); a batch whose requester
+// is still there is issued as usual.
+func TestEngineAbandonedBatchIsNotIssued(t *testing.T) {
+	h := newHarness(t, Config{})
+	var gone atomic.Bool
+	submit := func(ev []byte, slot uint64) chan error {
+		done := make(chan error, 1)
+		h.e.Submit(&dma.Batch{ToArena: true, Copies: h.copies([]uint64{slot}, []uint64{slot}), ReadyEvent: ev,
+			Abandoned: gone.Load, Done: func(err error) { done <- err }})
+		return done
+	}
+	stale := bytes.Clone(h.slot(2))
+	ev := h.drv.exportEvent()
+	done := submit(ev, 2)
+	h.polled(2)
+	gone.Store(true) // the engine's connection closed
+	h.drv.signal(ev) // and its event reads as complete
+	err := wait(t, done)
+	if !errors.Is(err, dma.ErrCopy) || !strings.Contains(err.Error(), "connection closed") {
+		t.Fatalf("err = %v, want the batch failed for its requester gone", err)
+	}
+	if !bytes.Equal(h.slot(2), stale) {
+		t.Fatal("the abandoned store copied into its slot")
+	}
+	if s := h.e.Stats(); s.ReadyAbandoned != 1 || s.FailedBatches != 1 {
+		t.Errorf("stats %+v, want one abandoned batch, counted failed", s)
+	}
+	gone.Store(false)
+	ev = h.drv.exportEvent()
+	h.drv.signal(ev)
+	if err := wait(t, submit(ev, 3)); err != nil {
+		t.Fatalf("a batch whose requester is there: %v", err)
+	}
+	if !bytes.Equal(h.slot(3), h.block(3)) {
+		t.Fatal("slot 3 does not hold block 3")
 	}
 }
 
