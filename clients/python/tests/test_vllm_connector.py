@@ -88,6 +88,10 @@ def test_faults_restart_and_a_hang(fresh_daemon, shm):
     d = fresh_daemon("--disk-dir", "{dir}/disk", "--disk-bytes", "64MiB", "--write-through",
                      "--fault-spec", "read-eio=0.1,short-read=0.05,bitflip=0.05,seed=3", log_level="warn")
     cfg = Config(groups=[Group("full", 4, 2)], tp=2, async_scheduling=True, num_blocks=48, model="faults")
+    # As in test_random_workload: at the default 200 ms deadline a busy
+    # machine's GIL left every lookup of one CI run unanswered (40,466
+    # deferrals, no hit). Steps go on during the hang either way.
+    cfg.extra = {**cfg.extra, "lookup_deadline_ms": 2000}
     rep = run(cfg, d, shm, seed=7, steps=260, events={120: lambda eng: d.restart()}, hang=(180, 0.5))
     s = rep.summary()
     assert d.restarts == 1
@@ -133,7 +137,8 @@ def test_a_hung_daemon_does_not_stall_serving(fresh_daemon, shm):
 
 
 def test_skip_reading_prefix_cache_and_store_controls(daemon, shm):
-    cfg = Config(model="controls", prefix_caching=False)
+    # Exact hit counts: a deadline the busy loop cannot miss (test_random_workload).
+    cfg = Config(model="controls", prefix_caching=False, extra={"lookup_deadline_ms": 2000})
     with connector_module() as mod:
         eng = Engine(cfg, mod, daemon.socket, shm)
         try:

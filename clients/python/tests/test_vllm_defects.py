@@ -60,6 +60,10 @@ def engine(daemon, shm):
     def make(cfg: Config, socket: str | None = None, **switches) -> Engine:
         # Hits must come from the daemon: vLLM's own prefix cache is off.
         cfg.prefix_caching = False
+        # These tests count exact hits: a lookup the stand-in's busy loop
+        # kept from its thread past the default 200 ms would be a miss
+        # (see test_random_workload). None of them is about the deadline.
+        cfg.extra = {"lookup_deadline_ms": 2000, **cfg.extra}
         if not ctx:
             c = connector_module(**switches)
             ctx.append((c, c.__enter__()))
