@@ -8,9 +8,6 @@ package e2e
 
 import (
 	"encoding/json"
-	"io"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
@@ -106,39 +103,6 @@ func TestInvalidatedAfterAFailedReadStaysGone(t *testing.T) {
 	}
 }
 
-// copyDir copies the regular files of dir into a new directory: the files
-// as a kill -9 at this instant would leave them (written data is in the
-// page cache; what is still queued is not).
-func copyDir(t testing.TB, dir string) string {
-	t.Helper()
-	out := t.TempDir()
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ent := range ents {
-		if !ent.Type().IsRegular() {
-			continue
-		}
-		src, err := os.Open(filepath.Join(dir, ent.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		dst, err := os.Create(filepath.Join(out, ent.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.Copy(dst, src); err != nil {
-			t.Fatal(err)
-		}
-		src.Close()
-		if err := dst.Close(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return out
-}
-
 // TestInvalidateSurvivesKill9: the daemon is killed right after Invalidate
 // returned, before the erases of the disk copies landed (held back here,
 // the files copied as they are). The invalidated blocks used to come back;
@@ -165,7 +129,7 @@ func TestInvalidateSurvivesKill9(t *testing.T) {
 		t.Fatalf("invalidate a namespace: %d %v", n, err)
 	}
 	gate.Waiting(6) // every erase is held
-	killed := copyDir(t, dir)
+	killed := testenv.CopyDir(t, dir)
 	gate.Release()
 	d.Stop(t)
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -185,38 +184,6 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	}
 }
 
-// copyFiles copies the regular files of dir into a new directory: what a
-// kill -9 at this instant leaves (written data is in the page cache).
-func copyFiles(t *testing.T, dir string) string {
-	t.Helper()
-	out := t.TempDir()
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ent := range ents {
-		if !ent.Type().IsRegular() {
-			continue
-		}
-		src, err := os.Open(filepath.Join(dir, ent.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		dst, err := os.Create(filepath.Join(out, ent.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.Copy(dst, src); err != nil {
-			t.Fatal(err)
-		}
-		src.Close()
-		if err := dst.Close(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return out
-}
-
 // TestFencesSurviveRestart: node A (with a disk tier) invalidates keys and
 // a namespace whole while a master is down, so their deletes and the sweep
 // cannot go through, and stops (SIGTERM), or is killed (kill -9: its files
@@ -259,7 +226,7 @@ func TestFencesSurviveRestart(t *testing.T) {
 			}
 			restartDir := dir
 			if kill {
-				restartDir = copyFiles(t, dir)
+				restartDir = testenv.CopyDir(t, dir)
 			}
 			a.Stop(t)
 
