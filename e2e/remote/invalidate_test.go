@@ -28,25 +28,7 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	hs := ea.hashes(21, 8)
 	ea.store(t, hs, seq(0, 8))
 	flush(t, a)
-	cc := c.ClusterClient()
-	defer cc.Close()
-	inCluster := func(hs [][]byte) int {
-		t.Helper()
-		n := 0
-		for _, h := range hs {
-			k, ok := a.Svc.RemoteKey(ea.reg.NamespaceId, 0, h)
-			if !ok {
-				t.Fatal("no remote key")
-			}
-			m, err := cc.Exists(ctx(t), k).Result()
-			if err != nil {
-				t.Fatal(err)
-			}
-			n += int(m)
-		}
-		return n
-	}
-	if n := inCluster(hs); n != 8 {
+	if n := inCluster(t, c, ea, hs); n != 8 {
 		t.Fatalf("%d of 8 blocks in the cluster after A's publish", n)
 	}
 
@@ -54,7 +36,7 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs[:4]...)); err != nil {
 		t.Fatal(err)
 	}
-	if n := inCluster(hs[:4]); n != 0 {
+	if n := inCluster(t, c, ea, hs[:4]); n != 0 {
 		t.Fatalf("%d invalidated blocks still in the cluster", n)
 	}
 	if lr := ea.lookup(t, hs); lr.Ready != 0 {
@@ -70,7 +52,7 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	// cluster has them, B shares them, A still does not read them back.
 	eb.store(t, hs[:2], seq(10, 2))
 	flush(t, b)
-	if n := inCluster(hs[:2]); n != 2 {
+	if n := inCluster(t, c, ea, hs[:2]); n != 2 {
 		t.Fatalf("%d of B's 2 blocks in the cluster", n)
 	}
 	if lr := ea.lookup(t, hs[:2]); lr.Ready != 0 {
@@ -105,7 +87,7 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	if keys, _ := a.Svc.RemoteFences(); keys != 0 {
 		t.Fatalf("A still fences %d keys of a namespace swept whole", keys)
 	}
-	if n := inCluster(hs); n != 0 {
+	if n := inCluster(t, c, ea, hs); n != 0 {
 		t.Fatalf("%d blocks of a namespace invalidated whole still in the cluster after its sweep", n)
 	}
 	if lr := eb.lookup(t, hs[4:]); lr.Ready != 0 {
