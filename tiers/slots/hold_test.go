@@ -30,14 +30,7 @@ func TestHoldAdoptUnhold(t *testing.T) {
 		keys = append(keys, key(i))
 	}
 	c.Admit(keys)
-	var got []SlotID
-	for {
-		s, ok := c.Alloc()
-		if !ok {
-			break
-		}
-		got = append(got, s)
-	}
+	got := allocAll(c)
 	for _, s := range got {
 		if ch := s / 256; ch == 1 || ch == 2 {
 			t.Fatalf("Alloc handed out slot %d of held chunk %d", s, ch)

@@ -331,14 +331,7 @@ func TestStagingSlotsAreLeftToAllocStaging(t *testing.T) {
 	defer sp.Close()
 	c, _ := sp.Class(256 << 10) // 4 slots
 	c.Grow(4)
-	var got []SlotID
-	for {
-		s, ok := c.Alloc()
-		if !ok {
-			break
-		}
-		got = append(got, s)
-	}
+	got := allocAll(c)
 	if len(got) != 3 {
 		t.Fatalf("Alloc took %d of 4 slots, want 3 (one left for staging)", len(got))
 	}
@@ -655,5 +648,17 @@ func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
 				c.Drop()
 			}
 		})
+	}
+}
+
+// allocAll takes every slot Alloc gives.
+func allocAll(c *Class) []SlotID {
+	var got []SlotID
+	for {
+		s, ok := c.Alloc()
+		if !ok {
+			return got
+		}
+		got = append(got, s)
 	}
 }
