@@ -245,6 +245,74 @@ func TestStopDuringRecovery(t *testing.T) {
 	loadExact(t, e3, stored[:256])
 }
 
+// TestKill9DuringRecoveryKeepsInvalidations: keys invalidated while
+// recovery is held mid-way (some it has brought back, some it has not
+// reached), then the daemon is killed (its files copied as they are, as in
+// TestInvalidateSurvivesKill9): recovery's tombstones are gone with the
+// process, and the next start must still never offer the invalidated
+// blocks; the marks Invalidate made durable before returning are what
+// keeps them out. Every other block comes back byte-exact.
+func TestKill9DuringRecoveryKeepsInvalidations(t *testing.T) {
+	dir := t.TempDir()
+	d1 := testenv.Start(t, recoveryOpts(dir))
+	stored := fill(t, register(t, d1, tiny, "kill9"), 4, 2000)
+	d1.Stop(t)
+
+	gate := testenv.NewGateFS(vfs.Default, 1<<20, 2)
+	o := recoveryOpts(dir)
+	o.DiskFS, o.Recovering = gate, true
+	d2 := testenv.Start(t, o)
+	t.Cleanup(gate.Release)
+	gate.Waiting(4) // recovery is held mid-way
+	e := register(t, d2, tiny, "kill9")
+	online := map[string]bool{}
+	for _, h := range readyOf(t, e, stored) {
+		online[string(h)] = true
+	}
+	if len(online) == 0 || len(online) == len(stored) {
+		t.Fatalf("%d of %d blocks online: recovery is not mid-way", len(online), len(stored))
+	}
+	var invalid [][]byte
+	nOn, nOff := 0, 0
+	for _, h := range stored {
+		switch {
+		case online[string(h)] && nOn < 40:
+			invalid, nOn = append(invalid, h), nOn+1
+		case !online[string(h)] && nOff < 40:
+			invalid, nOff = append(invalid, h), nOff+1
+		}
+	}
+	if n, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, testenv.Keys(invalid...)); err != nil || n != uint64(nOn) {
+		t.Fatalf("invalidate: %d removed (%v), want the %d online", n, err, nOn)
+	}
+	killed := testenv.CopyDir(t, dir) // kill -9, recovery still held
+	gate.Release()
+	d2.Stop(t)
+
+	d3 := testenv.Start(t, recoveryOpts(killed))
+	e3 := register(t, d3, tiny, "kill9")
+	if back := readyOf(t, e3, invalid); len(back) != 0 {
+		t.Fatalf("%d of %d blocks invalidated during recovery came back after a kill -9 (%d of them not yet recovered then)", len(back), len(invalid), nOff)
+	}
+	isInvalid := map[string]bool{}
+	for _, h := range invalid {
+		isInvalid[string(h)] = true
+	}
+	var rest [][]byte
+	for _, h := range stored {
+		if !isInvalid[string(h)] {
+			rest = append(rest, h)
+		}
+	}
+	if got := readyOf(t, e3, rest); len(got) != len(rest) {
+		t.Fatalf("%d of the %d blocks not invalidated came back", len(got), len(rest))
+	}
+	loadExact(t, e3, rest[:256])
+	if err := d3.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestRecoveryMixedNamespaces: one chunk holds the blocks of every
 // namespace whose blocks have its slot size, whatever their group. Here
 // namespace A's group 0 and namespace B's group 1 are both 16 KiB blocks,

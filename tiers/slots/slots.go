@@ -571,12 +571,14 @@ func (c *Class) alloc(staging bool) (SlotID, bool) {
 	return s, true
 }
 
-// grow gives the class chunks until it has n free slots or no chunk is left,
-// taking one from another slot size when the class has none at all.
+// grow gives the class chunks until it has n free slots besides those Alloc
+// leaves for staging, or no chunk is left, taking one from another slot
+// size when the class has none at all.
 func (c *Class) grow(n int) {
 	t := c.t
 	t.mu.Lock()
-	for len(c.free) < n && len(t.mu.freeChunks) > 0 {
+	// n beyond the slots Alloc leaves for staging (Config.Staging).
+	for len(c.free) < n+c.keep && len(t.mu.freeChunks) > 0 {
 		c.addChunkLocked(t.popFreeChunkLocked())
 	}
 	var steal = -1

@@ -354,6 +354,27 @@ func TestStagingSlotsAreLeftToAllocStaging(t *testing.T) {
 	}
 }
 
+// TestAdmitGrowsPastTheStagingSlots: a class grows for an admitted batch
+// so that every block of it finds a slot Alloc may take: counting the
+// staging slots as room refused the last blocks of a 64-block store into a
+// class of exactly 64 free slots.
+func TestAdmitGrowsPastTheStagingSlots(t *testing.T) {
+	sp, err := New(Config{Name: "test", Bytes: 4 << 20, ChunkBytes: 1 << 20, Reserve: 1.0 / 8, Staging: 1.0 / 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.Close()
+	c, _ := sp.Class(16 << 10) // 64 slots a chunk
+	var keys []index.Key
+	for i := range 64 {
+		keys = append(keys, key(i))
+	}
+	c.Admit(keys)
+	if got := len(allocAll(c)); got < 64 {
+		t.Fatalf("Alloc gave %d slots after a 64-block batch was admitted", got)
+	}
+}
+
 // TestAdmitTwiceInOneBatch: offering a key twice in one batch used to make
 // ristretto reject the second offer, which the owner took for a rejection
 // of the key.
