@@ -208,21 +208,29 @@ func TestRestartServesWhileRecovering(t *testing.T) {
 	loadExact(t, e3, want[:len(fresh)+256])
 }
 
+// heldRecovery stores 2000 blocks of chain seed in a daemon on a new disk
+// tier, stops it, and starts another on the same files whose recovery is
+// held mid-way: two of its windows read, four readers waiting at the gate.
+func heldRecovery(t *testing.T, fingerprint string, seed uint64) (string, [][]byte, *testenv.Daemon, *testenv.GateFS) {
+	t.Helper()
+	dir := t.TempDir()
+	d1 := testenv.Start(t, recoveryOpts(dir))
+	stored := fill(t, register(t, d1, tiny, fingerprint), seed, 2000)
+	d1.Stop(t)
+	gate := testenv.NewGateFS(vfs.Default, 1<<20, 2)
+	o := recoveryOpts(dir)
+	o.DiskFS, o.Recovering = gate, true
+	d := testenv.Start(t, o)
+	t.Cleanup(gate.Release)
+	gate.Waiting(4)
+	return dir, stored, d, gate
+}
+
 // TestStopDuringRecovery: a daemon stopped while recovery is held in the
 // middle stops without waiting for the rest of the scan, and the next
 // start gets every block back.
 func TestStopDuringRecovery(t *testing.T) {
-	dir := t.TempDir()
-	d1 := testenv.Start(t, recoveryOpts(dir))
-	stored := fill(t, register(t, d1, tiny, "stop"), 3, 2000)
-	d1.Stop(t)
-
-	gate := testenv.NewGateFS(vfs.Default, 1<<20, 2)
-	o := recoveryOpts(dir)
-	o.DiskFS, o.Recovering = gate, true
-	d2 := testenv.Start(t, o)
-	t.Cleanup(gate.Release)
-	gate.Waiting(4)
+	dir, stored, d2, gate := heldRecovery(t, "stop", 3)
 	before := gate.Passed()
 	// SIGTERM's first step tells recovery to stop; only then may the
 	// reads held at the gate finish, and no other read may start.
@@ -253,17 +261,7 @@ func TestStopDuringRecovery(t *testing.T) {
 // blocks; the marks Invalidate made durable before returning are what
 // keeps them out. Every other block comes back byte-exact.
 func TestKill9DuringRecoveryKeepsInvalidations(t *testing.T) {
-	dir := t.TempDir()
-	d1 := testenv.Start(t, recoveryOpts(dir))
-	stored := fill(t, register(t, d1, tiny, "kill9"), 4, 2000)
-	d1.Stop(t)
-
-	gate := testenv.NewGateFS(vfs.Default, 1<<20, 2)
-	o := recoveryOpts(dir)
-	o.DiskFS, o.Recovering = gate, true
-	d2 := testenv.Start(t, o)
-	t.Cleanup(gate.Release)
-	gate.Waiting(4) // recovery is held mid-way
+	dir, stored, d2, gate := heldRecovery(t, "kill9", 4)
 	e := register(t, d2, tiny, "kill9")
 	online := map[string]bool{}
 	for _, h := range readyOf(t, e, stored) {
