@@ -198,14 +198,20 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	if runErr == nil && cfg.IdleLookups > 0 && len(cfg.Steps) > 0 {
 		runErr = d.idleLookups(ctx)
 	}
-	uctx, cancel := context.WithTimeout(context.Background(), cfg.StepTimeout)
+	return d.finish(runErr)
+}
+
+// finish drops the run's blocks (unless Config.Keep), so that a shared
+// daemon (--socket) is left as found, unregisters, and returns the result
+// with every error on the way.
+func (d *driver) finish(runErr error) (*Result, error) {
+	uctx, cancel := context.WithTimeout(context.Background(), d.cfg.StepTimeout)
 	defer cancel()
-	// Drop this run's blocks so a shared daemon (--socket) is left as found.
 	var ierr error
-	if !cfg.Keep {
-		_, ierr = c.Invalidate(uctx, []uint32{d.ns}, nil)
+	if !d.cfg.Keep {
+		_, ierr = d.c.Invalidate(uctx, []uint32{d.ns}, nil)
 	}
-	uerr := c.Unregister(uctx, d.id)
+	uerr := d.c.Unregister(uctx, d.id)
 	return d.res, errors.Join(runErr, ierr, uerr)
 }
 

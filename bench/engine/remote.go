@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -53,14 +52,7 @@ func RemoteLoads(ctx context.Context, cfg Config, perLoad, perJob int) (*Result,
 			cfg.Progress(0, 0)
 		}
 	}
-	uctx, cancel := context.WithTimeout(context.Background(), cfg.StepTimeout)
-	defer cancel()
-	var ierr error
-	if !cfg.Keep {
-		_, ierr = c.Invalidate(uctx, []uint32{d.ns}, nil)
-	}
-	uerr := c.Unregister(uctx, d.id)
-	return d.res, errors.Join(runErr, ierr, uerr)
+	return d.finish(runErr)
 }
 
 // remoteLookups looks up each distinct request chain of the steps once and
