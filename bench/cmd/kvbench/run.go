@@ -377,7 +377,7 @@ const arenaWait = 5 * time.Minute
 // (kvoffload_cpu_arena_backed_bytes equal to the tier's capacity). The
 // daemon serves at once and backs the arena in the background; a step run
 // before that is done faults the arena's pages in itself and shares the
-// CPUs with populate, which measures the daemon's first seconds (2-5 GB/s
+// CPUs with populate, which measures the daemon's first seconds (0.5-5 GB/s
 // of 4K or 2 MiB page faults here), not its copies.
 // A gauge that stops moving for arenaStall means the daemon stopped backing
 // the arena (a kernel without MADV_POPULATE_WRITE, or a host without the
