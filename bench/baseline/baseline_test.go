@@ -84,7 +84,7 @@ func TestSegmentCopier(t *testing.T) {
 		region.Fill(b, keys[i])
 	}
 	first := c.next
-	el, n := c.Copy(blocks, true)
+	el, n, _ := c.Copy(blocks, true)
 	if el <= 0 || n != uint64(len(blocks)*shape.BlockBytes()) {
 		t.Fatalf("store copy: %v, %d bytes", el, n)
 	}
@@ -98,7 +98,7 @@ func TestSegmentCopier(t *testing.T) {
 		region.Poison(blocks[i])
 	}
 	c.next = first
-	if _, n := c.Copy(blocks, false); n != uint64(len(blocks)*shape.BlockBytes()) {
+	if _, n, _ := c.Copy(blocks, false); n != uint64(len(blocks)*shape.BlockBytes()) {
 		t.Fatalf("load copy moved %d bytes", n)
 	}
 	for i, b := range blocks {

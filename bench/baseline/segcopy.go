@@ -31,7 +31,8 @@ import (
 // the same pages (docs/benchmarks.md). Its buffer asks for huge pages, as
 // the daemon's arena does.
 type SegmentCopier struct {
-	region  *model.Region
+	shape   model.Shape
+	blocks  int    // engine blocks in the region
 	mem     []byte // the copier's own mapping of the region file
 	workers int
 	slots   int
@@ -44,17 +45,27 @@ type SegmentCopier struct {
 // the part touched longest ago, as the daemon's slots of blocks stored
 // earlier are).
 func NewSegmentCopier(region *model.Region, slots, workers int) (*SegmentCopier, error) {
-	slots = max(slots, 2*region.Blocks)
-	f, err := os.OpenFile(region.Path, os.O_RDWR, 0)
+	return newSegmentCopier(region.Path, region.Shape, region.Blocks, slots, workers)
+}
+
+// newSegmentCopier is NewSegmentCopier for the region file at path, of
+// blocks engine blocks of shape: what a copier in another process knows.
+func newSegmentCopier(path string, shape model.Shape, blocks, slots, workers int) (*SegmentCopier, error) {
+	slots = max(slots, 2*blocks)
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
 		return nil, fmt.Errorf("segment copy baseline: %w", err)
 	}
 	defer f.Close()
-	mem, err := unix.Mmap(int(f.Fd()), 0, len(region.Mem), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return nil, fmt.Errorf("segment copy baseline: map %s: %w", region.Path, err)
+	size := shape.Segments() * blocks * shape.SegmentBytes()
+	if st, err := f.Stat(); err != nil || st.Size() != int64(size) {
+		return nil, fmt.Errorf("segment copy baseline: %s is not a region of %d blocks of %s (%v)", path, blocks, shape, err)
 	}
-	buf, err := vfs.AlignedBuffer(slots * region.Shape.BlockBytes())
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("segment copy baseline: map %s: %w", path, err)
+	}
+	buf, err := vfs.AlignedBuffer(slots * shape.BlockBytes())
 	if err != nil {
 		_ = unix.Munmap(mem)
 		return nil, fmt.Errorf("segment copy baseline: %w", err)
@@ -63,13 +74,13 @@ func NewSegmentCopier(region *model.Region, slots, workers int) (*SegmentCopier,
 	// allows (the warm-up copy below backs it either way).
 	_ = unix.Madvise(buf, unix.MADV_HUGEPAGE)
 	_ = unix.Mlock(buf)
-	c := &SegmentCopier{region: region, mem: mem, workers: max(workers, 1), slots: slots, buf: buf}
+	c := &SegmentCopier{shape: shape, blocks: blocks, mem: mem, workers: max(workers, 1), slots: slots, buf: buf}
 	// One copy of every block, unmeasured, before any step: the first copy
 	// through a new mapping ran at 0.6 GB/s on this project's VM even with
 	// every page touched beforehand, and made one step of 48 take longer
 	// than the other 47 together. The daemon maps the region at Register,
 	// long before a step.
-	all := make([]int, region.Blocks)
+	all := make([]int, blocks)
 	for i := range all {
 		all[i] = i
 	}
@@ -88,8 +99,8 @@ func (c *SegmentCopier) Close() error {
 // segment is engine block b's segment s, through the copier's mapping
 // (model.Region.Segment's layout).
 func (c *SegmentCopier) segment(s, b int) []byte {
-	n := c.region.Shape.SegmentBytes()
-	off := (s*c.region.Blocks + b) * n
+	n := c.shape.SegmentBytes()
+	off := (s*c.blocks + b) * n
 	return c.mem[off : off+n]
 }
 
@@ -99,15 +110,21 @@ const pieceBytes = 1 << 20
 
 // Copy copies the segments of the engine blocks into the arena-like
 // buffer (toArena, a store) or out of it into the engine region (a load),
-// and returns the time it took and the bytes it moved.
-func (c *SegmentCopier) Copy(blocks []int, toArena bool) (time.Duration, uint64) {
+// the slots after the last copy's, and returns the time it took and the
+// bytes it moved. It cannot fail; the error is ProcessCopier's.
+func (c *SegmentCopier) Copy(blocks []int, toArena bool) (time.Duration, uint64, error) {
+	first := c.next
+	c.next = (c.next + len(blocks)) % c.slots
+	el, n := c.copyAt(first, blocks, toArena)
+	return el, n, nil
+}
+
+// copyAt is Copy with block i in slot first+i (modulo the buffer's slots).
+func (c *SegmentCopier) copyAt(first int, blocks []int, toArena bool) (time.Duration, uint64) {
 	if len(blocks) == 0 {
 		return 0, 0
 	}
-	shape := c.region.Shape
-	seg, nseg, blockBytes := shape.SegmentBytes(), shape.Segments(), shape.BlockBytes()
-	first := c.next
-	c.next = (c.next + len(blocks)) % c.slots
+	seg, nseg, blockBytes := c.shape.SegmentBytes(), c.shape.Segments(), c.shape.BlockBytes()
 	// One unit of work per (block, segment), taken in pieces.
 	units := len(blocks) * nseg
 	perPiece := max(pieceBytes/seg, 1)

@@ -15,7 +15,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/bench/workload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
@@ -52,8 +51,13 @@ type Config struct {
 	// Copier, if set, copies the same segments as every step's Load and
 	// Store without the daemon, right before or right after it (the order
 	// alternates by step), into LoadCopy and StoreCopy: the copy baseline
-	// timed in the same window.
-	Copier *baseline.SegmentCopier
+	// timed in the same window. kvbench's is a baseline.ProcessCopier, a
+	// process of its own as the daemon is.
+	Copier Copier
+	// OwnCopier, if set, does the same beside Copier, into LoadCopyOwn
+	// and StoreCopyOwn: kvbench's is a baseline.SegmentCopier in kvbench's
+	// own process, the copy with no process boundary at all.
+	OwnCopier Copier
 	// Prober, if set, is a second connection (the scheduler's) that
 	// issues Lookups of the next step's requests, each followed by an
 	// empty call, one at a time, while every step's Load and Store is in
@@ -115,8 +119,10 @@ type Result struct {
 	DiskLoadFailed map[string]int
 	Store          Op
 	// LoadCopy and StoreCopy are Config.Copier's copies of the same
-	// blocks in the same steps.
-	LoadCopy, StoreCopy Op
+	// blocks in the same steps; LoadCopyOwn and StoreCopyOwn
+	// Config.OwnCopier's.
+	LoadCopy, StoreCopy       Op
+	LoadCopyOwn, StoreCopyOwn Op
 	// BusyLookup and BusyEmpty are Config.Prober's calls while Loads and
 	// Stores were in flight: Lookups, and the empty call after each.
 	BusyLookup, BusyEmpty Op
@@ -424,7 +430,7 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 	return nil
 }
 
-// load loads the step's ready prefixes and, with a Copier, copies the
+// load loads the step's ready prefixes and, with copiers, copies the
 // same segments without the daemon right before or right after (by step
 // parity, so neither side always finds the caches the other left).
 func (d *driver) load(ctx context.Context, jobs []*job) error {
@@ -436,24 +442,56 @@ func (d *driver) load(ctx context.Context, jobs []*job) error {
 			blocks = append(blocks, j.base+i)
 		}
 	}
-	first := d.cfg.Copier != nil && d.res.Steps%2 == 1
+	first := d.res.Steps%2 == 1
 	if first {
-		d.copyBaseline(blocks, false, &d.res.LoadCopy)
+		if err := d.copyBaselines(blocks, false); err != nil {
+			return err
+		}
 	}
 	if err := d.loadJobs(ctx, jobs, &d.res.Load, d.res.LoadFailed); err != nil {
 		return err
 	}
-	if d.cfg.Copier != nil && !first {
-		d.copyBaseline(blocks, false, &d.res.LoadCopy)
+	if !first {
+		return d.copyBaselines(blocks, false)
 	}
 	return nil
 }
 
-// copyBaseline times the Copier's copy of blocks; a load's destination is
-// zeroed first, as loadJobs zeroes it before a Load.
-func (d *driver) copyBaseline(blocks []int, toArena bool, op *Op) {
-	if len(blocks) == 0 {
-		return
+// Copier copies the segments of engine blocks to or from an arena-like
+// buffer without the daemon (package baseline).
+type Copier interface {
+	Copy(blocks []int, toArena bool) (time.Duration, uint64, error)
+}
+
+// copyBaselines times Config.Copier's and Config.OwnCopier's copies of
+// blocks (a load's, or a store's if toArena), the first in the
+// order of the step's parity.
+func (d *driver) copyBaselines(blocks []int, toArena bool) error {
+	other, own := &d.res.LoadCopy, &d.res.LoadCopyOwn
+	if toArena {
+		other, own = &d.res.StoreCopy, &d.res.StoreCopyOwn
+	}
+	type run struct {
+		c  Copier
+		op *Op
+	}
+	runs := []run{{d.cfg.Copier, other}, {d.cfg.OwnCopier, own}}
+	if d.res.Steps%2 == 1 {
+		runs[0], runs[1] = runs[1], runs[0]
+	}
+	for _, r := range runs {
+		if err := d.copyBaseline(r.c, blocks, toArena, r.op); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// copyBaseline times c's copy of blocks; a load's destination is zeroed
+// first, as loadJobs zeroes it before a Load.
+func (d *driver) copyBaseline(c Copier, blocks []int, toArena bool, op *Op) error {
+	if c == nil || len(blocks) == 0 {
+		return nil
 	}
 	if !toArena {
 		for _, b := range blocks {
@@ -461,13 +499,17 @@ func (d *driver) copyBaseline(blocks []int, toArena bool, op *Op) {
 		}
 	}
 	p := d.startProbe(nil, nil)
-	el, n := d.cfg.Copier.Copy(blocks, toArena)
+	el, n, err := c.Copy(blocks, toArena)
 	p.stop()
+	if err != nil {
+		return fmt.Errorf("copy baseline: %w", err)
+	}
 	op.Calls++
 	op.Blocks += len(blocks)
 	op.Bytes += n
 	op.Busy += el
 	op.Latencies = append(op.Latencies, el)
+	return nil
 }
 
 // loadJobs sends one Load with a job per request that has ready blocks,
@@ -692,9 +734,11 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 			blocks = append(blocks, int(b))
 		}
 	}
-	first := d.cfg.Copier != nil && d.res.Steps%2 == 1
+	first := d.res.Steps%2 == 1
 	if first {
-		d.copyBaseline(blocks, true, &d.res.StoreCopy)
+		if err := d.copyBaselines(blocks, true); err != nil {
+			return err
+		}
 	}
 	d.probing = true
 	results, err := d.transfer(ctx, &d.res.Store, wire, func(r *pb.TransferRequest) (*pb.TransferResponse, error) {
@@ -704,8 +748,10 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 	if err != nil {
 		return fmt.Errorf("store: %w", err)
 	}
-	if d.cfg.Copier != nil && !first {
-		d.copyBaseline(blocks, true, &d.res.StoreCopy)
+	if !first {
+		if err := d.copyBaselines(blocks, true); err != nil {
+			return err
+		}
 	}
 	for _, jr := range results {
 		for _, f := range jr.GetFailures() {

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"os"
 	"slices"
 	"testing"
 	"time"
@@ -95,7 +96,16 @@ func TestRunBaselines(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer region.Close()
-	copier, err := baseline.NewSegmentCopier(region, 0, 2)
+	own, err := baseline.NewSegmentCopier(region, 0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Close()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	copier, err := baseline.StartProcessCopier(exe, region, 0, 2, os.Stderr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +118,7 @@ func TestRunBaselines(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	res, err := Run(ctx, Config{Client: d.Client(t), Region: region, Fingerprint: []byte(t.Name()), Steps: plan, LeaseMs: 5000, IdleLookups: 10,
-		Copier: copier, Prober: d.Client(t), Wait: true,
+		Copier: copier, OwnCopier: own, Prober: d.Client(t), Wait: true,
 		Phase: func(name string) func() {
 			phases = append(phases, "start "+name)
 			return func() { phases = append(phases, "end "+name) }
@@ -123,8 +133,14 @@ func TestRunBaselines(t *testing.T) {
 		t.Errorf("copies %d/%d blocks in %d/%d calls, transfers %d/%d blocks in %d/%d calls",
 			res.LoadCopy.Blocks, res.StoreCopy.Blocks, res.LoadCopy.Calls, res.StoreCopy.Calls, res.Load.Blocks, res.Store.Blocks, res.Load.Calls, res.Store.Calls)
 	}
-	if res.LoadCopy.Bytes != uint64(res.LoadCopy.Blocks)*uint64(tiny.BlockBytes()) || res.LoadCopy.Busy <= 0 {
-		t.Errorf("load copy: %+v", res.LoadCopy)
+	if res.LoadCopyOwn.Blocks != res.Load.Blocks || res.StoreCopyOwn.Blocks != res.Store.Blocks || res.LoadCopyOwn.Calls != res.Load.Calls || res.StoreCopyOwn.Calls != res.Store.Calls {
+		t.Errorf("own copies %d/%d blocks in %d/%d calls, transfers %d/%d blocks in %d/%d calls",
+			res.LoadCopyOwn.Blocks, res.StoreCopyOwn.Blocks, res.LoadCopyOwn.Calls, res.StoreCopyOwn.Calls, res.Load.Blocks, res.Store.Blocks, res.Load.Calls, res.Store.Calls)
+	}
+	for name, op := range map[string]Op{"load copy": res.LoadCopy, "store copy": res.StoreCopy, "own load copy": res.LoadCopyOwn, "own store copy": res.StoreCopyOwn} {
+		if op.Bytes != uint64(op.Blocks)*uint64(tiny.BlockBytes()) || op.Busy <= 0 {
+			t.Errorf("%s: %+v", name, op)
+		}
 	}
 	if res.Load.Completions != 0 || res.Store.Completions != 0 {
 		t.Errorf("with Wait, %d and %d Completions calls", res.Load.Completions, res.Store.Completions)

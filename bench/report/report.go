@@ -144,12 +144,18 @@ type Baselines struct {
 	DiskDir        string `json:"disk_dir,omitempty"`
 	RedisVersion   string `json:"redis_version,omitempty"`
 
-	// SegmentCopyLoadGBps and SegmentCopyStoreGBps are kvbench's own copy
-	// of the same segments as the cpu scenario's Loads and Stores, timed
-	// in the same steps right before or after each (interleaved), with
-	// the same workers.
+	// SegmentCopyLoadGBps and SegmentCopyStoreGBps are a copy of the same
+	// segments as the cpu scenario's Loads and Stores by a helper process
+	// kvbench starts (another process, as the daemon is), timed around
+	// its request and reply in the same steps right before or after each
+	// (interleaved), with the same workers.
 	SegmentCopyLoadGBps  *float64 `json:"segment_copy_load_gbps"`
 	SegmentCopyStoreGBps *float64 `json:"segment_copy_store_gbps"`
+	// SegmentCopyOwnLoadGBps and SegmentCopyOwnStoreGBps are the same
+	// copies done in kvbench's own process, the one that fills the region:
+	// no process boundary at all.
+	SegmentCopyOwnLoadGBps  *float64 `json:"segment_copy_own_load_gbps"`
+	SegmentCopyOwnStoreGBps *float64 `json:"segment_copy_own_store_gbps"`
 	// TierRead is raw O_DIRECT reads of the disk scenario's own slot
 	// file with the disk tier's pattern, right before and right after its
 	// disk-only loads.
@@ -198,6 +204,13 @@ type Ratios struct {
 	// Against the same-window baselines (issue 11).
 	CPULoadVsSegmentCopy  *float64 `json:"cpu_load_vs_segment_copy"`
 	CPUStoreVsSegmentCopy *float64 `json:"cpu_store_vs_segment_copy"`
+	// Against the in-process copies: the daemon's cost plus the process
+	// boundary's. No goal; SegmentCopyVsOwn* say how much of it is the
+	// boundary's on the machine (the helper's copy over kvbench's own).
+	CPULoadVsOwnSegmentCopy  *float64 `json:"cpu_load_vs_own_segment_copy"`
+	CPUStoreVsOwnSegmentCopy *float64 `json:"cpu_store_vs_own_segment_copy"`
+	SegmentCopyVsOwnLoad     *float64 `json:"segment_copy_vs_own_load"`
+	SegmentCopyVsOwnStore    *float64 `json:"segment_copy_vs_own_store"`
 	// DiskLoadVsTierRead is the disk scenario's load-disk against the
 	// mean of the tier-pattern reads before and after it; the range is
 	// against the faster and the slower of the two.
@@ -393,7 +406,8 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "  O_DIRECT read / write (%s I/Os, QD %d)\t%s / %s GB/s\n", sizeString(b.ODirectIOBytes), b.QueueDepth, opt(b.ODirectReadGBps, "%.2f"), opt(b.ODirectWriteGBps, "%.2f"))
 	fmt.Fprintf(tw, "  empty gRPC round trip p50 / p99\t%s / %s µs\n", opt(b.GRPCEmptyP50us, "%.0f"), opt(b.GRPCEmptyP99us, "%.0f"))
 	fmt.Fprintf(tw, "  Redis GET / SET (%d conns)\t%s / %s GB/s\n", b.Workers, opt(b.RedisGetGBps, "%.2f"), opt(b.RedisSetGBps, "%.2f"))
-	fmt.Fprintf(tw, "  same segments as cpu loads / stores, same steps\t%s / %s GB/s\n", opt(b.SegmentCopyLoadGBps, "%.2f"), opt(b.SegmentCopyStoreGBps, "%.2f"))
+	fmt.Fprintf(tw, "  same segments as cpu loads / stores, same steps, another process\t%s / %s GB/s\n", opt(b.SegmentCopyLoadGBps, "%.2f"), opt(b.SegmentCopyStoreGBps, "%.2f"))
+	fmt.Fprintf(tw, "  the same in kvbench's own process\t%s / %s GB/s\n", opt(b.SegmentCopyOwnLoadGBps, "%.2f"), opt(b.SegmentCopyOwnStoreGBps, "%.2f"))
 	if t := b.TierRead; t != nil {
 		fmt.Fprintf(tw, "  O_DIRECT, tier pattern, disk scenario's slots before / after its disk loads\t%.2f / %.2f GB/s (%d slots, bursts of %d, QD %d; burst p50 %.0f p99 %.0f µs)\n",
 			t.BeforeGBps, t.AfterGBps, t.Blocks, t.Burst, t.QueueDepth, t.BurstP50us, t.BurstP99us)
@@ -418,6 +432,10 @@ func (r *Report) Print(w io.Writer) {
 		{"lookup_p99_vs_grpc_empty_p99", q.LookupP99VsGRPCEmptyP99},
 		{"cpu_load_vs_segment_copy", q.CPULoadVsSegmentCopy},
 		{"cpu_store_vs_segment_copy", q.CPUStoreVsSegmentCopy},
+		{"cpu_load_vs_own_segment_copy", q.CPULoadVsOwnSegmentCopy},
+		{"cpu_store_vs_own_segment_copy", q.CPUStoreVsOwnSegmentCopy},
+		{"segment_copy_vs_own_load", q.SegmentCopyVsOwnLoad},
+		{"segment_copy_vs_own_store", q.SegmentCopyVsOwnStore},
 		{"disk_load_vs_tier_read", q.DiskLoadVsTierRead},
 		{"disk_load_p99_vs_raw_step_p99", q.DiskLoadP99VsRawStepP99},
 		{"lookup_busy_p99_vs_grpc_empty_p99", q.LookupBusyP99VsGRPCEmptyP99},

@@ -21,12 +21,16 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
 	"github.com/kvoffloadd/kvoffloadd/bench/interference"
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
 )
 
 func main() {
+	// kvbench starts itself as the same-segment copy baseline's helper
+	// process (baseline.ProcessCopier).
+	baseline.ServeIfHelper()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if _, err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {

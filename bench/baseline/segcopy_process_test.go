@@ -1,0 +1,133 @@
+package baseline
+
+import (
+	"bytes"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/kvoffloadd/kvoffloadd/bench/model"
+)
+
+// The test binary is its own ProcessCopier helper.
+func TestMain(m *testing.M) {
+	ServeIfHelper()
+	os.Exit(m.Run())
+}
+
+func startProcessCopier(t *testing.T, region *model.Region, stderr *bytes.Buffer) *ProcessCopier {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := StartProcessCopier(exe, region, 0, 2, stderr)
+	if err != nil {
+		t.Fatalf("%v (helper said %q)", err, stderr)
+	}
+	return p
+}
+
+// The helper process copies each block's segments into its own buffer
+// and back out, into the slots the parent chose: a store then a load of
+// the same slots brings every byte back, and a block the helper did not
+// copy is left alone.
+func TestProcessCopier(t *testing.T) {
+	shape := model.Shape{Name: "t", Layers: 2, BlockTokens: 16, KVHeads: 2, HeadDim: 64, DTypeBytes: 2}
+	region, err := model.NewRegion("/dev/shm", shape, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer region.Close()
+	var stderr bytes.Buffer
+	p := startProcessCopier(t, region, &stderr)
+	defer func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("close: %v (helper said %q)", err, stderr.String())
+		}
+	}()
+	blocks := []int{5, 1, 6}
+	keys := [][]byte{[]byte("key five, thirty-two bytes long.."), []byte("key one, thirty-two bytes long..."), []byte("key six, thirty-two bytes long...")}
+	for round := range 3 { // the slots move on, and wrap, between rounds
+		for i, b := range blocks {
+			region.Fill(b, append(keys[i], byte(round)))
+		}
+		first := p.next
+		el, n, err := p.Copy(blocks, true)
+		if err != nil || el <= 0 || n != uint64(len(blocks)*shape.BlockBytes()) {
+			t.Fatalf("round %d store copy: %v, %d bytes, %v", round, el, n, err)
+		}
+		for _, b := range blocks {
+			region.Poison(b)
+		}
+		region.Fill(2, []byte("untouched"))
+		p.next = first
+		if _, n, err := p.Copy(blocks, false); err != nil || n != uint64(len(blocks)*shape.BlockBytes()) {
+			t.Fatalf("round %d load copy: %d bytes, %v", round, n, err)
+		}
+		for i, b := range blocks {
+			if err := region.Check(b, append(keys[i], byte(round))); err != nil {
+				t.Errorf("round %d, after the load copy: %v", round, err)
+			}
+		}
+		if err := region.Check(2, []byte("untouched")); err != nil {
+			t.Errorf("round %d: a block not copied changed: %v", round, err)
+		}
+		p.next = (first + len(blocks) + 11) % p.spec.Slots
+	}
+	if _, _, err := p.Copy([]int{8}, true); err == nil || !strings.Contains(err.Error(), "block 8") {
+		t.Errorf("a block past the region: %v", err)
+	}
+}
+
+// A helper that is gone makes Copy fail, not hang or report a time.
+func TestProcessCopierHelperGone(t *testing.T) {
+	shape := model.Shape{Name: "t", Layers: 1, BlockTokens: 16, KVHeads: 1, HeadDim: 64, DTypeBytes: 2}
+	region, err := model.NewRegion("/dev/shm", shape, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer region.Close()
+	var stderr bytes.Buffer
+	p := startProcessCopier(t, region, &stderr)
+	if _, _, err := p.Copy([]int{0, 3}, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := p.Copy([]int{1}, false); err == nil {
+		t.Error("a copy by a killed helper reported no error")
+	}
+	if _, _, err := p.Copy([]int{1}, false); err == nil {
+		t.Error("a second copy by a killed helper reported no error")
+	}
+	if err := p.Close(); err == nil {
+		t.Error("Close of a killed helper reported no error")
+	}
+	if err := p.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
+// A helper that cannot map its region says why and does not start.
+func TestProcessCopierBadRegion(t *testing.T) {
+	shape := model.Shape{Name: "t", Layers: 1, BlockTokens: 16, KVHeads: 1, HeadDim: 64, DTypeBytes: 2}
+	region, err := model.NewRegion("/dev/shm", shape, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	region.Close() // the file is gone
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	if p, err := StartProcessCopier(exe, region, 0, 1, &stderr); err == nil {
+		p.Close()
+		t.Fatal("started on a region file that does not exist")
+	}
+	if !strings.Contains(stderr.String(), "segment copy baseline") {
+		t.Errorf("helper said %q", stderr.String())
+	}
+}
