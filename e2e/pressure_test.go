@@ -4,8 +4,8 @@ import (
 	"testing"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
-	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
 
 // TestStoresTakeCleanCopies: with write-back, the cleaner writes stored
