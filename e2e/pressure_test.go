@@ -5,7 +5,6 @@ import (
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
-	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
 
 // TestStoresTakeCleanCopies: with write-back, the cleaner writes stored
@@ -226,81 +225,6 @@ func TestDiskReadStagesWhileStoresFillTheTier(t *testing.T) {
 		t.Fatalf("load of a disk-only block with every other CPU slot taken and pinned: %+v", res)
 	}
 	e.verify(t, res, x, seq(60, 1))
-	flush(t, d)
-	if err := d.Svc.CheckInvariants(); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// A load that must read some of its blocks from disk copies the others,
-// already in the CPU tier, into engine memory while the reads are still in
-// flight (issue 11: the copies overlap the reads instead of all waiting
-// for the last one), and still reports the job only once every block is
-// in: the disk read is held at a gate, the CPU hit must land meanwhile,
-// and the job must not finish until the gate opens.
-func TestLoadCopiesCPUHitsWhileDiskReadsRun(t *testing.T) {
-	dir := t.TempDir()
-	d1 := testenv.Start(t, diskOpts(dir))
-	e1 := register(t, d1, small, "early")
-	onDisk := e1.hashes(1, 2)
-	e1.lookup(t, onDisk)
-	if res := e1.store(t, 1, onDisk, seq(0, 2)); !res.Ok {
-		t.Fatalf("store: %+v", res)
-	}
-	d1.Stop(t) // the blocks are written to disk; after a restart they are there only
-
-	gate := testenv.NewGateFS(vfs.Default, 128<<10, -1) // a block's payload read is 256 KiB, its header's 4 KiB
-	o := diskOpts(dir)
-	o.DiskFS = gate
-	d := testenv.Start(t, o)
-	t.Cleanup(gate.Release)
-	e := register(t, d, small, "early")
-	hit := e.hashes(2, 1)
-	e.lookup(t, hit)
-	if res := e.store(t, 2, hit, seq(0, 1)); !res.Ok {
-		t.Fatalf("store of the CPU hit: %+v", res)
-	}
-	if lr := e.lookup(t, hit); lr.Ready != 1 || lr.Tiers[0] != pb.Tier_TIER_CPU {
-		t.Fatalf("the hit: %+v, want it in the CPU tier", lr)
-	}
-	if lr := e.lookup(t, onDisk[:1]); lr.Ready != 1 || lr.Tiers[0] != pb.Tier_TIER_DISK {
-		t.Fatalf("the disk block: %+v, want it on disk only", lr)
-	}
-	keys := [][]byte{hit[0], onDisk[0]}
-	blocks := []uint32{10, 11}
-	for i, b := range blocks {
-		e.m.Fill(e.r, int(b), e.m.Hash(99, i)) // not what the load brings
-	}
-	gate.Hold()
-	if _, err := e.c.Load(ctx(t), e.reg.RegistrationId, []*pb.Job{testenv.Job(3, keys, blocks)}, false); err != nil {
-		t.Fatal(err)
-	}
-	gate.Waiting(1)
-	waitFor(t, "the CPU hit in engine memory while the disk read is held", func() bool {
-		return e.m.Check(e.r, int(blocks[0]), keys[0]) == nil
-	})
-	if cr, err := e.c.API.Completions(ctx(t), &pb.CompletionsRequest{RegistrationId: e.reg.RegistrationId}); err != nil || len(cr.Results) != 0 {
-		t.Fatalf("with a read still held: %v, %+v, want no result yet", err, cr)
-	}
-	if err := e.m.Check(e.r, int(blocks[1]), keys[1]); err == nil {
-		t.Fatal("the held block is in engine memory before its read")
-	}
-	gate.Release()
-	var res *pb.JobResult
-	waitFor(t, "the load's result", func() bool {
-		cr, err := e.c.API.Completions(ctx(t), &pb.CompletionsRequest{RegistrationId: e.reg.RegistrationId, WaitMs: 100})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(cr.Results) > 0 {
-			res = cr.Results[0]
-		}
-		return res != nil
-	})
-	if !res.Ok || res.Bytes != uint64(2*small.Layers*small.SegBytes) {
-		t.Fatalf("load: %+v", res)
-	}
-	e.verify(t, res, keys, blocks)
 	flush(t, d)
 	if err := d.Svc.CheckInvariants(); err != nil {
 		t.Fatal(err)

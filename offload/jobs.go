@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 	"time"
 
@@ -418,21 +417,11 @@ func (r *Registration) startLoad(job *Job, owner Owner, w *waiter, slot int, rea
 		return
 	}
 	lj.left = len(reads) + len(remotes)
-	var hits []blockRef
-	if lj.copiesEarly() && len(lj.refs) > 0 {
-		// The blocks already in the CPU tier are copied while the rest
-		// are read (lj.refs is appended to concurrently once they start).
-		hits = slices.Clone(lj.refs)
-		lj.left++ // their batch, submitted below
-	}
 	if len(remotes) > 0 {
 		s.rem.fetch(lj, remotes)
 	}
 	if len(reads) > 0 {
 		lj.promote(reads)
-	}
-	if hits != nil {
-		lj.copyRefs(hits)
 	}
 }
 
@@ -458,11 +447,10 @@ type loadJob struct {
 	// the destination blocks (CUDA: an IPC event; see dma.Batch).
 	readyEvent []byte
 
-	mu      sync.Mutex
-	res     Result
-	refs    []blockRef
-	left    int   // disk reads, remote fetches and (copiesEarly) copy batches not yet done
-	copyErr error // the first copy batch's error (copiesEarly)
+	mu   sync.Mutex
+	res  Result
+	refs []blockRef
+	left int // disk reads and remote fetches not yet done
 }
 
 // diskRead is a block of a load that is only on disk.
@@ -475,71 +463,6 @@ type diskRead struct {
 
 func (lj *loadJob) copy() {
 	lj.r.runCopies(&lj.job, lj.refs, false, lj.readyEvent, lj.res, lj.start, lj.w, lj.wslot)
-}
-
-// copiesEarly reports whether a load that reads blocks from disk or the
-// remote tier copies each block into engine memory as soon as it is in a
-// CPU slot (the CPU hits at once), rather than all of them after the last
-// read: the copies then overlap the reads, and what is left after the
-// last read is one block's copy, not the job's. A load gated on a ready
-// event keeps one batch: each batch opens the event again (CUDA: an IPC
-// event handle per batch).
-func (lj *loadJob) copiesEarly() bool { return len(lj.readyEvent) == 0 }
-
-// ready settles one block read from disk or the remote tier (ref, good)
-// or failed (fail): it joins the copies, or the failures; the job
-// finishes when nothing is left.
-func (lj *loadJob) ready(ref blockRef, good bool, fail Failure) {
-	early := lj.copiesEarly()
-	lj.mu.Lock()
-	if good {
-		lj.refs = append(lj.refs, ref)
-	} else {
-		lj.res.Failures = append(lj.res.Failures, fail)
-	}
-	if !good || !early {
-		lj.left--
-	}
-	last := lj.left == 0
-	lj.mu.Unlock()
-	switch {
-	case good && early:
-		lj.copyRefs([]blockRef{ref}) // takes over the read's count
-	case last && early:
-		lj.finish()
-	case last:
-		lj.copy()
-	}
-}
-
-// copyRefs submits the copies of refs into engine memory as a batch of
-// their own (copiesEarly); the job finishes after its last batch.
-func (lj *loadJob) copyRefs(refs []blockRef) {
-	r := lj.r
-	copies := make([]dma.Copy, 0, len(refs)*len(r.ns.Layout.Segments))
-	for _, ref := range refs {
-		copies = r.reg.AppendCopies(copies, lj.job.Keys.Group, lj.job.BlockIDs[ref.i], cpu.Offset(ref.slot))
-	}
-	r.s.dma.Submit(&dma.Batch{Copies: copies, Done: func(err error) {
-		lj.mu.Lock()
-		if err != nil && lj.copyErr == nil {
-			lj.copyErr = err
-		}
-		lj.left--
-		last := lj.left == 0
-		lj.mu.Unlock()
-		if last {
-			lj.finish()
-		}
-	}})
-}
-
-// finish completes a job whose copies ran early: every block it copied,
-// with the first copy error (which fails them all, as one batch's would).
-func (lj *loadJob) finish() {
-	res := lj.res
-	res.Bytes = uint64(len(lj.refs)) * lj.r.ns.Layout.PayloadBytes(lj.job.Keys.Group)
-	lj.r.complete(&lj.job, lj.refs, lj.copyErr, res, lj.start, lj.w, lj.wslot)
 }
 
 // promote reads disk-only blocks into CPU slots. Each block is offered to
@@ -652,11 +575,18 @@ func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
 	if st == IOError || st == Corrupt {
 		s.log.Warn("disk read failed; the block is dropped and reported failed", "status", st, "registration", r.ID, "job", lj.job.ID, "block_id", lj.job.BlockIDs[rd.i], "err", err)
 	}
-	var fail Failure
-	if st != OK {
-		fail = r.failure(&lj.job, rd.i, st)
+	lj.mu.Lock()
+	if st == OK {
+		lj.refs = append(lj.refs, blockRef{key: rd.key, slot: staging, i: rd.i, release: !attached})
+	} else {
+		lj.res.Failures = append(lj.res.Failures, r.failure(&lj.job, rd.i, st))
 	}
-	lj.ready(blockRef{key: rd.key, slot: staging, i: rd.i, release: !attached}, st == OK, fail)
+	lj.left--
+	last := lj.left == 0
+	lj.mu.Unlock()
+	if last {
+		lj.copy()
+	}
 }
 
 // startStores claims the keys of every job, asks the policy to admit the

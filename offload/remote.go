@@ -640,11 +640,18 @@ func (lj *loadJob) remoteDone(b remoteRead, staging cpu.SlotID, release bool, st
 		s.cpu.Release(staging)
 		s.cpu.Unpin(staging)
 	}
-	var fail Failure
-	if st != OK {
-		fail = lj.r.failure(&lj.job, b.i, st)
+	lj.mu.Lock()
+	if st == OK {
+		lj.refs = append(lj.refs, blockRef{key: b.key, slot: staging, i: b.i, release: release})
+	} else {
+		lj.res.Failures = append(lj.res.Failures, lj.r.failure(&lj.job, b.i, st))
 	}
-	lj.ready(blockRef{key: b.key, slot: staging, i: b.i, release: release}, st == OK, fail)
+	lj.left--
+	last := lj.left == 0
+	lj.mu.Unlock()
+	if last {
+		lj.copy()
+	}
 }
 
 // FlushRemote waits until every block queued for the remote tier has been

@@ -56,13 +56,6 @@ func (g *GateFS) Release() {
 	g.cond.Broadcast()
 }
 
-// Hold holds every big read from now on, until Release.
-func (g *GateFS) Hold() {
-	g.mu.Lock()
-	g.allow = g.passed
-	g.mu.Unlock()
-}
-
 // Passed counts the big reads that went through.
 func (g *GateFS) Passed() int {
 	g.mu.Lock()
