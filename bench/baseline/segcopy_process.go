@@ -9,6 +9,8 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
@@ -29,14 +31,48 @@ import (
 // the helper's wake-up and the pipe are the least any sidecar pays for
 // being told what to copy.
 type ProcessCopier struct {
-	cmd   *exec.Cmd
-	in    io.WriteCloser
-	out   *bufio.Reader
-	spec  helperSpec
-	next  int // the slot the next copy starts at
-	req   []byte
-	dead  error // the first error: every later Copy returns it
-	waits chan error
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	out    *bufio.Reader
+	stderr *tail // what the helper wrote on its error output (the end of it)
+	spec   helperSpec
+	next   int // the slot the next copy starts at
+	req    []byte
+	dead   error // the first error: every later Copy returns it
+	waits  chan error
+}
+
+// tail keeps the last tailBytes written to it; exec copies the helper's
+// error output into it from a goroutine of its own.
+type tail struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+const tailBytes = 4 << 10
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if len(t.buf) > tailBytes {
+		t.buf = append(t.buf[:0], t.buf[len(t.buf)-tailBytes:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return strings.TrimSpace(string(t.buf))
+}
+
+// said is the helper's error output, for an error message.
+func (p *ProcessCopier) said() string {
+	if s := p.stderr.String(); s != "" {
+		return " (the helper said: " + s + ")"
+	}
+	return ""
 }
 
 // HelperArg, as a binary's first argument, makes it serve segment copies
@@ -66,14 +102,16 @@ const maxHelperBlocks = 1 << 16
 // when its first argument is HelperArg) as the copier of region, with a
 // buffer of slots blocks (at least twice the region's) and workers
 // threads, and waits until it has mapped the region and made its warm-up
-// copy. Its error output goes to stderr.
-func StartProcessCopier(exe string, region *model.Region, slots, workers int, stderr io.Writer) (*ProcessCopier, error) {
+// copy. The errors it returns end with what the helper wrote on its error
+// output.
+func StartProcessCopier(exe string, region *model.Region, slots, workers int) (*ProcessCopier, error) {
 	spec := helperSpec{Path: region.Path, Shape: region.Shape, Blocks: region.Blocks, Slots: max(slots, 2*region.Blocks), Workers: max(workers, 1)}
 	arg, err := json.Marshal(spec)
 	if err != nil {
 		return nil, err
 	}
 	cmd := exec.Command(exe, HelperArg, string(arg))
+	stderr := &tail{}
 	cmd.Stderr = stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -86,10 +124,11 @@ func StartProcessCopier(exe string, region *model.Region, slots, workers int, st
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("segment copy baseline: start %s: %w", exe, err)
 	}
-	p := &ProcessCopier{cmd: cmd, in: in, out: bufio.NewReader(out), spec: spec, waits: make(chan error, 1)}
+	p := &ProcessCopier{cmd: cmd, in: in, out: bufio.NewReader(out), stderr: stderr, spec: spec, waits: make(chan error, 1)}
 	go func() { p.waits <- cmd.Wait() }()
 	if b, err := p.out.ReadByte(); err != nil || b != helperReady {
-		return nil, errors.Join(fmt.Errorf("segment copy baseline: the helper %s did not start (read %q, %v)", exe, b, err), p.Close())
+		cerr := p.Close() // waits for the helper, so all it said is in
+		return nil, errors.Join(fmt.Errorf("segment copy baseline: the helper %s did not start (read %q, %v)%s", exe, b, err, p.said()), cerr)
 	}
 	return p, nil
 }
@@ -127,12 +166,12 @@ func (p *ProcessCopier) Copy(blocks []int, toArena bool) (time.Duration, uint64,
 	p.next = (p.next + len(blocks)) % p.spec.Slots
 	t0 := time.Now()
 	if _, err := p.in.Write(req); err != nil {
-		p.dead = fmt.Errorf("segment copy baseline: helper: %w", err)
+		p.dead = fmt.Errorf("segment copy baseline: helper: %w%s", err, p.said())
 		return 0, 0, p.dead
 	}
 	var reply [8]byte
 	if _, err := io.ReadFull(p.out, reply[:]); err != nil {
-		p.dead = fmt.Errorf("segment copy baseline: helper gave no reply: %w", err)
+		p.dead = fmt.Errorf("segment copy baseline: helper gave no reply: %w%s", err, p.said())
 		return 0, 0, p.dead
 	}
 	el := time.Since(t0)
@@ -163,7 +202,7 @@ func (p *ProcessCopier) Close() error {
 		p.dead = errors.New("segment copy baseline: closed")
 	}
 	if err != nil {
-		return fmt.Errorf("segment copy baseline: helper: %w", err)
+		return fmt.Errorf("segment copy baseline: helper: %w%s", err, p.said())
 	}
 	return nil
 }

@@ -1,7 +1,6 @@
 package baseline
 
 import (
-	"bytes"
 	"os"
 	"strings"
 	"testing"
@@ -15,15 +14,15 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func startProcessCopier(t *testing.T, region *model.Region, stderr *bytes.Buffer) *ProcessCopier {
+func startProcessCopier(t *testing.T, region *model.Region) *ProcessCopier {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := StartProcessCopier(exe, region, 0, 2, stderr)
+	p, err := StartProcessCopier(exe, region, 0, 2)
 	if err != nil {
-		t.Fatalf("%v (helper said %q)", err, stderr)
+		t.Fatal(err)
 	}
 	return p
 }
@@ -39,11 +38,10 @@ func TestProcessCopier(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer region.Close()
-	var stderr bytes.Buffer
-	p := startProcessCopier(t, region, &stderr)
+	p := startProcessCopier(t, region)
 	defer func() {
 		if err := p.Close(); err != nil {
-			t.Errorf("close: %v (helper said %q)", err, stderr.String())
+			t.Errorf("close: %v", err)
 		}
 	}()
 	blocks := []int{5, 1, 6}
@@ -88,8 +86,7 @@ func TestProcessCopierHelperGone(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer region.Close()
-	var stderr bytes.Buffer
-	p := startProcessCopier(t, region, &stderr)
+	p := startProcessCopier(t, region)
 	if _, _, err := p.Copy([]int{0, 3}, true); err != nil {
 		t.Fatal(err)
 	}
@@ -122,12 +119,12 @@ func TestProcessCopierBadRegion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var stderr bytes.Buffer
-	if p, err := StartProcessCopier(exe, region, 0, 1, &stderr); err == nil {
+	p, err := StartProcessCopier(exe, region, 0, 1)
+	if err == nil {
 		p.Close()
 		t.Fatal("started on a region file that does not exist")
 	}
-	if !strings.Contains(stderr.String(), "segment copy baseline") {
-		t.Errorf("helper said %q", stderr.String())
+	if !strings.Contains(err.Error(), "the helper said: segment copy baseline") || !strings.Contains(err.Error(), region.Path) {
+		t.Errorf("the error does not carry what the helper said: %v", err)
 	}
 }

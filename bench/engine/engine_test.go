@@ -105,7 +105,7 @@ func TestRunBaselines(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	copier, err := baseline.StartProcessCopier(exe, region, 0, 2, os.Stderr)
+	copier, err := baseline.StartProcessCopier(exe, region, 0, 2)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -152,7 +152,7 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 		if err != nil {
 			return nil, fmt.Errorf("the segment copy baseline starts kvbench again: %w", err)
 		}
-		if b.copier, err = baseline.StartProcessCopier(exe, b.region, 0, o.ioWorkers, b.stderr); err != nil {
+		if b.copier, err = baseline.StartProcessCopier(exe, b.region, 0, o.ioWorkers); err != nil {
 			return nil, err
 		}
 		defer b.copier.Close()
