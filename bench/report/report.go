@@ -74,6 +74,8 @@ type Model struct {
 	BlockBytes       int    `json:"block_bytes"`
 	EngineBlocks     int    `json:"engine_blocks"`
 	StepsPerScenario int    `json:"steps_per_scenario"`
+	// WorkingSetBlocks is the distinct blocks the steps' requests name.
+	WorkingSetBlocks int `json:"working_set_blocks"`
 }
 
 // Result is one op of one scenario.

@@ -45,9 +45,9 @@ func TestQuick(t *testing.T) {
 	withFaults := flags["disk-dir"] && flags["disk-bytes"] && flags["fault-spec"]
 
 	jsonPath := filepath.Join(t.TempDir(), "report.json")
-	args := []string{"--quick", "--daemon", bin, "--json", jsonPath, "--seed", "5", "--scenarios", "cpu"}
+	args := []string{"--quick", "--daemon", bin, "--json", jsonPath, "--seed", "5", "--scenarios", "cpu,tight"}
 	if withFaults {
-		args = append(args, "--scenarios", "cpu,faults", "--fault-spec", faultSpec)
+		args = append(args, "--scenarios", "cpu,tight,faults", "--fault-spec", faultSpec)
 	}
 	if raceDetector {
 		// The same run in blocks an eighth the size (8 segments of 32
@@ -126,6 +126,14 @@ func TestQuick(t *testing.T) {
 	if r := rep.Find("cpu", "lookup"); r.HitRateLRU == nil || r.HitRateBelady == nil || r.CapacityBlocks == 0 ||
 		*r.HitRateBelady < *r.HitRateLRU || *r.HitRateBelady < r.HitRate["all"] {
 		t.Errorf("cpu lookups: hit rate %v, LRU %v, Belady %v of %d blocks", r.HitRate["all"], r.HitRateLRU, r.HitRateBelady, r.CapacityBlocks)
+	}
+	// The tight scenario holds less than the working set: the hit rates
+	// there are the policy's, beside LRU's and Belady's of its capacity.
+	if r := rep.Find("tight", "lookup"); r == nil || r.HitRateLRU == nil || r.HitRateBelady == nil ||
+		r.CapacityBlocks == 0 || r.CapacityBlocks >= rep.Model.WorkingSetBlocks || *r.HitRateBelady < r.HitRate["all"] {
+		t.Errorf("tight lookups: %+v of a working set of %d blocks", r, rep.Model.WorkingSetBlocks)
+	} else {
+		t.Logf("tight: hit rate %.3f, LRU %.3f, Belady %.3f, %d of %d blocks", r.HitRate["all"], *r.HitRateLRU, *r.HitRateBelady, r.CapacityBlocks, rep.Model.WorkingSetBlocks)
 	}
 	phases := map[string]bool{}
 	for _, p := range rep.Interference.Phases {

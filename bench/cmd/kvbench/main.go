@@ -44,10 +44,10 @@ func main() {
 
 // allScenarios in the order they run; restart runs only when asked for
 // (it fills --restart-bytes of disk).
-var allScenarios = []string{"cpu", "disk", "mixed", "faults", "corrupt", "remote", "restart"}
+var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "restart"}
 
 // defaultScenarios run without --scenarios.
-var defaultScenarios = allScenarios[:6]
+var defaultScenarios = allScenarios[:7]
 
 // options is every flag, validated.
 type options struct {
@@ -89,7 +89,9 @@ Every loaded block is checked byte for byte; a wrong block, a failed block
 offered again, or a daemon that does not exit 0 on SIGTERM fails the run.
 
 Scenarios: cpu (the CPU tier holds the working set), disk (CPU tier much
-smaller: hits come from the disk tier), mixed (about half fits in CPU), faults
+smaller: hits come from the disk tier), mixed (about half fits in CPU), tight
+(a CPU tier of 40% of the working set and no disk: the policy chooses, and its
+hit rate stands beside LRU's and Belady's of the same capacity), faults
 (disk, with the daemon's --fault-spec at each --fault-rates read fault rate),
 corrupt (disk, with bytes of the slot file flipped from outside while it runs),
 remote (two daemons sharing a Redis Cluster of three masters kvbench starts from

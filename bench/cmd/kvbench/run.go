@@ -173,7 +173,7 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	}
 	rep.Model = report.Model{Name: shape.Name, Layers: shape.Layers, BlockTokens: shape.BlockTokens, KVHeads: shape.KVHeads,
 		HeadDim: shape.HeadDim, DTypeBytes: shape.DTypeBytes, Segments: shape.Segments(), SegmentBytes: shape.SegmentBytes(),
-		BlockBytes: shape.BlockBytes(), EngineBlocks: E, StepsPerScenario: nsteps}
+		BlockBytes: shape.BlockBytes(), EngineBlocks: E, StepsPerScenario: nsteps, WorkingSetBlocks: b.distinct}
 
 	runs, skips := b.plan()
 	rep.Skipped = append(rep.Skipped, skips...)
@@ -309,6 +309,11 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 			continue
 		case o.socket != "":
 			skip(s+" scenario", "--socket: kvbench cannot set the tiers or fault plan of a daemon it did not start")
+			continue
+		case s == "tight":
+			// CPU only, smaller than the working set: what the policy
+			// keeps decides the hits.
+			runs = append(runs, scenario{name: s, kind: s, cpuBytes: size(max(0.4*float64(D), 2.5*float64(E)))})
 			continue
 		case s != "cpu" && !hasDisk:
 			skip(s+" scenario", "daemon has no disk tier (its --help lists no --disk-dir/--disk-bytes)")
@@ -1013,8 +1018,8 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 	// Issue 11's goals.
 	le := func(x float64) func(float64) bool { return func(v float64) bool { return v <= x } }
 	ge := func(x float64) func(float64) bool { return func(v float64) bool { return v >= x } }
-	for _, sc := range []string{"disk", "mixed"} {
-		if r := rep.Find(sc, "store"); r != nil {
+	for _, sc := range []string{"disk", "mixed", "tight"} {
+		if r := rep.Find(sc, "store"); r != nil && sc != "tight" {
 			note := fmt.Sprintf("of %d blocks stored", r.Blocks)
 			if n := r.NoSpaceWithCleanCopies; n != nil {
 				note += fmt.Sprintf("; %d refused while clean CPU copies existed (pinned or of another size)", *n)
