@@ -19,6 +19,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/errorfs"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
 // config is every flag of the daemon, validated before anything starts.
@@ -27,6 +28,7 @@ type config struct {
 	socketMode      string
 	cpuBytes        uint64
 	cpuChunkBytes   uint64
+	cpuPolicy       string
 	ioWorkers       int
 	copyNice        int
 	copyIdle        bool
@@ -158,6 +160,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	c := &config{
 		socketMode:      "0600",
 		cpuBytes:        1 << 30,
+		cpuPolicy:       string(slots.SLRU),
 		ioWorkers:       min(4, runtime.NumCPU()),
 		copyNice:        DefaultCopyNice,
 		shmDir:          "/dev/shm",
@@ -186,6 +189,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.socket, "socket", defaultSocket(), "unix socket to serve the API on. Its directory is created with mode 0700 and must be owned by the daemon's user; a stale socket is removed only after a dial finds nobody listening.")
 	fs.StringVar(&c.socketMode, "socket-mode", c.socketMode, "permission bits of the socket: 0600 (only this user) or 0660 (also this user's group).")
 	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
+	fs.StringVar(&c.cpuPolicy, "cpu-policy", c.cpuPolicy, "which blocks the CPU tier keeps when it is full: slru (a segmented LRU: new blocks on probation, blocks used again protected; one-off prompts churn only the probation part) or tinylfu (ristretto's frequency-based admission and eviction). docs/benchmarks.md has both against LRU on kvbench's traces.")
 	fs.Var(byteSize{&c.cpuChunkBytes}, "cpu-chunk-bytes", "arena chunk size; each chunk serves one block size and bounds the largest block (0: arena/16, clamped to 4MiB..256MiB).")
 	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena. The daemon runs with at least io-workers+1 Go processors (GOMAXPROCS, unless set in the environment), so the copies never hold every one and the API is served while they run.")
 	fs.IntVar(&c.copyNice, "copy-nice", c.copyNice, "nice value (0..19) of the copy workers' threads, host build: the kernel runs the daemon's other threads (the API, the policy) first when both want a CPU, so a Lookup does not wait behind a memmove. 0 leaves them at the daemon's priority.")
@@ -255,6 +259,9 @@ func (c *config) validate() error {
 	}
 	if c.cpuBytes < 4<<20 {
 		bad("--cpu-bytes %s: want at least 4MiB", formatBytes(c.cpuBytes))
+	}
+	if _, err := slots.ParsePolicy(c.cpuPolicy); err != nil {
+		bad("--cpu-policy: %v", err)
 	}
 	if c.cpuChunkBytes != 0 && (c.cpuChunkBytes%4096 != 0 || c.cpuChunkBytes > c.cpuBytes) {
 		bad("--cpu-chunk-bytes %s: want a multiple of 4096 no larger than --cpu-bytes", formatBytes(c.cpuChunkBytes))

@@ -27,6 +27,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
 var version = "dev"
@@ -109,7 +110,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	svc, err := offload.New(offload.Config{
-		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes},
+		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes, Policy: slots.Policy(cfg.cpuPolicy)},
 		Disk:         diskCfg,
 		WriteThrough: cfg.writeThrough,
 		DMA:          copier,

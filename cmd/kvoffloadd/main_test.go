@@ -34,7 +34,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-cpu-policy", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
 		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes", "-namespace-linger", "-debug-checks",
@@ -54,6 +54,7 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--cpu-bytes", "12potatoes"}, "not a size"},
 		{[]string{"--cpu-bytes", "1MiB"}, "--cpu-bytes 1MiB: want at least 4MiB"},
 		{[]string{"--cpu-chunk-bytes", "5000"}, "--cpu-chunk-bytes"},
+		{[]string{"--cpu-policy", "lru"}, "--cpu-policy: policy \"lru\": want slru or tinylfu"},
 		{[]string{"--socket", "relative.sock"}, "--socket \"relative.sock\": want an absolute path"},
 		{[]string{"--socket-mode", "0666"}, "--socket-mode"},
 		{[]string{"--io-workers", "0"}, "--io-workers 0"},

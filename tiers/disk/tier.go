@@ -202,7 +202,9 @@ func Open(cfg Config) (*Tier, error) {
 	sp, err := slots.New(slots.Config{
 		Name: "disk", Bytes: uint64(len(t.files)) * t.fileBytes, ChunkBytes: cfg.ChunkBytes,
 		Reserve: cfg.Reserve, Logger: cfg.Logger,
-		Evict: cfg.Evict, Reject: cfg.Reject, EvictRange: cfg.EvictRange,
+		// TinyLFU: a demotion the policy declines is a write not made.
+		Policy: slots.TinyLFU,
+		Evict:  cfg.Evict, Reject: cfg.Reject, EvictRange: cfg.EvictRange,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("disk tier: %w", err)

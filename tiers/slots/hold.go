@@ -112,15 +112,11 @@ func (c *Class) Learn(keys []index.Key) {
 	if c.retired.Load() {
 		return
 	}
+	hs := make([]uint64, len(keys))
 	for i := range keys {
-		// ristretto drops a Set when its buffer is full: let it drain
-		// and try once more (it fails again only once closed).
-		if !c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1) {
-			c.policy.Wait()
-			c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1)
-		}
+		hs[i] = c.t.PolicyKey(&keys[i])
 	}
-	c.policy.Wait()
+	c.policy.learn(keys, hs)
 }
 
 // Held counts chunks held for recovery.

@@ -1,10 +1,10 @@
 // Package slots owns the bookkeeping both tiers share: a space of bytes cut
 // into chunks, each chunk serving one slot size (a chunk moves to another
 // size when that size has none), pins that keep a slot alive while a copy
-// uses it, and the admission and eviction policy (ristretto's TinyLFU) that
-// decides which blocks to keep. It never decides what is cached: that is the
-// index's job. It tells its owner, through callbacks, which keys the policy
-// wants gone.
+// uses it, and the admission and eviction policy (a segmented LRU, or
+// ristretto's TinyLFU; policy.go) that decides which blocks to keep. It
+// never decides what is cached: that is the index's job. It tells its
+// owner, through callbacks, which keys the policy wants gone.
 //
 // Everything a client can make it hold is bounded by the space: slot sizes
 // (classes) by the number of chunks, each class's policy by a share of a
@@ -20,7 +20,6 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/dgraph-io/ristretto/v2"
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 )
@@ -68,10 +67,15 @@ type Config struct {
 	// the chunks) means one per chunk.
 	MaxClasses int
 	Logger     *slog.Logger
-	// Evict is called with each key the policy evicted, on the policy's
-	// goroutine. The owner removes the key from the index and calls Release
-	// on its slot; it must not call Forget or Admit from here. It is not
-	// called once the space or the class is closing.
+	// Policy is each class's admission and eviction policy (SLRU or
+	// TinyLFU; empty means TinyLFU).
+	Policy Policy
+	// Evict is called with each key the policy evicted, before the Admit
+	// (or Learn) that made room returns, on the policy's goroutine
+	// (TinyLFU) or Admit's (SLRU). The owner removes the key from the
+	// index and calls Release on its slot; it must not call Forget or
+	// Admit from here. It is not called once the space or the class is
+	// closing.
 	Evict func(index.Key)
 	// Reject is called with each key the policy declined to admit.
 	Reject func(index.Key)
@@ -164,12 +168,12 @@ type Class struct {
 	slotBytes uint64
 	perChunk  uint64
 	counters  int64
-	policy    *ristretto.Cache[uint64, index.Key]
+	policy    policy
 	// retired is set when the class is removed: its policy's callbacks
 	// stop reaching the owner, and the worker closes it.
 	retired atomic.Bool
 	// pmu orders every use of the policy (read-locked) with closing it:
-	// ristretto must not be used while it closes. A user that lost the
+	// a policy must not be used while it closes. A user that lost the
 	// race to a removal finds retired set and does nothing.
 	pmu sync.RWMutex
 
@@ -291,36 +295,27 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 	counters := countersPerSlot * int64(t.capacity/slotBytes)
 	counters = max(min(counters, t.counterBudget-t.mu.counters), minCounters)
 	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, counters: counters, refs: 1}
-	// ristretto refuses a zero capacity; the first grow sets the real one.
-	p, err := ristretto.NewCache(&ristretto.Config[uint64, index.Key]{
-		// TinyLFU's frequency window: about ten times the blocks the
-		// class can hold, and never so small that a burst of one-off
-		// keys ages the hot set away.
-		NumCounters: counters,
-		MaxCost:     1,
-		// ristretto gathers accesses in pooled buffers of this many
-		// before they reach its sketch; the worker pads each batch to
-		// whole buffers (see record) so a block looked up just before
-		// its store does not look colder than the blocks looked up
-		// before it. The frequency stays an estimate: ristretto drops a
-		// buffer when its policy goroutine lags.
-		BufferItems:        touchBuffer,
-		IgnoreInternalCost: true,
-		// Closing a policy clears it, which "evicts" every key: those
-		// are not evictions the owner must act on.
-		OnEvict: func(it *ristretto.Item[index.Key]) {
+	// Closing a policy may clear it, which "evicts" every key: those are
+	// not evictions the owner must act on.
+	cb := callbacks{
+		evict: func(k index.Key) {
 			if t.cfg.Evict != nil && !c.retired.Load() && !t.closing.Load() {
-				t.cfg.Evict(it.Value)
+				t.cfg.Evict(k)
 			}
 		},
-		OnReject: func(it *ristretto.Item[index.Key]) {
+		reject: func(k index.Key) {
 			if t.cfg.Reject != nil && !c.retired.Load() && !t.closing.Load() {
-				t.cfg.Reject(it.Value)
+				t.cfg.Reject(k)
 			}
 		},
-	})
-	if err != nil {
-		return nil, fmt.Errorf("admission policy: %w", err)
+	}
+	var p policy = newSLRU(cb)
+	if t.cfg.Policy == TinyLFU {
+		lfu, err := newTinyLFU(counters, cb)
+		if err != nil {
+			return nil, fmt.Errorf("admission policy: %w", err)
+		}
+		p = lfu
 	}
 	c.policy = p
 	t.mu.counters += counters
@@ -390,13 +385,6 @@ type touchBatch struct {
 	hs []uint64
 }
 
-// touchBuffer is ristretto's BufferItems for every class.
-const touchBuffer = 16
-
-// touchPad is the policy key the worker pads batches with. It is never a
-// block's (a block key hashing to it only shares a frequency counter).
-const touchPad = 0x9e3779b97f4a7c15
-
 // worker feeds accesses to the policies and closes the policies of removed
 // classes, until the space closes.
 func (t *Space) worker() {
@@ -413,21 +401,14 @@ func (t *Space) worker() {
 	}
 }
 
-// record hands a batch's accesses to the class's policy, padded to a whole
-// number of ristretto's buffers so the last ones are not left waiting in a
-// half-full buffer (they would miss the next admission decision).
+// record hands a batch's accesses to the class's policy.
 func (t *Space) record(b touchBatch) {
 	b.c.pmu.RLock()
 	defer b.c.pmu.RUnlock()
 	if b.c.retired.Load() {
 		return
 	}
-	for _, h := range b.hs {
-		b.c.policy.Get(h)
-	}
-	for i := len(b.hs) % touchBuffer; i != 0 && i < touchBuffer; i++ {
-		b.c.policy.Get(touchPad)
-	}
+	b.c.policy.access(b.hs)
 }
 
 // closeRetired closes the policies of removed classes (their goroutines
@@ -448,7 +429,7 @@ func (c *Class) closePolicy() {
 	c.pmu.Lock()
 	defer c.pmu.Unlock()
 	c.retired.Store(true)
-	c.policy.Close()
+	c.policy.close()
 }
 
 // drainTouches records the queued accesses on the caller's goroutine.
@@ -496,12 +477,11 @@ func (c *Class) Admit(keys []index.Key) {
 		keys = uniq
 	}
 	c.grow(len(keys))
+	hs := make([]uint64, len(keys))
 	for i := range keys {
-		if !c.policy.Set(c.t.PolicyKey(&keys[i]), keys[i], 1) && c.t.cfg.Reject != nil {
-			c.t.cfg.Reject(keys[i])
-		}
+		hs[i] = c.t.PolicyKey(&keys[i])
 	}
-	c.policy.Wait()
+	c.policy.admit(keys, hs)
 }
 
 // Forget removes k from the policy after its owner dropped it for a reason
@@ -510,7 +490,7 @@ func (c *Class) Forget(k *index.Key) {
 	c.pmu.RLock()
 	defer c.pmu.RUnlock()
 	if !c.retired.Load() {
-		c.policy.Del(c.t.PolicyKey(k))
+		c.policy.forget(c.t.PolicyKey(k))
 	}
 }
 
@@ -522,8 +502,7 @@ func (c *Class) Holds(k *index.Key) bool {
 	if c.retired.Load() {
 		return false
 	}
-	_, ok := c.policy.GetTTL(c.t.PolicyKey(k))
-	return ok
+	return c.policy.holds(c.t.PolicyKey(k))
 }
 
 // Alloc takes a free slot for a block being written, leaving the free
@@ -658,8 +637,8 @@ func (c *Class) setMaxCostLocked() {
 		c.keep = int(min(max(int64(math.Ceil(float64(all)*c.t.cfg.Staging)), 1), all-1))
 	}
 	if c.policy != nil {
-		// An atomic store in ristretto; it takes effect at the next Admit.
-		c.policy.UpdateMaxCost(c.maxCost)
+		// An atomic store; it takes effect at the next Admit.
+		c.policy.setCapacity(c.maxCost)
 	}
 }
 

@@ -28,18 +28,38 @@ func key(i int) index.Key {
 // owner plays the offload service: it remembers which key holds which slot
 // and releases slots when the policy evicts.
 type owner struct {
-	mu      sync.Mutex
-	sp      *Space
-	slot    map[index.Key]SlotID
-	evicted []index.Key
-	ranges  int
+	mu       sync.Mutex
+	sp       *Space
+	slot     map[index.Key]SlotID
+	evicted  []index.Key
+	rejected []index.Key
+	ranges   int
+}
+
+// testPolicy is the policy newSpace gives its space ("": the default,
+// SLRU); bothPolicies runs a test under each.
+var testPolicy Policy
+
+func bothPolicies(t *testing.T, test func(t *testing.T)) {
+	for _, p := range []Policy{SLRU, TinyLFU} {
+		t.Run(string(p), func(t *testing.T) {
+			testPolicy = p
+			defer func() { testPolicy = "" }()
+			test(t)
+		})
+	}
 }
 
 func newSpace(t *testing.T, bytes, chunk uint64) (*Space, *owner) {
 	t.Helper()
 	o := &owner{slot: map[index.Key]SlotID{}}
 	sp, err := New(Config{
-		Name: "test", Bytes: bytes, ChunkBytes: chunk,
+		Name: "test", Bytes: bytes, ChunkBytes: chunk, Policy: testPolicy,
+		Reject: func(k index.Key) {
+			o.mu.Lock()
+			defer o.mu.Unlock()
+			o.rejected = append(o.rejected, k)
+		},
 		Evict: func(k index.Key) {
 			o.mu.Lock()
 			defer o.mu.Unlock()
@@ -149,24 +169,26 @@ func TestMisuseIsCaught(t *testing.T) {
 }
 
 func TestPolicyEvictsWhenFull(t *testing.T) {
-	sp, o := newSpace(t, 1<<20, 1<<20)
-	c, _ := sp.Class(64 << 10) // 16 slots
-	for i := 0; i < 16; i++ {
-		if _, ok := o.store(t, c, key(i)); !ok {
-			t.Fatalf("store %d found no slot", i)
+	bothPolicies(t, func(t *testing.T) {
+		sp, o := newSpace(t, 1<<20, 1<<20)
+		c, _ := sp.Class(64 << 10) // 16 slots
+		for i := 0; i < 16; i++ {
+			if _, ok := o.store(t, c, key(i)); !ok {
+				t.Fatalf("store %d found no slot", i)
+			}
 		}
-	}
-	for i := 16; i < 40; i++ {
-		o.store(t, c, key(i))
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if len(o.evicted) == 0 {
-		t.Fatal("the policy never evicted in a full space")
-	}
-	if _, blocks := sp.Usage(); blocks > 16 || blocks != uint64(len(o.slot)) {
-		t.Fatalf("%d blocks in use, owner holds %d", blocks, len(o.slot))
-	}
+		for i := 16; i < 40; i++ {
+			o.store(t, c, key(i))
+		}
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		if len(o.evicted) == 0 {
+			t.Fatal("the policy never evicted in a full space")
+		}
+		if _, blocks := sp.Usage(); blocks > 16 || blocks != uint64(len(o.slot)) {
+			t.Fatalf("%d blocks in use, owner holds %d", blocks, len(o.slot))
+		}
+	})
 }
 
 func TestSecondSlotSizeTakesAChunk(t *testing.T) {
@@ -254,40 +276,42 @@ func TestPinsDoNotWrap(t *testing.T) {
 // the free list empty it then admitted without evicting, and every store
 // found no slot until the pins dropped.
 func TestEvictingPinnedBlocksKeepsRoom(t *testing.T) {
-	sp, o := newSpace(t, 1<<20, 1<<20)
-	c, _ := sp.Class(64 << 10) // 16 slots
-	var pinned []SlotID
-	for i := 0; i < 16; i++ {
-		s, ok := o.store(t, c, key(i))
-		if !ok {
-			t.Fatalf("store %d found no slot", i)
+	bothPolicies(t, func(t *testing.T) {
+		sp, o := newSpace(t, 1<<20, 1<<20)
+		c, _ := sp.Class(64 << 10) // 16 slots
+		var pinned []SlotID
+		for i := 0; i < 16; i++ {
+			s, ok := o.store(t, c, key(i))
+			if !ok {
+				t.Fatalf("store %d found no slot", i)
+			}
+			if i%2 == 0 {
+				sp.Pin(s) // a lease on half the blocks
+				pinned = append(pinned, s)
+			}
 		}
-		if i%2 == 0 {
-			sp.Pin(s) // a lease on half the blocks
-			pinned = append(pinned, s)
+		failed := 0
+		for i := 100; i < 300; i++ {
+			if _, ok := o.store(t, c, key(i)); !ok {
+				c.Forget(&[]index.Key{key(i)}[0])
+				failed++
+			}
 		}
-	}
-	failed := 0
-	for i := 100; i < 300; i++ {
-		if _, ok := o.store(t, c, key(i)); !ok {
-			c.Forget(&[]index.Key{key(i)}[0])
-			failed++
+		// Each pinned block the policy evicts may cost one store its slot,
+		// no more.
+		if failed > len(pinned) {
+			t.Fatalf("%d of 200 stores found no slot with %d slots pinned", failed, len(pinned))
 		}
-	}
-	// Each pinned block the policy evicts may cost one store its slot,
-	// no more.
-	if failed > len(pinned) {
-		t.Fatalf("%d of 200 stores found no slot with %d slots pinned", failed, len(pinned))
-	}
-	extra := map[SlotID]uint32{}
-	for _, s := range pinned {
-		extra[s] = 1
-	}
-	o.audit(t, extra)
-	for _, s := range pinned {
-		sp.Unpin(s)
-	}
-	o.audit(t, nil)
+		extra := map[SlotID]uint32{}
+		for _, s := range pinned {
+			extra[s] = 1
+		}
+		o.audit(t, extra)
+		for _, s := range pinned {
+			sp.Unpin(s)
+		}
+		o.audit(t, nil)
+	})
 }
 
 // TestReserveKeepsASlot: the reserve used to round to nothing below eight
@@ -379,25 +403,27 @@ func TestAdmitGrowsPastTheStagingSlots(t *testing.T) {
 // ristretto reject the second offer, which the owner took for a rejection
 // of the key.
 func TestAdmitTwiceInOneBatch(t *testing.T) {
-	var rejected []index.Key
-	var mu sync.Mutex
-	sp, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20,
-		Reject: func(k index.Key) { mu.Lock(); rejected = append(rejected, k); mu.Unlock() }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sp.Close()
-	c, _ := sp.Class(4096)
-	k := key(7)
-	c.Admit([]index.Key{k, k})
-	mu.Lock()
-	defer mu.Unlock()
-	if len(rejected) != 0 {
-		t.Fatalf("rejected %v", rejected)
-	}
-	if !c.Holds(&k) {
-		t.Fatal("the key is not in the policy")
-	}
+	bothPolicies(t, func(t *testing.T) {
+		var rejected []index.Key
+		var mu sync.Mutex
+		sp, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20, Policy: testPolicy,
+			Reject: func(k index.Key) { mu.Lock(); rejected = append(rejected, k); mu.Unlock() }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sp.Close()
+		c, _ := sp.Class(4096)
+		k := key(7)
+		c.Admit([]index.Key{k, k})
+		mu.Lock()
+		defer mu.Unlock()
+		if len(rejected) != 0 {
+			t.Fatalf("rejected %v", rejected)
+		}
+		if !c.Holds(&k) {
+			t.Fatal("the key is not in the policy")
+		}
+	})
 }
 
 // TestQuarantineDoesNotStrandAChunk: a chunk moving to another slot size
@@ -527,17 +553,19 @@ func TestPolicyMemoryIsBounded(t *testing.T) {
 // TestCloseReportsNoEvictions: closing a policy clears it, and ristretto
 // reports every cleared key as evicted; the owner must not hear of them.
 func TestCloseReportsNoEvictions(t *testing.T) {
-	sp, o := newSpace(t, 1<<20, 1<<20)
-	c, _ := sp.Class(64 << 10)
-	for i := 0; i < 8; i++ {
-		o.store(t, c, key(i))
-	}
-	sp.Close()
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if len(o.evicted) != 0 {
-		t.Fatalf("close evicted %d keys", len(o.evicted))
-	}
+	bothPolicies(t, func(t *testing.T) {
+		sp, o := newSpace(t, 1<<20, 1<<20)
+		c, _ := sp.Class(64 << 10)
+		for i := 0; i < 8; i++ {
+			o.store(t, c, key(i))
+		}
+		sp.Close()
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		if len(o.evicted) != 0 {
+			t.Fatalf("close evicted %d keys", len(o.evicted))
+		}
+	})
 }
 
 func waitGoroutines(t *testing.T, atMost int) {
@@ -556,120 +584,122 @@ func waitGoroutines(t *testing.T, atMost int) {
 // compete for chunks, pins, unpins, drops, quarantines and class references
 // in a seeded random order, and audits the space after every step.
 func TestRandomOpsKeepTheBookkeeping(t *testing.T) {
-	for seed := uint64(1); seed <= 4; seed++ {
-		t.Run(fmt.Sprint(seed), func(t *testing.T) {
-			r := rand.New(rand.NewPCG(seed, 7))
-			sp, o := newSpace(t, 4<<20, 1<<20) // 4 chunks
-			sizes := []uint64{64 << 10, 192 << 10, 256 << 10}
-			classes := map[uint64]*Class{}
-			pins := map[SlotID]uint32{}
-			// Void slots the eraser holds, each with its pin, until an
-			// erase step lets one go.
-			var erasing []SlotID
-			sp.SetEraser(func(s SlotID) { erasing = append(erasing, s) })
-			allPins := func() map[SlotID]uint32 {
-				m := maps.Clone(pins)
-				for _, s := range erasing {
-					m[s]++
-				}
-				return m
-			}
-			next := 0
-			ownedSlots := func() []SlotID {
-				o.mu.Lock()
-				defer o.mu.Unlock()
-				out := make([]SlotID, 0, len(o.slot))
-				for _, s := range o.slot {
-					out = append(out, s)
-				}
-				slices.Sort(out)
-				return out
-			}
-			drop := func(s SlotID) bool { // the owner forgets the key of s
-				o.mu.Lock()
-				defer o.mu.Unlock()
-				for k, ks := range o.slot {
-					if ks == s {
-						delete(o.slot, k)
-						return true
+	bothPolicies(t, func(t *testing.T) {
+		for seed := uint64(1); seed <= 4; seed++ {
+			t.Run(fmt.Sprint(seed), func(t *testing.T) {
+				r := rand.New(rand.NewPCG(seed, 7))
+				sp, o := newSpace(t, 4<<20, 1<<20) // 4 chunks
+				sizes := []uint64{64 << 10, 192 << 10, 256 << 10}
+				classes := map[uint64]*Class{}
+				pins := map[SlotID]uint32{}
+				// Void slots the eraser holds, each with its pin, until an
+				// erase step lets one go.
+				var erasing []SlotID
+				sp.SetEraser(func(s SlotID) { erasing = append(erasing, s) })
+				allPins := func() map[SlotID]uint32 {
+					m := maps.Clone(pins)
+					for _, s := range erasing {
+						m[s]++
 					}
+					return m
 				}
-				return false
-			}
-			for step := 0; step < 600; step++ {
-				switch op := r.IntN(11); {
-				case op < 4: // store
-					size := sizes[r.IntN(len(sizes))]
-					c := classes[size]
-					if c == nil {
-						var err error
-						if c, err = sp.Class(size); err != nil {
-							t.Fatal(err)
-						}
-						classes[size] = c
+				next := 0
+				ownedSlots := func() []SlotID {
+					o.mu.Lock()
+					defer o.mu.Unlock()
+					out := make([]SlotID, 0, len(o.slot))
+					for _, s := range o.slot {
+						out = append(out, s)
 					}
-					next++
-					o.store(t, c, key(next))
-				case op < 6: // pin
-					if s := ownedSlots(); len(s) > 0 {
-						x := s[r.IntN(len(s))]
-						if sp.Pin(x) {
-							pins[x]++
+					slices.Sort(out)
+					return out
+				}
+				drop := func(s SlotID) bool { // the owner forgets the key of s
+					o.mu.Lock()
+					defer o.mu.Unlock()
+					for k, ks := range o.slot {
+						if ks == s {
+							delete(o.slot, k)
+							return true
 						}
 					}
-				case op < 8: // unpin
-					for x := range pins {
-						sp.Unpin(x)
-						if pins[x]--; pins[x] == 0 {
-							delete(pins, x)
+					return false
+				}
+				for step := 0; step < 600; step++ {
+					switch op := r.IntN(11); {
+					case op < 4: // store
+						size := sizes[r.IntN(len(sizes))]
+						c := classes[size]
+						if c == nil {
+							var err error
+							if c, err = sp.Class(size); err != nil {
+								t.Fatal(err)
+							}
+							classes[size] = c
 						}
-						break
-					}
-				case op < 9: // drop or quarantine a block
-					if s := ownedSlots(); len(s) > 0 {
-						x := s[r.IntN(len(s))]
-						if drop(x) {
-							switch r.IntN(4) {
-							case 0:
-								sp.Quarantine(x)
-							case 1:
-								sp.Void(x)
-							default:
-								sp.Release(x)
+						next++
+						o.store(t, c, key(next))
+					case op < 6: // pin
+						if s := ownedSlots(); len(s) > 0 {
+							x := s[r.IntN(len(s))]
+							if sp.Pin(x) {
+								pins[x]++
 							}
 						}
+					case op < 8: // unpin
+						for x := range pins {
+							sp.Unpin(x)
+							if pins[x]--; pins[x] == 0 {
+								delete(pins, x)
+							}
+							break
+						}
+					case op < 9: // drop or quarantine a block
+						if s := ownedSlots(); len(s) > 0 {
+							x := s[r.IntN(len(s))]
+							if drop(x) {
+								switch r.IntN(4) {
+								case 0:
+									sp.Quarantine(x)
+								case 1:
+									sp.Void(x)
+								default:
+									sp.Release(x)
+								}
+							}
+						}
+					case op < 10: // an erase lands
+						if len(erasing) > 0 {
+							x := erasing[0]
+							erasing = erasing[1:]
+							sp.Unpin(x)
+						}
+					default: // a class loses its last user, or comes back
+						size := sizes[r.IntN(len(sizes))]
+						if c := classes[size]; c != nil {
+							c.Drop()
+							delete(classes, size)
+						}
 					}
-				case op < 10: // an erase lands
-					if len(erasing) > 0 {
-						x := erasing[0]
-						erasing = erasing[1:]
+					o.audit(t, allPins())
+				}
+				for x, n := range pins {
+					for ; n > 0; n-- {
 						sp.Unpin(x)
 					}
-				default: // a class loses its last user, or comes back
-					size := sizes[r.IntN(len(sizes))]
-					if c := classes[size]; c != nil {
-						c.Drop()
-						delete(classes, size)
-					}
 				}
-				o.audit(t, allPins())
-			}
-			for x, n := range pins {
-				for ; n > 0; n-- {
+				for len(erasing) > 0 {
+					x := erasing[0]
+					erasing = erasing[1:]
 					sp.Unpin(x)
 				}
-			}
-			for len(erasing) > 0 {
-				x := erasing[0]
-				erasing = erasing[1:]
-				sp.Unpin(x)
-			}
-			o.audit(t, nil)
-			for _, c := range classes {
-				c.Drop()
-			}
-		})
-	}
+				o.audit(t, nil)
+				for _, c := range classes {
+					c.Drop()
+				}
+			})
+		}
+	})
 }
 
 // allocAll takes every slot Alloc gives.

@@ -1,0 +1,165 @@
+package slots
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
+)
+
+// slruClass is a 16-slot class of an SLRU space (no reserve).
+func slruClass(t *testing.T) (*Space, *Class, *owner) {
+	t.Helper()
+	testPolicy = SLRU
+	defer func() { testPolicy = "" }()
+	sp, o := newSpace(t, 1<<20, 1<<20)
+	c, err := sp.Class(64 << 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sp, c, o
+}
+
+func (o *owner) evictedKeys() []index.Key {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return slices.Clone(o.evicted)
+}
+
+// A full SLRU class evicts the least recently stored block nobody used
+// again, one per new block, and tells the owner before Admit returns.
+func TestSLRUEvictsTheOldestOnProbation(t *testing.T) {
+	_, c, o := slruClass(t)
+	for i := range 16 {
+		if _, ok := o.store(t, c, key(i)); !ok {
+			t.Fatalf("store %d found no slot", i)
+		}
+	}
+	if ev := o.evictedKeys(); len(ev) != 0 {
+		t.Fatalf("evicted %d blocks from a class with room", len(ev))
+	}
+	for i := 16; i < 20; i++ {
+		o.store(t, c, key(i))
+	}
+	want := []index.Key{key(0), key(1), key(2), key(3)}
+	if ev := o.evictedKeys(); !slices.Equal(ev, want) {
+		t.Fatalf("evicted %v, want the four oldest", ev)
+	}
+}
+
+// Blocks looked up again while held are protected: a scan of one-off
+// blocks many times the class's size only churns the probation segment,
+// and every protected block is still held after it.
+func TestSLRUScanKeepsWhatIsUsedAgain(t *testing.T) {
+	sp, c, o := slruClass(t)
+	hot := make([]index.Key, 8)
+	for i := range hot {
+		hot[i] = key(i)
+		o.store(t, c, hot[i])
+	}
+	hs := make([]uint64, len(hot))
+	for i := range hot {
+		hs[i] = sp.PolicyKey(&hot[i])
+	}
+	c.Touch(slices.Clone(hs)) // a Lookup that hits them (Admit records queued touches first)
+	for i := 100; i < 500; i++ {
+		// A one-off prompt: looked up (a miss), then stored.
+		k := key(i)
+		c.Touch([]uint64{sp.PolicyKey(&k)})
+		o.store(t, c, k)
+	}
+	for _, k := range hot {
+		if !c.Holds(&k) {
+			t.Fatalf("hot block %v was evicted by the scan", k)
+		}
+	}
+	for _, k := range o.evictedKeys() {
+		if slices.Contains(hot, k) {
+			t.Fatalf("hot block %v evicted", k)
+		}
+	}
+	if n := len(o.evictedKeys()); n < 400-8 {
+		t.Fatalf("%d evictions for 400 one-off blocks into 8 free slots", n)
+	}
+}
+
+// The protected segment is at most 80% of the class: when more blocks than
+// that are used again, the least recently used of them go back on
+// probation and are the next to go.
+func TestSLRUProtectedSegmentIsBounded(t *testing.T) {
+	sp, c, o := slruClass(t)
+	var all []uint64
+	for i := range 16 {
+		k := key(i)
+		o.store(t, c, k)
+		all = append(all, sp.PolicyKey(&k))
+	}
+	c.Touch(all) // every block used again, key(0) first: 12 fit in the protected segment
+	o.store(t, c, key(100))
+	// The new block went on probation after the 4 demoted ones (key(0)
+	// to key(3), the least recently used); the oldest of those goes.
+	if ev := o.evictedKeys(); !slices.Equal(ev, []index.Key{key(0)}) {
+		t.Fatalf("evicted %v, want key(0): the least recently used block pushed out of the protected segment", ev)
+	}
+	for i := 4; i < 16; i++ {
+		if k := key(i); !c.Holds(&k) {
+			t.Fatalf("protected block %d is gone", i)
+		}
+	}
+}
+
+// One Admit of more new blocks than the class holds declines the oldest
+// of them (Reject, not Evict: the owner never stored them) and evicts
+// nothing it held before... once those are gone too.
+func TestSLRUDeclinesWhatOneAdmitCannotHold(t *testing.T) {
+	_, c, o := slruClass(t)
+	keys := make([]index.Key, 20)
+	for i := range keys {
+		keys[i] = key(i)
+	}
+	c.Admit(keys)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.evicted) != 0 || !slices.Equal(o.rejected, keys[:4]) {
+		t.Fatalf("evicted %v, rejected %v; want the first 4 of the batch declined", o.evicted, o.rejected)
+	}
+}
+
+// Forget takes a block out of the policy: it is not held, never evicted
+// later, and its room goes to the next block.
+func TestSLRUForget(t *testing.T) {
+	_, c, o := slruClass(t)
+	for i := range 16 {
+		o.store(t, c, key(i))
+	}
+	k0 := key(0)
+	c.Forget(&k0)
+	if c.Holds(&k0) {
+		t.Fatal("a forgotten block is still held")
+	}
+	o.mu.Lock()
+	o.sp.Release(o.slot[k0])
+	delete(o.slot, k0)
+	o.mu.Unlock()
+	o.store(t, c, key(16))
+	if ev := o.evictedKeys(); len(ev) != 0 {
+		t.Fatalf("evicted %v after a forget made room", ev)
+	}
+	o.store(t, c, key(17))
+	if ev := o.evictedKeys(); !slices.Equal(ev, []index.Key{key(1)}) {
+		t.Fatalf("evicted %v, want key(1) (key(0) was forgotten)", ev)
+	}
+}
+
+func TestParsePolicy(t *testing.T) {
+	for _, s := range []string{"slru", "tinylfu"} {
+		if p, err := ParsePolicy(s); err != nil || string(p) != s {
+			t.Errorf("ParsePolicy(%q) = %q, %v", s, p, err)
+		}
+	}
+	for _, s := range []string{"", "lru", "SLRU"} {
+		if _, err := ParsePolicy(s); err == nil {
+			t.Errorf("ParsePolicy(%q) accepted", s)
+		}
+	}
+}
