@@ -49,8 +49,9 @@ type policy interface {
 	admit(keys []index.Key, hs []uint64)
 	// learn is admit for keys the owner already keeps (recovery).
 	learn(keys []index.Key, hs []uint64)
-	// access records lookups (hit or miss) of the keys hs.
-	access(hs []uint64)
+	// access records lookups (hit or miss) of the keys hs, made when the
+	// last admit was seq (see admits).
+	access(hs []uint64, seq uint64)
 	forget(h uint64)
 	holds(h uint64) bool
 	// setCapacity is how many blocks the class may keep; it takes effect
@@ -128,7 +129,7 @@ const touchBuffer = 16
 // block's (a block key hashing to it only shares a frequency counter).
 const touchPad = 0x9e3779b97f4a7c15
 
-func (p *tinyLFU) access(hs []uint64) {
+func (p *tinyLFU) access(hs []uint64, _ uint64) {
 	for _, h := range hs {
 		p.c.Get(h)
 	}
@@ -170,7 +171,7 @@ type slruEntry struct {
 	h         uint64
 	key       index.Key
 	protected bool
-	batch     uint64 // the admit that added it
+	admit     uint64 // the admit that added it (admits)
 }
 
 func newSLRU(cb callbacks) *slru {
@@ -182,12 +183,15 @@ func newSLRU(cb callbacks) *slru {
 func (p *slru) admit(keys []index.Key, hs []uint64) { p.add(keys, hs) }
 func (p *slru) learn(keys []index.Key, hs []uint64) { p.add(keys, hs) }
 
-// batches numbers admits, so that a key evicted by the admit that added it
-// is reported declined (Reject), not evicted.
-var batches atomic.Uint64
+// admits numbers every admit and learn of every SLRU: a key evicted by the
+// admit that added it is reported declined (Reject), not evicted; and an
+// access counts as a reuse only of a block added before it was made
+// (accesses reach the policy a moment late, from the space's worker: a
+// one-off block's Lookup, a miss, must not promote it once it is stored).
+var admits atomic.Uint64
 
 func (p *slru) add(keys []index.Key, hs []uint64) {
-	batch := batches.Add(1)
+	batch := admits.Add(1)
 	var evicted, rejected []index.Key
 	p.mu.Lock()
 	for i := range keys {
@@ -195,7 +199,7 @@ func (p *slru) add(keys []index.Key, hs []uint64) {
 			p.touchLocked(el) // held already: a store of it counts as a use
 			continue
 		}
-		p.at[hs[i]] = p.prob.PushFront(&slruEntry{h: hs[i], key: keys[i], batch: batch})
+		p.at[hs[i]] = p.prob.PushFront(&slruEntry{h: hs[i], key: keys[i], admit: batch})
 	}
 	for limit := max(p.capacity.Load(), 0); int64(len(p.at)) > limit; {
 		l := p.prob
@@ -204,7 +208,7 @@ func (p *slru) add(keys []index.Key, hs []uint64) {
 		}
 		e := l.Remove(l.Back()).(*slruEntry)
 		delete(p.at, e.h)
-		if e.batch == batch {
+		if e.admit == batch {
 			rejected = append(rejected, e.key)
 		} else {
 			evicted = append(evicted, e.key)
@@ -239,12 +243,13 @@ func (p *slru) touchLocked(el *list.Element) {
 	}
 }
 
-// access promotes the held keys among hs; the others are not tracked.
-func (p *slru) access(hs []uint64) {
+// access promotes the keys among hs that were held when the accesses were
+// made (added at admit seq or before); the others are not tracked.
+func (p *slru) access(hs []uint64, seq uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, h := range hs {
-		if el, ok := p.at[h]; ok {
+		if el, ok := p.at[h]; ok && el.Value.(*slruEntry).admit <= seq {
 			p.touchLocked(el)
 		}
 	}

@@ -3,6 +3,7 @@ package slots
 import (
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 )
@@ -18,6 +19,31 @@ func slruClass(t *testing.T) (*Space, *Class, *owner) {
 		t.Fatal(err)
 	}
 	return sp, c, o
+}
+
+// waitProtected waits until the SLRU of c holds every key of hs in its
+// protected segment.
+func waitProtected(t *testing.T, c *Class, hs []uint64) {
+	t.Helper()
+	p := c.policy.(*slru)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		p.mu.Lock()
+		n := 0
+		for _, h := range hs {
+			if el, ok := p.at[h]; ok && el.Value.(*slruEntry).protected {
+				n++
+			}
+		}
+		p.mu.Unlock()
+		if n == len(hs) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d touched blocks protected after 10s", n, len(hs))
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 func (o *owner) evictedKeys() []index.Key {
@@ -61,7 +87,11 @@ func TestSLRUScanKeepsWhatIsUsedAgain(t *testing.T) {
 	for i := range hot {
 		hs[i] = sp.PolicyKey(&hot[i])
 	}
-	c.Touch(slices.Clone(hs)) // a Lookup that hits them (Admit records queued touches first)
+	c.Touch(slices.Clone(hs)) // a Lookup that hits them
+	// Touches reach the policy from the space's worker, a moment later
+	// (a batch the worker has taken is not yet recorded when an Admit
+	// drains the queue): wait for them, so the scan starts after.
+	waitProtected(t, c, hs)
 	for i := 100; i < 500; i++ {
 		// A one-off prompt: looked up (a miss), then stored.
 		k := key(i)
@@ -95,6 +125,7 @@ func TestSLRUProtectedSegmentIsBounded(t *testing.T) {
 		all = append(all, sp.PolicyKey(&k))
 	}
 	c.Touch(all) // every block used again, key(0) first: 12 fit in the protected segment
+	waitProtected(t, c, all[4:])
 	o.store(t, c, key(100))
 	// The new block went on probation after the 4 demoted ones (key(0)
 	// to key(3), the least recently used); the oldest of those goes.
@@ -152,6 +183,9 @@ func TestSLRUForget(t *testing.T) {
 }
 
 func TestParsePolicy(t *testing.T) {
+	if _, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20, Policy: "lru"}); err == nil {
+		t.Error("a space with an unknown policy was made")
+	}
 	for _, s := range []string{"slru", "tinylfu"} {
 		if p, err := ParsePolicy(s); err != nil || string(p) != s {
 			t.Errorf("ParsePolicy(%q) = %q, %v", s, p, err)
@@ -161,5 +195,32 @@ func TestParsePolicy(t *testing.T) {
 		if _, err := ParsePolicy(s); err == nil {
 			t.Errorf("ParsePolicy(%q) accepted", s)
 		}
+	}
+}
+
+// Accesses reach the policy from the space's worker, so a Lookup that
+// missed a block can be recorded after the block's store: that must not
+// count as its reuse (a one-off prompt would be protected), while a
+// Lookup made after the store does.
+func TestSLRULateMissDoesNotProtect(t *testing.T) {
+	sp, c, o := slruClass(t)
+	k := key(1)
+	h := sp.PolicyKey(&k)
+	missed := admits.Load() // the Lookup that missed k, made now
+	o.store(t, c, k)
+	c.policy.access([]uint64{h}, missed)
+	p := c.policy.(*slru)
+	protected := func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		el, ok := p.at[h]
+		return ok && el.Value.(*slruEntry).protected
+	}
+	if protected() {
+		t.Fatal("a Lookup made before the store protected the block")
+	}
+	c.policy.access([]uint64{h}, admits.Load())
+	if !protected() {
+		t.Fatal("a Lookup made after the store did not protect the block")
 	}
 }

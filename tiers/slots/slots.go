@@ -68,7 +68,7 @@ type Config struct {
 	MaxClasses int
 	Logger     *slog.Logger
 	// Policy is each class's admission and eviction policy (SLRU or
-	// TinyLFU; empty means TinyLFU).
+	// TinyLFU; empty means SLRU).
 	Policy Policy
 	// Evict is called with each key the policy evicted, before the Admit
 	// (or Learn) that made room returns, on the policy's goroutine
@@ -193,6 +193,11 @@ type Class struct {
 func New(cfg Config) (*Space, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.Policy != "" {
+		if _, err := ParsePolicy(string(cfg.Policy)); err != nil {
+			return nil, err
+		}
 	}
 	chunk := cfg.ChunkBytes
 	if chunk == 0 {
@@ -374,7 +379,7 @@ func (c *Class) Touch(hs []uint64) {
 		return
 	}
 	select {
-	case c.t.touches <- touchBatch{c: c, hs: hs}:
+	case c.t.touches <- touchBatch{c: c, hs: hs, seq: admits.Load()}:
 	default:
 		c.t.touchesDropped.Add(uint64(len(hs)))
 	}
@@ -383,6 +388,10 @@ func (c *Class) Touch(hs []uint64) {
 type touchBatch struct {
 	c  *Class
 	hs []uint64
+	// seq is the last admit when the accesses were made: a block the
+	// policy took after them was not held when they looked, and a late
+	// batch does not count as its reuse.
+	seq uint64
 }
 
 // worker feeds accesses to the policies and closes the policies of removed
@@ -408,7 +417,7 @@ func (t *Space) record(b touchBatch) {
 	if b.c.retired.Load() {
 		return
 	}
-	b.c.policy.access(b.hs)
+	b.c.policy.access(b.hs, b.seq)
 }
 
 // closeRetired closes the policies of removed classes (their goroutines
