@@ -67,12 +67,8 @@ func TestRedis(t *testing.T) {
 // The segment copier moves each block's segments between the engine
 // region and an arena slot, packed back to back, both ways.
 func TestSegmentCopier(t *testing.T) {
-	shape := model.Shape{Name: "t", Layers: 2, BlockTokens: 16, KVHeads: 2, HeadDim: 64, DTypeBytes: 2}
-	region, err := model.NewRegion("/dev/shm", shape, 8)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer region.Close()
+	region := testRegion(t, 2, 2, 8)
+	shape := region.Shape
 	c, err := NewSegmentCopier(region, 0, 3)
 	if err != nil {
 		t.Fatal(err)

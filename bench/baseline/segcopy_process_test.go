@@ -14,6 +14,19 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// testRegion is a /dev/shm region of blocks blocks of a small shape,
+// removed when the test ends.
+func testRegion(t *testing.T, layers, heads, blocks int) *model.Region {
+	t.Helper()
+	shape := model.Shape{Name: "t", Layers: layers, BlockTokens: 16, KVHeads: heads, HeadDim: 64, DTypeBytes: 2}
+	region, err := model.NewRegion("/dev/shm", shape, blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { region.Close() })
+	return region
+}
+
 func startProcessCopier(t *testing.T, region *model.Region) *ProcessCopier {
 	t.Helper()
 	exe, err := os.Executable()
@@ -32,12 +45,8 @@ func startProcessCopier(t *testing.T, region *model.Region) *ProcessCopier {
 // the same slots brings every byte back, and a block the helper did not
 // copy is left alone.
 func TestProcessCopier(t *testing.T) {
-	shape := model.Shape{Name: "t", Layers: 2, BlockTokens: 16, KVHeads: 2, HeadDim: 64, DTypeBytes: 2}
-	region, err := model.NewRegion("/dev/shm", shape, 8)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer region.Close()
+	region := testRegion(t, 2, 2, 8)
+	shape := region.Shape
 	p := startProcessCopier(t, region)
 	defer func() {
 		if err := p.Close(); err != nil {
@@ -80,13 +89,7 @@ func TestProcessCopier(t *testing.T) {
 
 // A helper that is gone makes Copy fail, not hang or report a time.
 func TestProcessCopierHelperGone(t *testing.T) {
-	shape := model.Shape{Name: "t", Layers: 1, BlockTokens: 16, KVHeads: 1, HeadDim: 64, DTypeBytes: 2}
-	region, err := model.NewRegion("/dev/shm", shape, 4)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer region.Close()
-	p := startProcessCopier(t, region)
+	p := startProcessCopier(t, testRegion(t, 1, 1, 4))
 	if _, _, err := p.Copy([]int{0, 3}, true); err != nil {
 		t.Fatal(err)
 	}
@@ -109,11 +112,7 @@ func TestProcessCopierHelperGone(t *testing.T) {
 
 // A helper that cannot map its region says why and does not start.
 func TestProcessCopierBadRegion(t *testing.T) {
-	shape := model.Shape{Name: "t", Layers: 1, BlockTokens: 16, KVHeads: 1, HeadDim: 64, DTypeBytes: 2}
-	region, err := model.NewRegion("/dev/shm", shape, 4)
-	if err != nil {
-		t.Fatal(err)
-	}
+	region := testRegion(t, 1, 1, 4)
 	region.Close() // the file is gone
 	exe, err := os.Executable()
 	if err != nil {

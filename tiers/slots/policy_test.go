@@ -140,8 +140,7 @@ func TestSLRUProtectedSegmentIsBounded(t *testing.T) {
 }
 
 // One Admit of more new blocks than the class holds declines the oldest
-// of them (Reject, not Evict: the owner never stored them) and evicts
-// nothing it held before... once those are gone too.
+// of them (Reject, not Evict: the owner never stored them).
 func TestSLRUDeclinesWhatOneAdmitCannotHold(t *testing.T) {
 	_, c, o := slruClass(t)
 	keys := make([]index.Key, 20)
