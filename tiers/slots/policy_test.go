@@ -1,7 +1,12 @@
 package slots
 
 import (
+	"container/list"
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -222,4 +227,94 @@ func TestSLRULateMissDoesNotProtect(t *testing.T) {
 	if !protected() {
 		t.Fatal("a Lookup made after the store did not protect the block")
 	}
+}
+
+// Admits, accesses, forgets and capacity changes from many goroutines at
+// once leave the SLRU consistent, checked every 50 operations of one of
+// them and at the end: every key in exactly one segment, the protected one
+// within its bound, nothing over capacity after an admit, and what it
+// dropped reported to the owner.
+func TestSLRUConcurrentUse(t *testing.T) {
+	var mu sync.Mutex
+	dropped := 0
+	note := func(index.Key) {
+		mu.Lock()
+		dropped++
+		mu.Unlock()
+	}
+	p := newSLRU(callbacks{evict: note, reject: note})
+	p.setCapacity(64)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 8 {
+		wg.Go(func() {
+			r := rand.New(rand.NewPCG(uint64(g), 1))
+			for i := range 5000 {
+				if g == 0 && i%50 == 0 {
+					p.mu.Lock()
+					err := slruConsistent(p, -1)
+					p.mu.Unlock()
+					if err != nil {
+						errs <- err
+						return
+					}
+				}
+				k := key(r.IntN(512))
+				h := binary.LittleEndian.Uint64(k.Hash[:])
+				switch r.IntN(10) {
+				case 0, 1, 2, 3:
+					p.admit([]index.Key{k}, []uint64{h})
+				case 4, 5, 6, 7:
+					p.access([]uint64{h}, admits.Load())
+				case 8:
+					p.holds(h)
+					p.forget(h)
+				default:
+					p.setCapacity(int64(32 + r.IntN(64)))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	p.setCapacity(64)
+	p.admit(nil, nil) // settles a capacity lowered last
+	p.mu.Lock()
+	err := slruConsistent(p, 64)
+	p.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if dropped == 0 {
+		t.Fatal("no key ever dropped with 512 keys through at most 95 slots")
+	}
+}
+
+// slruConsistent checks p's lists against its map, and (capacity >= 0)
+// its size and protected segment against capacity. p.mu is held.
+func slruConsistent(p *slru, capacity int) error {
+	if got := p.prob.Len() + p.prot.Len(); got != len(p.at) {
+		return fmt.Errorf("%d keys in the segments, %d in the map", got, len(p.at))
+	}
+	if capacity >= 0 {
+		if len(p.at) > capacity {
+			return fmt.Errorf("%d keys held, capacity %d", len(p.at), capacity)
+		}
+		if bound := int(float64(capacity) * protectedShare); p.prot.Len() > bound {
+			return fmt.Errorf("%d protected, bound %d", p.prot.Len(), bound)
+		}
+	}
+	for l, prot := range map[*list.List]bool{p.prob: false, p.prot: true} {
+		for el := l.Front(); el != nil; el = el.Next() {
+			if e := el.Value.(*slruEntry); e.protected != prot || p.at[e.h] != el {
+				return fmt.Errorf("key %x: protected %v in the protected list %v, map entry matches %v", e.h, e.protected, prot, p.at[e.h] == el)
+			}
+		}
+	}
+	return nil
 }
