@@ -44,7 +44,9 @@ var names = []struct {
 }{
 	{func(b string) bool { return strings.HasSuffix(b, ".test") }, "a Go test binary"},
 	{func(b string) bool { return strings.HasSuffix(b, ".prof") || strings.HasSuffix(b, ".pprof") }, "a profile"},
-	{func(b string) bool { return strings.HasSuffix(b, ".coverprofile") || b == "coverage.out" || b == "cover.out" }, "a coverage profile"},
+	{func(b string) bool {
+		return strings.HasSuffix(b, ".coverprofile") || b == "coverage.out" || b == "cover.out"
+	}, "a coverage profile"},
 	{func(b string) bool { return strings.HasSuffix(b, ".pyc") }, "compiled Python"},
 }
 
