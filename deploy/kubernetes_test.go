@@ -175,6 +175,20 @@ func TestKubernetesManifests(t *testing.T) {
 		checkDaemonArgs(t, "kvoffloadd args", p.args)
 	})
 
+	t.Run("pid namespace", func(t *testing.T) {
+		// The connector hands a block back to vLLM only once the daemon
+		// reported its copy, drained the registration or exited; it learns
+		// the daemon's pid from the socket (SO_PEERCRED), which is 0 across
+		// pid namespaces, and then falls back to a 30 s grace that a frozen
+		// daemon can outlast (docs/vllm.md, "Daemon pid not visible").
+		if p.spec.ShareProcessNamespace == nil || !*p.spec.ShareProcessNamespace {
+			t.Error("the pod does not share its pid namespace (shareProcessNamespace: true): the connector cannot see the daemon's pid and runs with a grace period a frozen daemon can outlast")
+		}
+		if p.spec.HostPID {
+			t.Error("hostPID: the pod would see the node's processes; shareProcessNamespace is what the connector needs")
+		}
+	})
+
 	t.Run("socket", func(t *testing.T) {
 		if p.socket == "" {
 			t.Fatal("kvoffloadd: no --socket")
@@ -523,6 +537,24 @@ func TestKubernetesSidecarRuns(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(body), `kvoffload_tier_capacity_bytes{tier="disk"} 6.7108864e+07`) {
 		t.Fatalf("metrics lack the disk tier:\n%.2000s", body)
+	}
+	// In one pid namespace, as the pod shares its own, the connector finds
+	// the daemon's process from the socket and watches it exit.
+	sock := filepath.Join(root, p.socket)
+	watch := exec.Command(python(), "-c", `
+import sys
+from kvoffload.daemon_process import DaemonProcess, daemon_pid
+pid = daemon_pid(sys.argv[1])
+d = DaemonProcess(pid)
+print(pid, d.known, d.exited())
+`, sock)
+	watch.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join("..", "clients", "python"))
+	out, err := watch.CombinedOutput()
+	if err != nil {
+		t.Fatalf("daemon_pid: %v\n%s", err, out)
+	}
+	if want := fmt.Sprintf("%d True False", d.cmd.Process.Pid); strings.TrimSpace(string(out)) != want {
+		t.Fatalf("the connector sees the daemon on %s as %q, want %q (pid, known, exited)", sock, strings.TrimSpace(string(out)), want)
 	}
 	if err := d.stop(t); err != nil {
 		t.Fatalf("daemon exit: %v", err)

@@ -2,6 +2,7 @@ package events
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -10,11 +11,11 @@ import (
 
 // BenchmarkChange is the cost the hub adds to a change of a block's tiers
 // (a store landing, an eviction), from parallel writers: with nobody
-// subscribed, and with a subscriber reading everything; "nohub" is the
-// index alone.
+// subscribed, with a subscriber reading everything, and with that one and
+// 63 more that each follow 64 other namespaces (MaxSubscribers, as many
+// routers or connectors of other engines); "nohub" is the index alone.
 func BenchmarkChange(b *testing.B) {
-	for _, name := range []string{"nohub", "none", "subscribed"} {
-		subscribed := name == "subscribed"
+	for _, name := range []string{"nohub", "none", "subscribed", "64x64"} {
 		b.Run(name, func(b *testing.B) {
 			ix := index.New()
 			h := &Hub{}
@@ -22,11 +23,15 @@ func BenchmarkChange(b *testing.B) {
 				h = New(ix, Config{})
 			}
 			stop := make(chan struct{})
-			done := make(chan struct{})
-			if subscribed {
-				sub, _ := h.Subscribe(nil, false)
+			var readers sync.WaitGroup
+			read := func(nss []uint32) {
+				sub, err := h.Subscribe(nss, false)
+				if err != nil {
+					b.Fatal(err)
+				}
+				readers.Add(1)
 				go func() {
-					defer close(done)
+					defer readers.Done()
 					defer sub.Close()
 					buf := make([]Event, 0, 1024)
 					for {
@@ -35,8 +40,18 @@ func BenchmarkChange(b *testing.B) {
 						}
 					}
 				}()
-			} else {
-				close(done)
+			}
+			if name == "subscribed" || name == "64x64" {
+				read(nil)
+			}
+			if name == "64x64" {
+				for i := range 63 {
+					nss := make([]uint32, 64)
+					for j := range nss {
+						nss[j] = uint32(1000 + i*64 + j)
+					}
+					read(nss)
+				}
 			}
 			var next atomic.Uint64
 			toCPU := func(e *index.Entry, _ bool) bool { e.State, e.CPU, e.Disk = index.Ready, 1, index.NoSlot; return true }
@@ -46,7 +61,8 @@ func BenchmarkChange(b *testing.B) {
 			b.RunParallel(func(pb *testing.PB) {
 				k := key(1, next.Add(1)<<32)
 				for i := uint64(0); pb.Next(); i++ {
-					k.Hash[15] = byte(i)
+					// Each key is stored, then dropped: every op is a change.
+					k.Hash[15] = byte(i >> 1)
 					if i&1 == 0 {
 						ix.Mutate(&k, toCPU)
 					} else {
@@ -56,7 +72,7 @@ func BenchmarkChange(b *testing.B) {
 			})
 			b.StopTimer()
 			close(stop)
-			<-done
+			readers.Wait()
 		})
 	}
 }

@@ -5,9 +5,10 @@
 // it came. KV-aware routers learn from it what this node holds (the vLLM
 // KV event format is events/vllm's). docs/events.md is the contract.
 //
-// The changes go into one ring shared by every subscriber. A subscriber
-// that falls further behind than the ring holds is told so (Lost) and
-// starts over from a snapshot: it never silently misses a change.
+// The changes go into one ring shared by every subscriber (ring.go). A
+// subscriber that falls further behind than the ring holds is told so
+// (Lost) and starts over from a snapshot: it never silently misses a
+// change.
 package events
 
 import (
@@ -65,8 +66,8 @@ var ErrTooMany = errors.New("too many event subscriptions")
 // Config sizes the hub.
 type Config struct {
 	// Buffer is the ring's length in changes, shared by every subscriber
-	// (default DefaultBuffer). A subscriber more than Buffer changes
-	// behind is told Lost.
+	// (default DefaultBuffer, rounded up to a power of two). A subscriber
+	// more than Buffer changes behind is told Lost.
 	Buffer int
 	// MaxSubscribers bounds the subscriptions (default
 	// DefaultMaxSubscribers).
@@ -80,38 +81,69 @@ const (
 	DefaultMaxSubscribers = 64
 )
 
-// scanMax bounds the ring entries one read looks at under the lock, so a
-// subscriber of a quiet namespace skipping a busy one's changes does not
-// hold up the writers.
+// scanMax bounds the ring entries one read looks at, so a subscriber of a
+// quiet namespace skipping a busy one's changes hands control back now and
+// then.
 const scanMax = 4096
 
 // Hub fans the index's changes out to subscribers. Safe for concurrent use.
+//
+// The data path (TiersChanged, under a shard lock of the index) pays for no
+// subscriber: it reserves each change's Seq with one atomic add, writes the
+// change into the ring's slot for that Seq, and at most once per round of
+// the hub's fan-out goroutine hands it a notice. That goroutine, running
+// while there are subscriptions, reads the new changes and wakes the
+// subscribers of the namespaces they touched (per-namespace lists, copied
+// on write when a subscription comes or goes). Each subscriber reads the
+// ring itself, from its own cursor.
 type Hub struct {
 	ix  *index.Index
 	cfg Config
 	// active is the number of subscriptions: with none, a change costs
 	// one atomic load.
 	active atomic.Int32
-	// hashLen is each namespace's hash length, copied on write (namespaces
-	// come and go rarely; every change reads it).
-	hashLen atomic.Pointer[map[uint32]uint8]
-	hlMu    sync.Mutex
+	// ns is each namespace's state, the map copied on write under nsMu
+	// (namespaces come and go rarely; every change reads it).
+	ns   atomic.Pointer[map[uint32]*nsState]
+	nsMu sync.Mutex
 	// lost counts the times a subscriber fell behind the ring.
 	lost atomic.Uint64
 
-	// mu is a leaf: taken under an index shard's lock, never the other
-	// way round.
+	// next is the Seq the next change takes (the first is 1). A change
+	// of a key reserves its Seq under the key's shard lock, so one key's
+	// changes are in the order they happened, and a shard's scan taken
+	// under the lock sees exactly the changes before the next Seq.
+	next atomic.Uint64
+	ring atomic.Pointer[ring] // allocated with the first subscription
+
+	// kick carries the data path's notice to the fan-out goroutine;
+	// kicked is set while one is pending, so a change sends at most one.
+	kick   chan struct{}
+	kicked atomic.Bool
+	// follow is who follows what, for the fan-out goroutine; replaced
+	// under mu.
+	follow atomic.Pointer[followers]
+
 	mu struct {
 		sync.Mutex
-		ring []Event
-		seq  uint64 // the next change's Seq; the first is 1
 		subs map[*Sub]struct{}
-		// quiet counts, per namespace, the whole-namespace resets under
-		// way: their changes are not recorded (EndReset records one
-		// Cleared instead).
-		quiet map[uint32]int
-		last  map[uint32]uint64 // each namespace's last change
+		fan  *fanout // running while there are subscriptions
 	}
+}
+
+// nsState is what the data path needs of a namespace.
+type nsState struct {
+	hashLen atomic.Uint32
+	// quiet counts the whole-namespace resets under way: their changes
+	// are not recorded (EndReset records one Cleared instead).
+	quiet atomic.Int32
+	last  atomic.Uint64 // the namespace's last change
+}
+
+// followers lists the subscriptions to wake for a namespace's change.
+type followers struct {
+	all  []*Sub            // those following every namespace
+	byNS map[uint32][]*Sub // the others, by followed namespace
 }
 
 // New makes a hub and makes ix report its changes to it.
@@ -122,86 +154,131 @@ func New(ix *index.Index, cfg Config) *Hub {
 	if cfg.MaxSubscribers <= 0 {
 		cfg.MaxSubscribers = DefaultMaxSubscribers
 	}
-	h := &Hub{ix: ix, cfg: cfg}
-	h.mu.seq = 1
+	h := &Hub{ix: ix, cfg: cfg, kick: make(chan struct{}, 1)}
+	h.next.Store(1)
 	h.mu.subs = map[*Sub]struct{}{}
-	h.mu.quiet = map[uint32]int{}
-	h.mu.last = map[uint32]uint64{}
-	m := map[uint32]uint8{}
-	h.hashLen.Store(&m)
+	m := map[uint32]*nsState{}
+	h.ns.Store(&m)
+	h.follow.Store(&followers{})
 	ix.Observe(h)
 	return h
+}
+
+// nsLocked returns namespace ns's state, made if create and it has none
+// (nil otherwise); the caller holds nsMu.
+func (h *Hub) nsLocked(ns uint32, create bool) *nsState {
+	old := *h.ns.Load()
+	if st := old[ns]; st != nil || !create {
+		return st
+	}
+	m := make(map[uint32]*nsState, len(old)+1)
+	for k, v := range old {
+		m[k] = v
+	}
+	st := &nsState{}
+	m[ns] = st
+	h.ns.Store(&m)
+	return st
 }
 
 // SetHashLen records namespace ns's hash length (n > 0) or forgets the
 // namespace (n == 0, once it holds no block).
 func (h *Hub) SetHashLen(ns uint32, n int) {
-	h.hlMu.Lock()
-	defer h.hlMu.Unlock()
-	old := *h.hashLen.Load()
-	m := make(map[uint32]uint8, len(old)+1)
-	for k, v := range old {
-		m[k] = v
-	}
+	h.nsMu.Lock()
+	defer h.nsMu.Unlock()
 	if n > 0 {
-		m[ns] = uint8(n)
-	} else {
-		delete(m, ns)
-		h.mu.Lock()
-		delete(h.mu.last, ns)
-		h.mu.Unlock()
+		h.nsLocked(ns, true).hashLen.Store(uint32(n))
+		return
 	}
-	h.hashLen.Store(&m)
+	st := h.nsLocked(ns, false)
+	if st == nil {
+		return
+	}
+	if st.quiet.Load() > 0 {
+		// A reset under way ends with its Cleared.
+		st.hashLen.Store(0)
+		st.last.Store(0)
+		return
+	}
+	old := *h.ns.Load()
+	m := make(map[uint32]*nsState, len(old))
+	for k, v := range old {
+		if k != ns {
+			m[k] = v
+		}
+	}
+	h.ns.Store(&m)
 }
 
 // Seq is the Seq of the last change recorded (0 before the first).
-func (h *Hub) Seq() uint64 {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.mu.seq - 1
-}
+func (h *Hub) Seq() uint64 { return h.next.Load() - 1 }
 
 // TiersChanged implements index.Observer: it runs under k's shard lock, so
-// the changes of a key are recorded in the order they happened.
+// the changes of a key are recorded in the order they happened. It takes
+// no lock and its cost does not depend on the subscribers.
 func (h *Hub) TiersChanged(k *index.Key, before, after index.Tiers) {
 	if h.active.Load() == 0 {
 		return
 	}
-	hl := (*h.hashLen.Load())[k.NS]
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if len(h.mu.quiet) > 0 && h.mu.quiet[k.NS] > 0 {
+	r := h.ring.Load()
+	st := (*h.ns.Load())[k.NS]
+	if st == nil {
+		// A namespace SetHashLen has not named (once per namespace).
+		h.nsMu.Lock()
+		st = h.nsLocked(k.NS, true)
+		h.nsMu.Unlock()
+	}
+	if st.quiet.Load() > 0 {
 		return
 	}
+	hl := uint8(st.hashLen.Load())
 	// The new tier first: a block moving from CPU to disk is never in
 	// no tier along the way.
 	for _, t := range [...]index.Tiers{index.InCPU, index.InDisk} {
 		if after&t != 0 && before&t == 0 {
-			h.recordLocked(Event{Kind: Stored, Tier: t, HashLen: hl, Key: *k})
+			h.record(r, st, Event{Kind: Stored, Tier: t, HashLen: hl, Key: *k})
 		}
 	}
 	for _, t := range [...]index.Tiers{index.InCPU, index.InDisk} {
 		if before&t != 0 && after&t == 0 {
-			h.recordLocked(Event{Kind: Removed, Tier: t, HashLen: hl, Key: *k})
+			h.record(r, st, Event{Kind: Removed, Tier: t, HashLen: hl, Key: *k})
 		}
 	}
-	h.wakeLocked(k.NS)
+	h.notify()
 }
 
-func (h *Hub) recordLocked(e Event) {
-	e.Seq = h.mu.seq
-	h.mu.ring[e.Seq%uint64(len(h.mu.ring))] = e
-	h.mu.last[e.Key.NS] = e.Seq
-	h.mu.seq++
+// record gives e the next Seq and writes it into the ring.
+func (h *Hub) record(r *ring, st *nsState, e Event) {
+	e.Seq = h.next.Add(1) - 1
+	r.put(&e)
+	for {
+		last := st.last.Load()
+		if last >= e.Seq || st.last.CompareAndSwap(last, e.Seq) {
+			break
+		}
+	}
+}
+
+// notify tells the fan-out goroutine there are changes, unless a notice
+// is already pending: it has not started its next round, which reads
+// every change recorded before it starts.
+func (h *Hub) notify() {
+	if !h.kicked.Load() && h.kicked.CompareAndSwap(false, true) {
+		select {
+		case h.kick <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // LastSeq is the Seq of namespace ns's last change (0 if none was
 // recorded): a subscriber of ns has every change of it once it is told
 // CaughtUp at that Seq or later.
 func (h *Hub) LastSeq(ns uint32) uint64 {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.mu.last[ns]
+	if st := (*h.ns.Load())[ns]; st != nil {
+		return st.last.Load()
+	}
+	return 0
 }
 
 // BeginReset starts a whole-namespace reset of namespaces nss (an
@@ -210,37 +287,105 @@ func (h *Hub) LastSeq(ns uint32) uint64 {
 // subscriber of the namespace that reads it starts over from a snapshot: a
 // router is told one reset, not a removal per block.
 func (h *Hub) BeginReset(nss []uint32) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
+	h.nsMu.Lock()
+	defer h.nsMu.Unlock()
 	for _, ns := range nss {
-		h.mu.quiet[ns]++
+		h.nsLocked(ns, true).quiet.Add(1)
 	}
 }
 
 // EndReset ends what BeginReset(nss) began.
 func (h *Hub) EndReset(nss []uint32) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
+	h.nsMu.Lock()
+	defer h.nsMu.Unlock()
+	r := h.ring.Load()
 	for _, ns := range nss {
-		if h.mu.quiet[ns]--; h.mu.quiet[ns] <= 0 {
-			delete(h.mu.quiet, ns)
+		st := h.nsLocked(ns, true)
+		if st.quiet.Add(-1) < 0 {
+			st.quiet.Store(0)
 		}
-		if h.mu.ring != nil {
-			h.recordLocked(Event{Kind: Cleared, Key: index.Key{NS: ns}})
+		if r != nil {
+			h.record(r, st, Event{Kind: Cleared, Key: index.Key{NS: ns}})
 		}
 	}
-	h.wakeLocked(nss...)
+	if r != nil {
+		h.notify()
+	}
 }
 
-func (h *Hub) wakeLocked(nss ...uint32) {
-	for s := range h.mu.subs {
-		for _, ns := range nss {
-			if s.follows(ns) {
-				s.wake()
+// fanout is one run of the fan-out goroutine.
+type fanout struct {
+	stop, done chan struct{}
+}
+
+// fanMax bounds the changes one round of the fan-out goroutine reads; past
+// it (or past the ring) it wakes every subscriber instead.
+const fanMax = 1 << 14
+
+// fan wakes the subscribers of the namespaces each round's changes touched,
+// from Seq at on, until stop is closed (the last subscription closed).
+func (h *Hub) fan(f *fanout, r *ring, at uint64) {
+	defer close(f.done)
+	changed := map[uint32]struct{}{}
+	for {
+		select {
+		case <-h.kick:
+		case <-f.stop:
+			return
+		}
+		h.kicked.Store(false)
+		end := h.next.Load()
+		fl := h.follow.Load()
+		all := end-at > min(fanMax, r.size())
+		clear(changed)
+		last, any := uint32(0), false
+		for ; !all && at < end; at++ {
+			e, ok := r.get(h, at)
+			if !ok {
+				all = true
 				break
+			}
+			if !any || e.Key.NS != last {
+				changed[e.Key.NS] = struct{}{}
+				last, any = e.Key.NS, true
+			}
+		}
+		if all {
+			at = end
+			for _, subs := range fl.byNS {
+				for _, s := range subs {
+					s.wake()
+				}
+			}
+		}
+		for ns := range changed {
+			for _, s := range fl.byNS[ns] {
+				s.wake()
+			}
+		}
+		if all || any {
+			for _, s := range fl.all {
+				s.wake()
 			}
 		}
 	}
+}
+
+// followLocked rebuilds the followers from the subscriptions; the caller
+// holds mu.
+func (h *Hub) followLocked() {
+	fl := &followers{byNS: map[uint32][]*Sub{}}
+	for s := range h.mu.subs {
+		if len(s.nss) == 0 {
+			fl.all = append(fl.all, s)
+			continue
+		}
+		for _, ns := range s.nss {
+			fl.byNS[ns] = append(fl.byNS[ns], s)
+		}
+	}
+	h.follow.Store(fl)
+	h.active.Store(int32(len(h.mu.subs)))
 }
 
 // Subscribe follows the namespaces nss (nil: every namespace). With
@@ -248,18 +393,27 @@ func (h *Hub) wakeLocked(nss ...uint32) {
 // tier of every block there now, and CaughtUp; without, with the next
 // change. Close it when done.
 func (h *Hub) Subscribe(nss []uint32, snapshot bool) (*Sub, error) {
-	s := &Sub{h: h, nss: append([]uint32(nil), nss...), wakeC: make(chan struct{}, 1)}
+	s := &Sub{h: h, nss: slices.Compact(slices.Sorted(slices.Values(nss))), wakeC: make(chan struct{}, 1)}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if len(h.mu.subs) >= h.cfg.MaxSubscribers {
 		return nil, ErrTooMany
 	}
-	if h.mu.ring == nil {
-		h.mu.ring = make([]Event, h.cfg.Buffer)
+	r := h.ring.Load()
+	if r == nil {
+		r = newRing(h.cfg.Buffer)
+		h.ring.Store(r)
+	}
+	if h.mu.fan == nil {
+		// From before the subscription's cursor: it is woken for every
+		// change past it.
+		f := &fanout{stop: make(chan struct{}), done: make(chan struct{})}
+		h.mu.fan = f
+		go h.fan(f, r, h.next.Load())
 	}
 	h.mu.subs[s] = struct{}{}
-	h.active.Store(int32(len(h.mu.subs)))
-	s.next = h.mu.seq
+	h.followLocked()
+	s.next = h.next.Load()
 	s.resync = snapshot
 	return s, nil
 }
@@ -274,19 +428,18 @@ func (h *Hub) Lost() uint64 { return h.lost.Load() }
 // Sub is one subscription. Its Next is for one goroutine at a time.
 type Sub struct {
 	h     *Hub
-	nss   []uint32 // followed namespaces; empty: all
+	nss   []uint32 // followed namespaces, sorted; empty: all
 	wakeC chan struct{}
 
-	// Guarded by h.mu.
-	next   uint64 // the next change to read
-	resync bool   // start over from a snapshot at the next read
-	closed bool
+	closed bool // guarded by h.mu
 
 	// The reader's own.
-	lost     bool // the last read found changes gone: say so first
-	snapping bool // a snapshot is being sent
-	shard    int  // the shard being snapshotted
-	loaded   bool // snap holds shard's entries, taken at snapAt
+	next     uint64 // the next change to read
+	resync   bool   // start over from a snapshot at the next read
+	lost     bool   // the last read found changes gone: say so first
+	snapping bool   // a snapshot is being sent
+	shard    int    // the shard being snapshotted
+	loaded   bool   // snap holds shard's entries, taken at snapAt
 	snap     []Event
 	snapAt   uint64 // the Seq the shard was scanned at (the next change's)
 	sent     bool   // events were sent since the last CaughtUp
@@ -296,12 +449,8 @@ func (s *Sub) follows(ns uint32) bool {
 	if len(s.nss) == 0 {
 		return true
 	}
-	for _, n := range s.nss {
-		if n == ns {
-			return true
-		}
-	}
-	return false
+	_, ok := slices.BinarySearch(s.nss, ns)
+	return ok
 }
 
 func (s *Sub) wake() {
@@ -311,7 +460,8 @@ func (s *Sub) wake() {
 	}
 }
 
-// Close ends the subscription.
+// Close ends the subscription. The last one stops the hub's fan-out
+// goroutine and waits for it.
 func (s *Sub) Close() {
 	h := s.h
 	h.mu.Lock()
@@ -321,7 +471,14 @@ func (s *Sub) Close() {
 	}
 	s.closed = true
 	delete(h.mu.subs, s)
-	h.active.Store(int32(len(h.mu.subs)))
+	h.followLocked()
+	if f := h.mu.fan; f != nil && len(h.mu.subs) == 0 {
+		// Waited for under mu: a Subscribe starts the next one only once
+		// this one no longer takes notices.
+		close(f.stop)
+		<-f.done
+		h.mu.fan = nil
+	}
 }
 
 // ErrStopped is returned by Next once stop is closed.
@@ -409,22 +566,15 @@ func (s *Sub) caughtUp(at uint64) Event {
 // snapshot (asked for, forced by a reset, or after a loss), and if so
 // moves its cursor to now.
 func (s *Sub) startOver() bool {
-	h := s.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	if !s.resync && !s.lost {
 		return false
 	}
 	s.resync = false
-	s.next = h.mu.seq
+	s.next = s.h.next.Load()
 	return true
 }
 
-func (s *Sub) cursor() uint64 {
-	s.h.mu.Lock()
-	defer s.h.mu.Unlock()
-	return s.next
-}
+func (s *Sub) cursor() uint64 { return s.next }
 
 // read appends the followed changes from the cursor up to (not including)
 // upTo, at most room events in out; behind reports that it stopped short
@@ -434,18 +584,22 @@ func (s *Sub) cursor() uint64 {
 // them), or it reached a reset of a namespace it follows.
 func (s *Sub) read(out []Event, room int, upTo uint64) (_ []Event, behind, ok bool) {
 	h := s.h
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	ring := uint64(len(h.mu.ring))
-	if h.mu.seq > ring && s.next < h.mu.seq-ring {
+	r := h.ring.Load()
+	now := h.next.Load()
+	if now-s.next > r.size() {
 		s.lost = true
 		h.lost.Add(1)
 		return out, false, false
 	}
-	limit := min(upTo, h.mu.seq)
+	limit := min(upTo, now)
 	end := min(limit, s.next+scanMax)
 	for ; s.next < end && len(out) < room; s.next++ {
-		e := &h.mu.ring[s.next%ring]
+		e, ok := r.get(h, s.next)
+		if !ok {
+			s.lost = true
+			h.lost.Add(1)
+			return out, false, false
+		}
 		if !s.follows(e.Key.NS) {
 			continue
 		}
@@ -454,7 +608,7 @@ func (s *Sub) read(out []Event, room int, upTo uint64) (_ []Event, behind, ok bo
 			s.resync = true
 			return out, false, false
 		}
-		out = append(out, *e)
+		out = append(out, e)
 	}
 	return out, s.next < limit, true
 }
@@ -464,7 +618,7 @@ func (s *Sub) read(out []Event, room int, upTo uint64) (_ []Event, behind, ok bo
 // shard's lock, so the changes before snapAt are in the scan and those
 // from it on are not.
 func (s *Sub) scan() {
-	hl := *s.h.hashLen.Load()
+	nss := *s.h.ns.Load()
 	s.snap = s.snap[:0]
 	s.h.ix.ScanShard(s.shard, func(k *index.Key, t index.Tiers) {
 		if !s.follows(k.NS) {
@@ -472,13 +626,15 @@ func (s *Sub) scan() {
 		}
 		for _, tier := range [...]index.Tiers{index.InCPU, index.InDisk} {
 			if t&tier != 0 {
-				s.snap = append(s.snap, Event{Kind: Stored, Tier: tier, HashLen: hl[k.NS], Key: *k})
+				var hl uint8
+				if st := nss[k.NS]; st != nil {
+					hl = uint8(st.hashLen.Load())
+				}
+				s.snap = append(s.snap, Event{Kind: Stored, Tier: tier, HashLen: hl, Key: *k})
 			}
 		}
 	}, func() {
-		s.h.mu.Lock()
-		s.snapAt = s.h.mu.seq
-		s.h.mu.Unlock()
+		s.snapAt = s.h.next.Load()
 	})
 	for i := range s.snap {
 		s.snap[i].Seq = s.snapAt - 1

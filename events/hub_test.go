@@ -376,3 +376,71 @@ func TestStop(t *testing.T) {
 		t.Fatalf("Next after stop: %v", err)
 	}
 }
+
+// TestEachSubscriberWoken: MaxSubscribers subscriptions, each following
+// its own namespace among 64 (one follows all), wait in Next; a change of
+// each namespace wakes its subscriber with that change, also after every
+// subscription closed once and the hub's fan-out goroutine started again.
+// With subscribers following 64 namespaces each, the data path only
+// writes the ring and hands the goroutine a notice (BenchmarkChange/64x64).
+func TestEachSubscriberWoken(t *testing.T) {
+	ix := index.New()
+	h := New(ix, Config{})
+	for round := range 2 {
+		subs := make([]*Sub, DefaultMaxSubscribers)
+		for i := range subs {
+			nss := make([]uint32, 64)
+			for j := range nss {
+				nss[j] = uint32(100*i + j)
+			}
+			if i == 0 {
+				nss = nil
+			}
+			var err error
+			if subs[i], err = h.Subscribe(nss, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		got := make([][]Event, len(subs))
+		var wg sync.WaitGroup
+		for i, s := range subs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for ctx.Err() == nil && (len(got[i]) == 0 || got[i][len(got[i])-1].Kind != Stored) {
+					evs, err := s.Next(ctx, nil, nil)
+					if err != nil {
+						return
+					}
+					got[i] = append(got[i], evs...)
+				}
+			}()
+		}
+		// Each namespace 100*i+63 is followed by subscriber i alone (and
+		// by subscriber 0, which follows every one).
+		for i := 1; i < len(subs); i++ {
+			set(ix, key(uint32(100*i+63), uint64(round)), index.InCPU)
+		}
+		set(ix, key(7, uint64(round)), index.InCPU)
+		wg.Wait()
+		cancel()
+		for i := 1; i < len(subs); i++ {
+			var stored []Event
+			for _, e := range got[i] {
+				if e.Kind == Stored {
+					stored = append(stored, e)
+				}
+			}
+			if len(stored) != 1 || stored[0].Key != key(uint32(100*i+63), uint64(round)) {
+				t.Fatalf("round %d: subscriber %d got %+v, want the one change of namespace %d", round, i, got[i], 100*i+63)
+			}
+		}
+		if len(got[0]) == 0 {
+			t.Fatalf("round %d: the subscriber of every namespace was never woken", round)
+		}
+		for _, s := range subs {
+			s.Close()
+		}
+	}
+}

@@ -8,15 +8,23 @@ import (
 )
 
 // The vLLM KV event format, as vllm/distributed/kv_events.py (vLLM main,
-// commit 0181ea3173e53eea8cf04a86891488e3dc89bb34) has msgspec encode it
-// to msgpack: a KVEventBatch is the array [ts, events, data_parallel_rank];
-// each event is a map whose first key, "type", names its class, then its
-// fields in declaration order, those left at their default omitted:
+// commit 7cfb97e33791, 2026-08-20) has msgspec encode it to msgpack: a
+// KVEventBatch is the array [ts, events, data_parallel_rank]; each event
+// is a map whose first key, "type", names its class, then its fields in
+// declaration order, those left at their default omitted:
 //
 //	BlockStored:      block_hashes, parent_block_hash, token_ids, block_size,
-//	                  lora_id, medium, lora_name, (extra_keys), group_idx
-//	BlockRemoved:     block_hashes, medium, group_idx
+//	                  lora_id, medium, lora_name, (extra_keys), group_idx,
+//	                  (kv_cache_spec_kind, kv_cache_spec_sliding_window),
+//	                  locality
+//	BlockRemoved:     block_hashes, medium, group_idx, locality
 //	AllBlocksCleared: (no field)
+//
+// medium is one of vLLM's MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE ("GPU",
+// "CPU", "STORAGE"), locality "LOCAL" or "REMOTE" relative to the
+// publisher. The daemon adds namespace_id, last: which engine identity the
+// block belongs to (msgspec's decoders, vLLM's, skip a key a struct does
+// not declare, and the extra trailing element of an array).
 //
 // vLLM up to 0.23 encoded each event as an array instead (msgspec
 // array_like: the class name, then every field in order, trailing
@@ -46,12 +54,21 @@ type VLLM struct {
 	BytesHashes bool
 }
 
-// Medium names a tier as vLLM's medium field does.
-func Medium(t index.Tiers) string {
+// vLLM's media and localities (vllm/distributed/kv_events.py,
+// vllm/v1/kv_offload/base.py).
+const (
+	MediumCPU     = "CPU"
+	MediumStorage = "STORAGE"
+	LocalityLocal = "LOCAL"
+)
+
+// Medium names a tier as vLLM's medium field does: the CPU tier is CPU,
+// the disk tier STORAGE; both are this node's, LOCAL.
+func Medium(t index.Tiers) (medium, locality string) {
 	if t == index.InDisk {
-		return "DISK"
+		return MediumStorage, LocalityLocal
 	}
-	return "CPU"
+	return MediumCPU, LocalityLocal
 }
 
 // AppendBatch appends the msgpack KVEventBatch of evs taken at ts (Unix
@@ -91,8 +108,9 @@ func (v VLLM) AppendBatch(dst []byte, ts float64, evs []Event) ([]byte, int) {
 		}
 		run := evs[i:j]
 		i = j
+		medium, locality := Medium(e.Tier)
 		if e.Kind == Stored {
-			dst = v.header(dst, "BlockStored", 8)
+			dst = v.header(dst, "BlockStored", 10)
 			dst = v.field(dst, "block_hashes")
 			dst = v.hashes(dst, run)
 			dst = v.field(dst, "parent_block_hash")
@@ -104,7 +122,7 @@ func (v VLLM) AppendBatch(dst []byte, ts float64, evs []Event) ([]byte, int) {
 			dst = v.field(dst, "lora_id")
 			dst = append(dst, 0xc0)
 			dst = v.field(dst, "medium")
-			dst = appendStr(dst, Medium(e.Tier))
+			dst = appendStr(dst, medium)
 			dst = v.field(dst, "lora_name")
 			dst = append(dst, 0xc0)
 			if v.Format == FormatArray {
@@ -112,15 +130,28 @@ func (v VLLM) AppendBatch(dst []byte, ts float64, evs []Event) ([]byte, int) {
 			}
 			dst = v.field(dst, "group_idx")
 			dst = appendUint(dst, uint64(e.Key.Group))
+			if v.Format == FormatArray {
+				// kv_cache_spec_kind, kv_cache_spec_sliding_window: the
+				// daemon does not know a group's kind.
+				dst = append(dst, 0xc0, 0xc0)
+			}
+			dst = v.field(dst, "locality")
+			dst = appendStr(dst, locality)
+			dst = v.field(dst, "namespace_id")
+			dst = appendUint(dst, uint64(e.Key.NS))
 			continue
 		}
-		dst = v.header(dst, "BlockRemoved", 3)
+		dst = v.header(dst, "BlockRemoved", 5)
 		dst = v.field(dst, "block_hashes")
 		dst = v.hashes(dst, run)
 		dst = v.field(dst, "medium")
-		dst = appendStr(dst, Medium(e.Tier))
+		dst = appendStr(dst, medium)
 		dst = v.field(dst, "group_idx")
 		dst = appendUint(dst, uint64(e.Key.Group))
+		dst = v.field(dst, "locality")
+		dst = appendStr(dst, locality)
+		dst = v.field(dst, "namespace_id")
+		dst = appendUint(dst, uint64(e.Key.NS))
 	}
 	return append(dst, 0x00), n // data_parallel_rank 0
 }
@@ -131,11 +162,12 @@ func sameRun(a, b *Event) bool {
 }
 
 // header starts an event of class tag with fields fields (BlockStored's
-// array form carries one more: extra_keys).
+// array form carries three more: extra_keys, kv_cache_spec_kind and
+// kv_cache_spec_sliding_window, all nil).
 func (v VLLM) header(dst []byte, tag string, fields int) []byte {
 	if v.Format == FormatArray {
 		if tag == "BlockStored" {
-			fields++
+			fields += 3
 		}
 		dst = appendArray(dst, 1+fields)
 		return appendStr(dst, tag)

@@ -26,21 +26,30 @@ type zmqEvent struct {
 	Type       string   `json:"type"`
 	Hashes     []string `json:"hashes"`
 	Medium     string   `json:"medium"`
+	Locality   string   `json:"locality"`
 	Group      int      `json:"group"`
+	Namespace  int64    `json:"namespace"`
 }
 
-// TestEventsZMQ runs the daemon with --events-zmq and a subscriber written
-// in Python from vLLM's definitions (python3-zmq, python3-msgpack), which
-// checks the layout of every message field by field. The events it
-// receives, replayed, equal a Lookup of every key, through stores,
-// demotions, evictions from both tiers, an invalidation and a reset.
+// TestEventsZMQ runs the daemon with --events-zmq and a subscriber in
+// Python (python3-zmq, python3-msgpack): kv_events_sub.py checks the
+// layout of every message field by field; vllm_schema_sub.py decodes it as
+// msgspec decodes into vLLM's structs and keys blocks as a router keyed on
+// vLLM's constants (medium CPU or STORAGE, locality LOCAL), with the
+// daemon's namespace_id. Two engines' namespaces store, some of them the
+// same block hashes; the events replayed per namespace equal a Lookup of
+// every key of each, through stores, demotions, evictions from both tiers,
+// an invalidation and a reset.
 func TestEventsZMQ(t *testing.T) {
-	for _, tc := range []struct{ format, hashes string }{{"map", "int"}, {"array", "bytes"}} {
-		t.Run(tc.format+"-"+tc.hashes, func(t *testing.T) { testEventsZMQ(t, tc.format, tc.hashes) })
+	for _, tc := range []struct{ decoder, format, hashes string }{
+		{"kv_events_sub.py", "map", "int"}, {"kv_events_sub.py", "array", "bytes"},
+		{"vllm_schema_sub.py", "map", "int"}, {"vllm_schema_sub.py", "array", "int"},
+	} {
+		t.Run(tc.decoder+"-"+tc.format+"-"+tc.hashes, func(t *testing.T) { testEventsZMQ(t, tc.decoder, tc.format, tc.hashes) })
 	}
 }
 
-func testEventsZMQ(t *testing.T, format, hashes string) {
+func testEventsZMQ(t *testing.T, decoder, format, hashes string) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	endpoint := "tcp://" + freePort(t)
@@ -50,7 +59,11 @@ func testEventsZMQ(t *testing.T, format, hashes string) {
 		"--events-zmq", endpoint, "--events-zmq-topic", topic, "--events-zmq-format", format, "--events-zmq-hashes", hashes,
 		"--events-zmq-block-size", "32")
 
-	py := exec.Command("/usr/bin/python3", "testdata/kv_events_sub.py", endpoint, topic, format, hashes, "32")
+	args := []string{"testdata/" + decoder, endpoint, topic, format}
+	if decoder == "kv_events_sub.py" {
+		args = append(args, hashes, "32")
+	}
+	py := exec.Command("/usr/bin/python3", args...)
 	stdin, err := py.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -100,58 +113,85 @@ func testEventsZMQ(t *testing.T, format, hashes string) {
 	}
 
 	m := testenv.Model{Layers: 4, SegBytes: 64 << 10, Blocks: 64}
-	r := testenv.NewRegion(t, m.RegionBytes())
 	ctx := context.Background()
-	reg, err := c.Register(ctx, []byte("zmq"), m.Layout(), m.Regions(r), t.Name())
-	if err != nil {
-		t.Fatal(err)
+	// Two engines (two fingerprints): the events must say whose each block is.
+	var regs [2]*pb.RegisterResponse
+	var regions [2]*testenv.Region
+	for i := range regs {
+		regions[i] = testenv.NewRegion(t, m.RegionBytes())
+		reg, err := c.Register(ctx, []byte(fmt.Sprintf("zmq-%d", i)), m.Layout(), m.Regions(regions[i]), t.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		regs[i] = reg
 	}
+	if regs[0].NamespaceId == regs[1].NamespaceId {
+		t.Fatal("two fingerprints, one namespace")
+	}
+	reg := regs[0]
 	// Block hashes whose last 8 bytes (what an int hash keeps) differ.
 	hash := func(seed uint64, i int) []byte {
 		h := m.Hash(seed, i)
 		binary.BigEndian.PutUint64(h[len(h)-8:], seed<<32|uint64(i))
 		return h
 	}
-	var all [][]byte
+	var all [2][][]byte
 	nextID := uint64(1)
-	// store stores hs and reports whether every block was taken (the
-	// admission policy may keep hotter blocks instead).
-	store := func(hs [][]byte) bool {
+	// storeIn stores hs in engine e's namespace and reports whether every
+	// block was taken (the admission policy may keep hotter blocks instead).
+	storeIn := func(e int, hs [][]byte) bool {
 		t.Helper()
 		for i, h := range hs {
-			m.Fill(r, i, h)
+			m.Fill(regions[e], i, h)
 		}
-		res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(nextID, hs, seqIDs(len(hs)))}, true)
+		res, err := c.Store(ctx, regs[e].RegistrationId, []*pb.Job{testenv.Job(nextID, hs, seqIDs(len(hs)))}, true)
 		if err != nil {
 			t.Fatal(err)
 		}
 		nextID++
-		all = append(all, hs...)
+		all[e] = append(all[e], hs...)
 		return res[0].Ok
 	}
+	store := func(hs [][]byte) bool { return storeIn(0, hs) }
 	name := func(h []byte) string {
 		if hashes == "int" {
 			return hex.EncodeToString(h[len(h)-8:])
 		}
 		return hex.EncodeToString(h)
 	}
-	held := map[string]pb.Tier{}
+	// held is the view per namespace id.
+	held := map[uint32]map[string]pb.Tier{}
 	apply := func(e zmqEvent) {
-		tier := pb.Tier_TIER_CPU
-		if e.Medium == "DISK" {
+		t.Helper()
+		if e.Type == "AllBlocksCleared" {
+			held = map[uint32]map[string]pb.Tier{}
+			return
+		}
+		var tier pb.Tier
+		switch {
+		case e.Medium == "CPU" && e.Locality == "LOCAL":
+			tier = pb.Tier_TIER_CPU
+		case e.Medium == "STORAGE" && e.Locality == "LOCAL":
 			tier = pb.Tier_TIER_DISK
+		default:
+			t.Fatalf("%s of medium %q locality %q: want CPU or STORAGE, LOCAL", e.Type, e.Medium, e.Locality)
+		}
+		if e.Namespace != int64(regs[0].NamespaceId) && e.Namespace != int64(regs[1].NamespaceId) {
+			t.Fatalf("%s %v: namespace %d, want %d or %d", e.Type, e.Hashes, e.Namespace, regs[0].NamespaceId, regs[1].NamespaceId)
+		}
+		ns := uint32(e.Namespace)
+		if held[ns] == nil {
+			held[ns] = map[string]pb.Tier{}
 		}
 		switch e.Type {
-		case "AllBlocksCleared":
-			held = map[string]pb.Tier{}
 		case "BlockStored":
 			for _, h := range e.Hashes {
-				held[h] |= tier
+				held[ns][h] |= tier
 			}
 		case "BlockRemoved":
 			for _, h := range e.Hashes {
-				if held[h] &^= tier; held[h] == 0 {
-					delete(held, h)
+				if held[ns][h] &^= tier; held[ns][h] == 0 {
+					delete(held[ns], h)
 				}
 			}
 		}
@@ -193,6 +233,7 @@ func testEventsZMQ(t *testing.T, format, hashes string) {
 	if _, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{reg.NamespaceId}}); err != nil {
 		t.Fatal(err)
 	}
+	all[0] = nil
 	cleared := false
 	for !cleared {
 		e, ok := next(30 * time.Second)
@@ -203,15 +244,17 @@ func testEventsZMQ(t *testing.T, format, hashes string) {
 		cleared = e.Type == "AllBlocksCleared"
 	}
 
-	// Four times the CPU tier, more than both tiers hold.
+	// Four times the CPU tier, more than both tiers hold; the second
+	// engine stores every other prefix the first one stored, the same
+	// hashes in its own namespace.
 	for s := 0; s < 32; s++ {
 		hs := make([][]byte, 4)
 		for i := range hs {
-			hs[i] = hash(uint64(s), i)
+			hs[i] = hash(uint64(s-s%2), i)
 		}
-		store(hs)
+		storeIn(s%2, hs)
 	}
-	if _, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{reg.NamespaceId}, Keys: testenv.Keys(all[len(all)-8:]...)}); err != nil {
+	if _, err := c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{reg.NamespaceId}, Keys: testenv.Keys(all[0][len(all[0])-8:]...)}); err != nil {
 		t.Fatal(err)
 	}
 	mediums := map[string]bool{}
@@ -227,15 +270,18 @@ func testEventsZMQ(t *testing.T, format, hashes string) {
 			continue
 		}
 		until(end)
-		if sameAsLookup(t, c, reg, all, held, name) {
+		if sameAsLookup(t, c, regs[0], all[0], held[regs[0].NamespaceId], name) &&
+			sameAsLookup(t, c, regs[1], all[1], held[regs[1].NamespaceId], name) {
 			break
 		}
 	}
-	for _, tier := range held {
-		mediums[tier.String()] = true
+	for _, v := range held {
+		for _, tier := range v {
+			mediums[tier.String()] = true
+		}
 	}
-	if !mediums[pb.Tier_TIER_DISK.String()] || len(held) < 40 {
-		t.Fatalf("the events hold %d blocks in %v; want blocks on disk", len(held), mediums)
+	if n0, n1 := len(held[regs[0].NamespaceId]), len(held[regs[1].NamespaceId]); !mediums[pb.Tier_TIER_DISK.String()] || n0 < 8 || n1 < 8 || n0+n1 < 30 {
+		t.Fatalf("the events hold %d and %d blocks of the two namespaces in %v; want more, and blocks on disk", n0, n1, mediums)
 	}
 }
 

@@ -5,14 +5,24 @@ stream on a thread of its own (:class:`EventFeed`) and, each time vLLM's
 scheduler calls ``take_events``, turns what arrived into vLLM's
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, which vLLM's own
 publisher then sends with the GPU prefix cache's events. Written against
-vLLM main's ``vllm/distributed/kv_events.py`` at commit
-0181ea3173e53eea8cf04a86891488e3dc89bb34 (the classes and their field order)
-and ``KVConnectorBase_V1.take_events`` at 003df2961dd8830c317a61f9745ccd557da9fa06;
-vLLM's offloading connector (``offloading/events.py``, read at 030ea52effcb)
-describes an offloaded block the same way: its hashes at the group's block
-size, the parent hash, the block's token ids, ``medium`` the tier.
+vLLM main's ``vllm/distributed/kv_events.py`` at commit 7cfb97e33791
+(2026-08-20: the classes, their field order, the media ``GPU``/``CPU``/
+``STORAGE`` and ``locality``) and ``KVConnectorBase_V1.take_events`` at
+003df2961dd8830c317a61f9745ccd557da9fa06; vLLM's offloading connector
+(``offloading/events.py`` at 7cfb97e33791) describes an offloaded block the
+same way: its hashes at the group's block size, the parent hash, the block's
+token ids, ``medium`` and ``locality`` the tier, the group's cache-spec kind
+and sliding window.
 
-- ``medium`` is the tier, ``"CPU"`` or ``"DISK"``;
+- ``medium``/``locality`` is the tier: the CPU tier ``"CPU"``/``"LOCAL"``,
+  the disk tier ``"STORAGE"``/``"LOCAL"``, the shared remote tier
+  ``"STORAGE"``/``"REMOTE"`` (:data:`MEDIUM`);
+- ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` are the
+  group's (:func:`event_group_specs`, vLLM's ``get_kv_cache_spec_kind``);
+- ``extra_keys``: per block, what vLLM's block hash took beyond the tokens
+  (the LoRA name, multimodal hashes, ``cache_salt`` on the first block), from
+  vLLM's ``generate_block_hash_extra_keys`` when the scheduler planned the
+  block (:func:`remember`);
 - ``block_hashes`` are vLLM's block hashes as vLLM publishes them: the key
   the connector stored (the hash that ends the block, vLLM's
   ``resolve_block_hashes`` view) through vLLM's ``maybe_convert_block_hash``;
@@ -26,9 +36,11 @@ size, the parent hash, the block's token ids, ``medium`` the tier.
   dropped events for this subscriber, or after this connector's own queue
   overflowed) is ``AllBlocksCleared``, then a snapshot as ``BlockStored``.
 
-Nothing here imports vLLM: the classes and the hash conversion are passed in
-(:class:`VLLMEventTypes`), and only the fields a class declares are given to
-it, so a vLLM whose classes lack ``group_idx`` or ``lora_name`` still works.
+The classes and the hash conversion are passed in (:class:`VLLMEventTypes`),
+and only the fields a class declares are given to it, so a vLLM whose classes
+lack ``group_idx``, ``lora_name`` or ``locality`` still works; vLLM's
+``get_kv_cache_spec_kind`` and ``generate_block_hash_extra_keys`` are imported
+when there (with stand-ins of their logic otherwise).
 """
 
 from __future__ import annotations
@@ -44,11 +56,14 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 from .errors import KVOffloadError
 from .types import EventKind, KVEvent, Tier
 
-__all__ = ["BlockInfo", "BlockInfoMap", "EventFeed", "VLLMEventTypes", "translate", "MEDIUM", "default_convert"]
+__all__ = ["BlockInfo", "BlockInfoMap", "EventFeed", "VLLMEventTypes", "translate", "MEDIUM", "default_convert",
+           "event_group_specs", "remember"]
 
 log = logging.getLogger("kvoffload.kv_events")
 
-MEDIUM = {Tier.CPU: "CPU", Tier.DISK: "DISK"}
+# A tier as vLLM's (medium, locality): vllm/distributed/kv_events.py's
+# MEDIUM_CPU / MEDIUM_STORAGE, vllm/v1/kv_offload/base.py's Locality.
+MEDIUM = {Tier.CPU: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"), Tier.REMOTE: ("STORAGE", "REMOTE")}
 
 
 def default_convert(h: bytes) -> Any:
@@ -67,6 +82,95 @@ class BlockInfo(NamedTuple):
     parent: bytes | None  # the previous block's key in the same group; None for the first block
     lora_id: int | None = None
     lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None  # vLLM's extra keys of the block's hash
+
+
+def _extra_keys(request: Any, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+    """The extra keys of the block of tokens [start, end) of ``request``:
+    vLLM's ``generate_block_hash_extra_keys`` (kv_cache_utils.py), or, on a
+    vLLM without it, the same keys in its order: the LoRA name, the
+    identifiers of the multimodal inputs the block overlaps, ``cache_salt``
+    on the first block (prompt-embedding hashes need vLLM's)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    except ImportError:
+        generate_block_hash_extra_keys = None
+    if generate_block_hash_extra_keys is not None:
+        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+    keys: list[Any] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None and getattr(lora, "name", None):
+        keys.append(lora.name)
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        if pos is not None and pos.offset < end and pos.offset + pos.length > start:
+            keys.append(f.identifier)
+    salt = getattr(request, "cache_salt", None)
+    if start == 0 and salt:
+        keys.append(salt)
+    return (tuple(keys) if keys else None), mm_idx
+
+
+def remember(infos: "BlockInfoMap", request: Any, hashes: Sequence[bytes], group: int, blocks: Iterable[int],
+             factor: int, block_size: int) -> None:
+    """Keeps what vLLM's BlockStored says of ``group``'s blocks ``blocks``
+    (indices in the group's blocks of ``block_size`` tokens, each ``factor``
+    hash blocks) beyond their keys: the tokens of each, the key of the block
+    before it, the LoRA adapter and the extra keys of its hash (vLLM's
+    offloading connector takes the same from the request when it plans a
+    store). Blocks past the request's tokens are skipped."""
+    tokens = getattr(request, "all_token_ids", None)
+    if tokens is None:
+        return
+    lora = getattr(request, "lora_request", None)
+    lora_id = getattr(lora, "adapter_id", None) if lora is not None else None
+    lora_name = getattr(lora, "name", None) if lora is not None else None
+    mm_idx = 0
+    for i in sorted(blocks):
+        if (i + 1) * block_size > len(tokens):
+            continue
+        extra, mm_idx = _extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+        parent = bytes(hashes[i * factor - 1]) if i > 0 else None
+        infos.put(group, bytes(hashes[(i + 1) * factor - 1]),
+                  BlockInfo(tuple(tokens[i * block_size:(i + 1) * block_size]), parent, lora_id, lora_name, extra))
+
+
+# vLLM's KVCacheSpecKind values by spec class, most specific first, as
+# get_kv_cache_spec_kind (vllm/v1/kv_cache_interface.py at 7cfb97e33791)
+# tests them; for a vLLM without that function.
+_SPEC_KINDS = (("SlidingWindowMLASpec", "sliding_window_mla"), ("MLAAttentionSpec", "mla_attention"),
+               ("SinkFullAttentionSpec", "sink_full_attention"), ("FullAttentionSpec", "full_attention"),
+               ("ChunkedLocalAttentionSpec", "chunked_local_attention"), ("SlidingWindowSpec", "sliding_window"),
+               ("MambaSpec", "mamba"), ("EncoderOnlyAttentionSpec", "encoder_only_attention"),
+               ("CrossAttentionSpec", "cross_attention"))
+
+
+def _spec_kind(spec: Any) -> tuple[str | None, int | None]:
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:
+        get_kv_cache_spec_kind = get_kv_cache_spec_sliding_window = None
+    if get_kv_cache_spec_kind is not None and get_kv_cache_spec_sliding_window is not None:
+        kind = get_kv_cache_spec_kind(spec)
+        return getattr(kind, "value", kind), get_kv_cache_spec_sliding_window(spec)
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    if isinstance(inner, dict) and inner:
+        kinds = {_spec_kind(s) for s in inner.values()}
+        return next(iter(kinds)) if len(kinds) == 1 else ("unknown", None)
+    names = {c.__name__ for c in type(spec).__mro__}
+    window = getattr(spec, "sliding_window", None) if "SlidingWindowSpec" in names else None
+    for cls, kind in _SPEC_KINDS:
+        if cls in names:
+            return kind, window
+    return "unknown", None
+
+
+def event_group_specs(kv_cache_config: Any) -> tuple[tuple[str | None, int | None], ...]:
+    """Each KV cache group's ``(kv_cache_spec_kind, kv_cache_spec_sliding_window)``
+    for its BlockStored events, as vLLM's offloading connector reports them
+    (``get_offloading_event_group_spec``); empty without a config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(_spec_kind(g.kv_cache_spec) for g in groups)
 
 
 class BlockInfoMap:
@@ -110,6 +214,9 @@ class VLLMEventTypes:
     BlockRemoved: Any
     AllBlocksCleared: Any
     convert: Callable[[bytes], Any] = default_convert
+    # Per KV cache group: (kv_cache_spec_kind, kv_cache_spec_sliding_window)
+    # (event_group_specs); a group past it has neither.
+    group_specs: Sequence[tuple[str | None, int | None]] = ()
 
     def __post_init__(self):
         self.stored_fields = set(_fields(self.BlockStored))
@@ -138,15 +245,22 @@ def translate(events: Iterable[KVEvent], infos: BlockInfoMap, block_sizes: Seque
         nonlocal run
         if run is None:
             return
+        medium, locality = run["medium"]
         if run["kind"] == EventKind.BLOCK_STORED:
+            kind, window = specs[run["group"]] if run["group"] < len(specs) else (None, None)
+            extra = run["extra"] if any(x is not None for x in run["extra"]) else None
             out.append(types.stored(block_hashes=run["hashes"], parent_block_hash=run["parent"],
                                     token_ids=run["tokens"], block_size=run["block_size"], lora_id=run["lora_id"],
-                                    medium=run["medium"], lora_name=run["lora_name"], group_idx=run["group"]))
+                                    medium=medium, lora_name=run["lora_name"], extra_keys=extra,
+                                    group_idx=run["group"], kv_cache_spec_kind=kind,
+                                    kv_cache_spec_sliding_window=window, locality=locality))
         else:
-            out.append(types.removed(block_hashes=run["hashes"], medium=run["medium"], group_idx=run["group"]))
+            out.append(types.removed(block_hashes=run["hashes"], medium=medium, group_idx=run["group"],
+                                     locality=locality))
         run = None
 
     conv = types.convert
+    specs = types.group_specs
     for e in events:
         if e.kind == EventKind.ALL_BLOCKS_CLEARED:
             flush()
@@ -176,12 +290,14 @@ def translate(events: Iterable[KVEvent], infos: BlockInfoMap, block_sizes: Seque
                 and (info.lora_id, info.lora_name) == (run["lora_id"], run["lora_name"])):
             run["hashes"].append(conv(e.hash))
             run["tokens"].extend(info.token_ids)
+            run["extra"].append(info.extra_keys)
             run["last"] = e.hash
             continue
         flush()
         run = {"kind": e.kind, "medium": medium, "group": e.group, "hashes": [conv(e.hash)], "known": known,
                "parent": conv(info.parent) if info.parent is not None else None, "tokens": list(info.token_ids),
-               "block_size": bs, "lora_id": info.lora_id, "lora_name": info.lora_name, "last": e.hash}
+               "block_size": bs, "lora_id": info.lora_id, "lora_name": info.lora_name, "last": e.hash,
+               "extra": [info.extra_keys]}
     flush()
     return out
 

@@ -28,7 +28,7 @@ from .background import _DOWN_CODES, Background
 from .client import Client
 from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
-from .kv_events import BlockInfo, BlockInfoMap, EventFeed, VLLMEventTypes, translate
+from .kv_events import BlockInfoMap, EventFeed, VLLMEventTypes, remember, translate
 from .plan import GroupJob, StepPlan, as_groups, iter_scheduled
 from .stats import StatsRecorder
 from .types import Tier
@@ -294,22 +294,8 @@ class SchedulerSide:
 
     def _remember(self, request: Any, hashes: Sequence[bytes], g: int, blocks: Sequence[int]) -> None:
         """Keeps what vLLM's BlockStored says of group ``g``'s blocks beyond
-        their keys: the tokens of each, the key of the block before it, the
-        LoRA adapter (vLLM's offloading connector takes the same from the
-        request when it plans a store)."""
-        tokens = getattr(request, "all_token_ids", None)
-        if tokens is None:
-            return
-        f, bs = self.keys.factors[g], self.keys.block_sizes[g]
-        lora = getattr(request, "lora_request", None)
-        lora_id = getattr(lora, "adapter_id", None) if lora is not None else None
-        lora_name = getattr(lora, "name", None) if lora is not None else None
-        for i in blocks:
-            if (i + 1) * bs > len(tokens):
-                continue
-            parent = bytes(hashes[i * f - 1]) if i > 0 else None
-            self._infos.put(g, bytes(hashes[(i + 1) * f - 1]),
-                            BlockInfo(tuple(tokens[i * bs:(i + 1) * bs]), parent, lora_id, lora_name))
+        their keys (kvoffload.kv_events.remember)."""
+        remember(self._infos, request, hashes, g, blocks, self.keys.factors[g], self.keys.block_sizes[g])
 
     def take_kv_events(self, types: VLLMEventTypes) -> list[Any]:
         """What the daemon's tiers gained and lost since the last call, as

@@ -69,7 +69,7 @@ except ImportError:
     maybe_convert_block_hash = None  # type: ignore[assignment]
 
 from . import stats as _stats
-from .kv_events import VLLMEventTypes, default_convert
+from .kv_events import VLLMEventTypes, default_convert, event_group_specs
 from .plan import StepPlan
 from .regions import regions_from_kv_caches
 from .scheduler_side import SchedulerSide
@@ -326,7 +326,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 log.warning("kvoffload: this vLLM has no vllm.distributed.kv_events: no KV events are reported")
             elif s.kv_events:
                 self._event_types = VLLMEventTypes(BlockStored, BlockRemoved, AllBlocksCleared,
-                                                   maybe_convert_block_hash or default_convert)
+                                                   maybe_convert_block_hash or default_convert,
+                                                   event_group_specs(kv_cache_config))
             self._scheduler = SchedulerSide(
                 s.socket, s.num_ranks, s.hash_block_size, s.group_block_sizes, s.hash_bytes,
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
@@ -544,7 +545,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
 
     def take_events(self):
         """What the daemon's tiers gained and lost since the last step, as
-        vLLM's KV cache events (medium CPU or DISK), for vLLM's publisher to
+        vLLM's KV cache events (medium CPU or STORAGE), for vLLM's publisher to
         send with its own (docs/events.md). Only the scheduler reports: the
         workers' ``get_kv_connector_kv_cache_events`` stays vLLM's default."""
         if self._scheduler is None or self._event_types is None:

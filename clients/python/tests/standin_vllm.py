@@ -336,10 +336,10 @@ def maybe_convert_block_hash(hash_bytes: bytes):
 
 
 # -- kv_events.py: the events a connector hands to vLLM's publisher -------------
-# vLLM main at 0181ea3173e53eea8cf04a86891488e3dc89bb34 declares them as
-# msgspec Structs (array_like, tagged); these are dataclasses with the same
-# fields in the same order, the same defaults, and no others, so a connector
-# passing a field vLLM lacks fails here as it would there.
+# vLLM main at 7cfb97e33791 declares them as msgspec Structs (tagged); these
+# are dataclasses with the same fields in the same order, the same defaults,
+# and no others, so a connector passing a field vLLM lacks fails here as it
+# would there.
 
 
 @dataclass
@@ -355,6 +355,7 @@ class BlockStored:
     group_idx: Any = None
     kv_cache_spec_kind: Any = None
     kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
 
 
 @dataclass
@@ -362,6 +363,7 @@ class BlockRemoved:
     block_hashes: list
     medium: Any
     group_idx: Any = None
+    locality: Any = None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The connector's KV events (kvoffload.kv_events, docs/events.md).
 
 Unit tests of the translation into vLLM's classes, field by field in vLLM's
-order (vllm/distributed/kv_events.py at 0181ea3173e53eea8cf04a86891488e3dc89bb34),
+order (vllm/distributed/kv_events.py at 7cfb97e33791),
 and, through the vLLM stand-in against the real daemon, a replay of what the
 connector handed to vLLM's ``take_events`` after a random workload with
 demotions, evictions from both tiers and a daemon restart equals a Lookup of
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+import types
 
 import pytest
 import standin_vllm as sv
@@ -20,15 +21,16 @@ from standin_engine import Config, Engine, Group, Workload
 from standin_run import connector_module
 
 import kvoffload as kv
-from kvoffload.kv_events import BlockInfo, BlockInfoMap, VLLMEventTypes, default_convert, translate
+from kvoffload.kv_events import (BlockInfo, BlockInfoMap, VLLMEventTypes, default_convert, event_group_specs, remember,
+                                 translate)
 
 K = kv.EventKind
 T = kv.Tier
 
-# vLLM main's field order (kv_events.py at 0181ea3): the tag, then these.
+# vLLM main's field order (kv_events.py at 7cfb97e33791): the tag, then these.
 STORED_FIELDS = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                 "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"]
-REMOVED_FIELDS = ["block_hashes", "medium", "group_idx"]
+                 "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality"]
+REMOVED_FIELDS = ["block_hashes", "medium", "group_idx", "locality"]
 
 
 def layout(ev) -> list:
@@ -45,8 +47,8 @@ def H(i: int) -> bytes:
     return hashlib.sha256(bytes([i])).digest()
 
 
-def types_(convert=bytes) -> VLLMEventTypes:
-    return VLLMEventTypes(sv.BlockStored, sv.BlockRemoved, sv.AllBlocksCleared, convert)
+def types_(convert=bytes, specs=()) -> VLLMEventTypes:
+    return VLLMEventTypes(sv.BlockStored, sv.BlockRemoved, sv.AllBlocksCleared, convert, specs)
 
 
 def test_the_standin_classes_are_vllms_fields_in_vllms_order():
@@ -59,8 +61,8 @@ def test_translation_field_by_field():
     infos = BlockInfoMap()
     infos.put(0, H(1), BlockInfo((1, 2, 3, 4), None))
     infos.put(0, H(2), BlockInfo((5, 6, 7, 8), H(1)))
-    infos.put(0, H(3), BlockInfo((9, 10, 11, 12), H(2), 7, "adapter"))
-    infos.put(1, H(2), BlockInfo((5, 6, 7, 8, 9, 10, 11, 12), None))
+    infos.put(0, H(3), BlockInfo((9, 10, 11, 12), H(2), 7, "adapter", ("adapter",)))
+    infos.put(1, H(2), BlockInfo((5, 6, 7, 8, 9, 10, 11, 12), None, extra_keys=("salt",)))
     raw = [
         ev(K.ALL_BLOCKS_CLEARED),
         ev(K.BLOCK_STORED, T.CPU, H(1)),
@@ -73,19 +75,26 @@ def test_translation_field_by_field():
         ev(K.BLOCK_REMOVED, T.CPU, H(2)),
         ev(K.BLOCK_REMOVED, T.DISK, H(2)),
         ev(K.BLOCK_STORED, T.CPU, H(2), group=1),
+        ev(K.BLOCK_STORED, T.REMOTE, H(7)),  # the shared remote tier's
+        ev(K.BLOCK_REMOVED, T.REMOTE, H(7)),
         ev(K.EVENTS_LOST),
         ev(K.ALL_BLOCKS_CLEARED),
     ]
-    got = [layout(e) for e in translate(raw, infos, (4, 8), types_())]
+    # A hybrid model: group 0 full attention, group 1 a sliding window of 128.
+    specs = (("full_attention", None), ("sliding_window", 128))
+    got = [layout(e) for e in translate(raw, infos, (4, 8), types_(specs=specs))]
+    F, W = ["full_attention", None], ["sliding_window", 128]
     assert got == [
         ["AllBlocksCleared"],
-        ["BlockStored", [H(1), H(2)], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU", None, None, 0, None, None],
-        ["BlockStored", [H(3)], H(2), [9, 10, 11, 12], 4, 7, "CPU", "adapter", None, 0, None, None],
-        ["BlockStored", [H(9)], None, [], 4, None, "DISK", None, None, 0, None, None],
-        ["BlockStored", [H(1)], None, [1, 2, 3, 4], 4, None, "DISK", None, None, 0, None, None],
-        ["BlockRemoved", [H(1), H(2)], "CPU", 0],
-        ["BlockRemoved", [H(2)], "DISK", 0],
-        ["BlockStored", [H(2)], None, [5, 6, 7, 8, 9, 10, 11, 12], 8, None, "CPU", None, None, 1, None, None],
+        ["BlockStored", [H(1), H(2)], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU", None, None, 0, *F, "LOCAL"],
+        ["BlockStored", [H(3)], H(2), [9, 10, 11, 12], 4, 7, "CPU", "adapter", [("adapter",)], 0, *F, "LOCAL"],
+        ["BlockStored", [H(9)], None, [], 4, None, "STORAGE", None, None, 0, *F, "LOCAL"],
+        ["BlockStored", [H(1)], None, [1, 2, 3, 4], 4, None, "STORAGE", None, None, 0, *F, "LOCAL"],
+        ["BlockRemoved", [H(1), H(2)], "CPU", 0, "LOCAL"],
+        ["BlockRemoved", [H(2)], "STORAGE", 0, "LOCAL"],
+        ["BlockStored", [H(2)], None, [5, 6, 7, 8, 9, 10, 11, 12], 8, None, "CPU", None, [("salt",)], 1, *W, "LOCAL"],
+        ["BlockStored", [H(7)], None, [], 4, None, "STORAGE", None, None, 0, *F, "REMOTE"],
+        ["BlockRemoved", [H(7)], "STORAGE", 0, "REMOTE"],
         ["AllBlocksCleared"],
     ]
 
@@ -112,6 +121,37 @@ def test_an_older_vllms_classes_get_only_their_fields():
     st, rm = translate([ev(K.BLOCK_STORED, T.CPU, H(1)), ev(K.BLOCK_REMOVED, T.CPU, H(1))], infos, (2,), t)
     assert layout(st) == ["BlockStored", [H(1)], None, [1, 2], 2, 3, "CPU"]
     assert layout(rm) == ["BlockRemoved", [H(1)], "CPU"]
+
+
+def test_group_kinds_as_vllm_names_them():
+    """Each group's kv_cache_spec_kind and sliding window, by the spec's
+    class as vLLM's get_kv_cache_spec_kind tests it (an MLA spec is a
+    FullAttentionSpec subclass, and stays MLA), for a vLLM without that
+    function; with it, vLLM's answer."""
+    groups = [types.SimpleNamespace(kv_cache_spec=s) for s in (
+        sv.FullAttentionSpec(16), sv.SlidingWindowSpec(16, 128), sv.MLAAttentionSpec(16), sv.MambaSpec(16))]
+    cfg = types.SimpleNamespace(kv_cache_groups=groups)
+    assert event_group_specs(cfg) == (("full_attention", None), ("sliding_window", 128), ("mla_attention", None),
+                                      ("mamba", None))
+    assert event_group_specs(None) == ()
+
+
+def test_remember_keeps_what_vllms_block_hash_took():
+    """Tokens, parent, LoRA and extra keys per block, as vLLM's
+    generate_block_hash_extra_keys orders them: the LoRA name, the
+    multimodal inputs the block overlaps, cache_salt on the first block."""
+    mm = types.SimpleNamespace(identifier="img-1", mm_position=types.SimpleNamespace(offset=5, length=4))
+    req = types.SimpleNamespace(all_token_ids=list(range(12)), lora_request=types.SimpleNamespace(adapter_id=3, name="ad"),
+                                mm_features=[mm], cache_salt="salt")
+    infos = BlockInfoMap()
+    hashes = [H(i) for i in range(3)]
+    remember(infos, req, hashes, 0, [0, 1, 2], 1, 4)
+    assert infos.get(0, H(0)) == BlockInfo((0, 1, 2, 3), None, 3, "ad", ("ad", "salt"))
+    assert infos.get(0, H(1)) == BlockInfo((4, 5, 6, 7), H(0), 3, "ad", ("ad", "img-1"))
+    assert infos.get(0, H(2)) == BlockInfo((8, 9, 10, 11), H(1), 3, "ad", ("ad", "img-1"))
+    plain = types.SimpleNamespace(all_token_ids=list(range(8)), lora_request=None)
+    remember(infos, plain, [H(5), H(6)], 1, [1], 1, 4)
+    assert infos.get(1, H(6)) == BlockInfo((4, 5, 6, 7), H(5), None, None, None)
 
 
 def test_block_info_map_is_bounded():
@@ -210,7 +250,7 @@ def lookup_all(client, ns: int, keys) -> set:
             if t in (T.CPU, T.CPU_AND_DISK):
                 out.add((g, h, "CPU"))
             if t in (T.DISK, T.CPU_AND_DISK):
-                out.add((g, h, "DISK"))
+                out.add((g, h, "STORAGE"))
     return out
 
 
@@ -222,7 +262,8 @@ def check_payloads(eng: Engine, events) -> int:
     for e in events:
         if type(e).__name__ != "BlockStored":
             continue
-        assert e.block_size == eng.block_size and e.group_idx == 0 and e.lora_id is None and e.medium in ("CPU", "DISK")
+        assert e.block_size == eng.block_size and e.group_idx == 0 and e.lora_id is None
+        assert e.medium in ("CPU", "STORAGE") and e.locality == "LOCAL" and e.kv_cache_spec_kind == "full_attention"
         assert len(e.token_ids) == e.block_size * len(e.block_hashes), "a block of this engine without its tokens"
         parent = e.parent_block_hash if e.parent_block_hash is not None else eng.hasher.none
         for i, h in enumerate(e.block_hashes):
@@ -288,7 +329,7 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
                     held = converge(eng, d)
                     c = d.client()
                     (ns,) = c.resolve([eng.sched_conn._scheduler._events_fp])
-                    gone = sorted({h for g, h, m in held if m == "DISK"})[:16]
+                    gone = sorted({h for g, h, m in held if m == "STORAGE"})[:16]
                     assert len(gone) == 16 and c.invalidate([ns], gone) == 16
                     converge(eng, d)
                     d.restart()
@@ -304,13 +345,13 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
             names = [type(e).__name__ for e in eng.kv_events]
             removed = {e.medium for e in eng.kv_events if type(e).__name__ == "BlockRemoved"}
             stored = {e.medium for e in eng.kv_events if type(e).__name__ == "BlockStored"}
-            assert removed == {"CPU", "DISK"} and stored == {"CPU", "DISK"}, (removed, stored)
+            assert removed == {"CPU", "STORAGE"} and stored == {"CPU", "STORAGE"}, (removed, stored)
             # A reset at the start, one after the restart.
             assert names.count("AllBlocksCleared") >= 2 and names[0] == "AllBlocksCleared"
             # ... and after the restart's reset, the blocks recovered from disk.
             after = eng.kv_events[names.index("AllBlocksCleared", 1) + 1:]
-            assert any(type(e).__name__ == "BlockStored" and e.medium == "DISK" for e in after)
-            assert len(want) > 50 and any(m == "DISK" for _, _, m in want), len(want)
+            assert any(type(e).__name__ == "BlockStored" and e.medium == "STORAGE" for e in after)
+            assert len(want) > 50 and any(m == "STORAGE" for _, _, m in want), len(want)
             assert check_payloads(eng, eng.kv_events) > 100
             assert feed.streams >= 2
         finally:

@@ -1,13 +1,15 @@
 """An independent decoder of the daemon's --events-zmq messages.
 
-Written from vLLM's kv_events.py (main, 0181ea3173e5): a message is the
-frames [topic, seq as 8 bytes big-endian, msgpack KVEventBatch]; a batch is
-the array [ts, events, data_parallel_rank]; an event is a map with its
-class under "type" and its fields in declaration order (format "map", vLLM
-main), or a positional array (format "array", vLLM up to 0.23).
+Written from vLLM's kv_events.py (main, 7cfb97e33791) and docs/events.md: a
+message is the frames [topic, seq as 8 bytes big-endian, msgpack
+KVEventBatch]; a batch is the array [ts, events, data_parallel_rank]; an
+event is a map with its class under "type" and its fields in declaration
+order, then the daemon's namespace_id (format "map", vLLM main), or a
+positional array (format "array", vLLM up to 0.23).
 
 It checks every message's layout field by field, exits 1 on the first
 departure, and prints each event as a JSON line for the Go test to replay.
+vllm_schema_sub.py reads the same stream as vLLM's own structs would.
 Usage: kv_events_sub.py ENDPOINT TOPIC FORMAT HASHES BLOCK_SIZE; it stops
 when its stdin closes.
 """
@@ -19,8 +21,10 @@ import msgpack
 import zmq
 
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-               "lora_id", "medium", "lora_name", "group_idx"]
-REMOVED_KEYS = ["type", "block_hashes", "medium", "group_idx"]
+               "lora_id", "medium", "lora_name", "group_idx", "locality", "namespace_id"]
+REMOVED_KEYS = ["type", "block_hashes", "medium", "group_idx", "locality", "namespace_id"]
+# The tiers as vLLM's media and localities: the CPU tier, the disk tier.
+MEDIA = {("CPU", "LOCAL"), ("STORAGE", "LOCAL")}
 
 
 def fail(msg):
@@ -58,7 +62,7 @@ def decode_event(ev, fmt, hashes, block_size):
         if not isinstance(ev, list) or not ev:
             fail(f"event {ev!r} is not an array")
         kind = ev[0]
-        n = {"BlockStored": 10, "BlockRemoved": 4, "AllBlocksCleared": 1}.get(kind)
+        n = {"BlockStored": 14, "BlockRemoved": 6, "AllBlocksCleared": 1}.get(kind)
         if n is None or len(ev) != n:
             fail(f"{kind!r} has {len(ev)} fields, want {n}")
         fields = ev
@@ -66,22 +70,25 @@ def decode_event(ev, fmt, hashes, block_size):
         return {"type": kind}
     if kind == "BlockStored":
         if fmt == "map":
-            _, hs, parent, tokens, bs, lora_id, medium, lora_name, group = fields
+            _, hs, parent, tokens, bs, lora_id, medium, lora_name, group, locality, ns = fields
         else:
-            _, hs, parent, tokens, bs, lora_id, medium, lora_name, extra, group = fields
-            if extra is not None:
-                fail(f"extra_keys {extra!r}")
+            _, hs, parent, tokens, bs, lora_id, medium, lora_name, extra, group, kind_, window, locality, ns = fields
+            if extra is not None or kind_ is not None or window is not None:
+                fail(f"extra_keys {extra!r}, kv_cache_spec_kind {kind_!r}, kv_cache_spec_sliding_window {window!r}")
         if parent is not None or tokens != [] or lora_id is not None or lora_name is not None:
             fail(f"BlockStored fields {fields!r}")
         if bs != block_size:
             fail(f"block_size {bs!r}, want {block_size}")
     else:
-        _, hs, medium, group = fields
-    if medium not in ("CPU", "DISK"):
-        fail(f"medium {medium!r}")
+        _, hs, medium, group, locality, ns = fields
+    if (medium, locality) not in MEDIA:
+        fail(f"medium {medium!r}, locality {locality!r}")
     if not isinstance(group, int) or group < 0:
         fail(f"group_idx {group!r}")
-    return {"type": kind, "hashes": check_hashes(hs, hashes), "medium": medium, "group": group}
+    if not isinstance(ns, int) or isinstance(ns, bool) or not 0 < ns < 1 << 32:
+        fail(f"namespace_id {ns!r}")
+    return {"type": kind, "hashes": check_hashes(hs, hashes), "medium": medium, "locality": locality, "group": group,
+            "namespace": ns}
 
 
 def main():
