@@ -13,11 +13,11 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/offload"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
@@ -29,7 +29,7 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	testenv.RemoveHelperBinary()
 	if code == 0 {
-		if err := goleak.Find(); err != nil {
+		if err := leakcheck.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)
 			code = 1
 		}
