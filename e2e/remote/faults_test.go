@@ -58,8 +58,11 @@ func sharedBlocks(t *testing.T, c *rediscluster.Cluster, a, b *testenv.Daemon, s
 // master is back (empty) B loads new blocks through it without a restart.
 func TestKilledMaster(t *testing.T) {
 	c := rediscluster.ForTest(t)
-	a := startNode(t, c, nodeOpts{timeout: 500 * time.Millisecond})
-	b := startNode(t, c, nodeOpts{timeout: 500 * time.Millisecond})
+	// The default --remote-timeout (2 s): the dead master refuses at
+	// once, and the live ones need not answer within less on a loaded
+	// machine (500 ms here made their blocks' OK a race; issue 26).
+	a := startNode(t, c, nodeOpts{})
+	b := startNode(t, c, nodeOpts{})
 	ea, eb, hs := sharedBlocks(t, c, a, b, 3, 30)
 	victim := c.Node(0)
 	on := onNode(t, c, eb, hs, victim)
@@ -276,8 +279,9 @@ func TestClusterDownAtStart(t *testing.T) {
 		}
 		c.WaitOK(context.Background())
 	})
-	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
-	b := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
+	// The default --remote-timeout (2 s), as in TestKilledMaster.
+	a := startNode(t, c, nodeOpts{})
+	b := startNode(t, c, nodeOpts{})
 	if up := metric(t, a, "kvoffload_remote_up"); up != 0 {
 		t.Fatalf("remote_up %v with the cluster down", up)
 	}
