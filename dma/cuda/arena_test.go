@@ -8,10 +8,10 @@ import (
 	"sync"
 	"testing"
 
-	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
 func newTestEngine(t *testing.T, devices int, cfg Config) (*fakeDriver, *Engine) {
@@ -25,7 +25,7 @@ func newTestEngine(t *testing.T, devices int, cfg Config) (*fakeDriver, *Engine)
 	t.Cleanup(func() {
 		drv.releaseAll()
 		e.Close()
-		goleak.VerifyNone(t)
+		leakcheck.VerifyNone(t)
 	})
 	return drv, e
 }
@@ -145,7 +145,7 @@ func TestArenaReleasedBeforeUnmap(t *testing.T) {
 	if err := e.Close(); err != nil {
 		t.Errorf("Close after SetArena(nil): %v", err)
 	}
-	goleak.VerifyNone(t)
+	leakcheck.VerifyNone(t)
 }
 
 // TestArenaFollowsTheGPUsNUMANode: on a machine with several NUMA nodes the

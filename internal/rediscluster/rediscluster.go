@@ -11,9 +11,7 @@
 package rediscluster
 
 import (
-	"bufio"
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -374,53 +372,26 @@ func (n *Node) DropSnapshot() error {
 	return err
 }
 
-// Hang makes the node stop answering for d (DEBUG SLEEP), as a stalled or
-// partitioned node would. It returns at once; the returned channel is
-// closed when the node answers again.
-func (n *Node) Hang(d time.Duration) (<-chan struct{}, error) {
-	var conn net.Conn
-	var err error
-	if cfg := n.c.TLSConfig(); cfg != nil {
-		conn, err = tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", n.Addr(), cfg)
-	} else {
-		conn, err = net.DialTimeout("tcp", n.Addr(), 2*time.Second)
-	}
-	if err != nil {
-		return nil, err
-	}
-	w := bufio.NewWriter(conn)
-	if n.c.opt.Password != "" {
-		writeCmd(w, "AUTH", n.c.opt.Password)
-	}
-	writeCmd(w, "DEBUG", "SLEEP", strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
-	if err := w.Flush(); err != nil {
-		conn.Close()
-		return nil, err
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		defer conn.Close()
-		conn.SetReadDeadline(time.Now().Add(d + 30*time.Second))
-		r := bufio.NewReader(conn)
-		want := 1
-		if n.c.opt.Password != "" {
-			want = 2
-		}
-		for i := 0; i < want; i++ {
-			if _, err := r.ReadString('\n'); err != nil {
-				return
-			}
-		}
-	}()
-	return done, nil
-}
+// Pause stops the node's process (SIGSTOP) until Resume, as a stalled or
+// partitioned host would: it answers nothing, its connections stay open,
+// and what was sent to it runs when it resumes (so a test of what a node
+// that was down refuses wants Kill, not Pause). It lasts until the test
+// resumes it, not for a time that a loaded machine may outrun; resume it
+// on cleanup too, and well under cluster-node-timeout (15 s), or the other
+// masters vote it failed.
+func (n *Node) Pause() error { return n.signal(syscall.SIGSTOP) }
 
-func writeCmd(w *bufio.Writer, args ...string) {
-	fmt.Fprintf(w, "*%d\r\n", len(args))
-	for _, a := range args {
-		fmt.Fprintf(w, "$%d\r\n%s\r\n", len(a), a)
+// Resume continues a paused node (SIGCONT); a running node is unaffected.
+func (n *Node) Resume() error { return n.signal(syscall.SIGCONT) }
+
+func (n *Node) signal(sig syscall.Signal) error {
+	n.mu.Lock()
+	cmd := n.cmd
+	n.mu.Unlock()
+	if cmd == nil {
+		return errors.New("rediscluster: node not started")
 	}
+	return cmd.Process.Signal(sig)
 }
 
 // WaitOK waits until every running node reports cluster_state:ok, knows

@@ -9,8 +9,9 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
 // TestNodesOutliveTheStartingThread: a cluster started from a goroutine
@@ -26,7 +27,7 @@ func TestNodesOutliveTheStartingThread(t *testing.T) {
 		t.Skip(err)
 	}
 	QuietLogs()
-	defer goleak.VerifyNone(t)
+	defer leakcheck.VerifyNone(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var c *Cluster

@@ -6,7 +6,7 @@ import (
 	"os"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
 // ForTest returns the test binary's shared cluster (Shared), skipping the
@@ -35,7 +35,7 @@ func Main(m *testing.M) int {
 		code = 1
 	}
 	if code == 0 {
-		if err := goleak.Find(); err != nil {
+		if err := leakcheck.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "leaked goroutines:", err)
 			code = 1
 		}

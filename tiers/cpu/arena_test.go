@@ -10,7 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
 // vmStatus reads a field of /proc/self/status (VmRSS, VmLck, ...) in bytes.
@@ -92,7 +92,7 @@ func TestPopulateKeepsBytes(t *testing.T) {
 // TestCloseWhilePopulating: Close stops the populating goroutine and waits
 // for it before it unmaps the arena.
 func TestCloseWhilePopulating(t *testing.T) {
-	defer goleak.VerifyNone(t)
+	defer leakcheck.VerifyNone(t)
 	for range 3 {
 		tr, err := New(Config{Bytes: 1 << 30})
 		if err != nil {

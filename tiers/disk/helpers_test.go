@@ -13,16 +13,15 @@ import (
 	"sync"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
 
 const (
 	chunk = 1 << 20 // small chunks: many per file, cheap to scan

@@ -12,12 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
 
 func key(i int) index.Key {
 	var k index.Key

@@ -11,9 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/kvoffloadd/kvoffloadd/bench/daemon"
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
 // faultSpec is the test's plan: read faults only, so that each injected
@@ -32,7 +31,7 @@ func TestQuick(t *testing.T) {
 	if runtime.GOOS != "linux" {
 		t.Skip("kvoffloadd is Linux-only")
 	}
-	defer goleak.VerifyNone(t)
+	defer leakcheck.VerifyNone(t)
 	bin := filepath.Join(t.TempDir(), "kvoffloadd")
 	build := exec.Command("go", "build", "-o", bin, "github.com/kvoffloadd/kvoffloadd/cmd/kvoffloadd")
 	if out, err := build.CombinedOutput(); err != nil {

@@ -8,8 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
+	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 )
 
@@ -24,7 +23,7 @@ func TestQuickRemote(t *testing.T) {
 	if err := rediscluster.Available(); err != nil && !rediscluster.Required() {
 		t.Skip(err)
 	}
-	defer goleak.VerifyNone(t)
+	defer leakcheck.VerifyNone(t)
 	bin := filepath.Join(t.TempDir(), "kvoffloadd")
 	if out, err := exec.Command("go", "build", "-o", bin, "github.com/kvoffloadd/kvoffloadd/cmd/kvoffloadd").CombinedOutput(); err != nil {
 		t.Fatalf("go build kvoffloadd: %v\n%s", err, out)

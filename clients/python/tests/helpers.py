@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 
-def wait_for(pred, timeout: float = 5.0, interval: float = 0.01):
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.01):
+    """Polls pred until it is true and returns its value, or its last value
+    after timeout seconds. The default is a hang guard, not a deadline that
+    a loaded machine's scheduling could miss: a test that asserts something
+    does not happen passes its own short timeout."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         v = pred()

@@ -179,7 +179,7 @@ def test_closing_the_channel_unregisters(daemon, shm, fingerprint):
         except kv.NotFound:
             return True
 
-    assert wait_for(gone, timeout=5)
+    assert wait_for(gone)
     # A new registration with the same fingerprint joins the namespace.
     again = c2.register(fingerprint, layout, regions)
     assert again.joined_existing and again.namespace_id == reg.namespace_id
@@ -296,11 +296,11 @@ def test_a_new_registration_reads_its_results_from_the_start(fresh_daemon, shm, 
     assert wait_for(lambda: got.update(x.job_id for x in c.completions(reg.registration_id, wait_ms=100).results)
                     or got == {1, 2, 3})
     d.restart()
-    assert wait_for(lambda: c.healthy(), timeout=10)
+    assert wait_for(lambda: c.healthy())
     reg2 = c.register(fingerprint, layout, regions)
     assert reg2.registration_id == reg.registration_id  # the case this test is about
     c.store(reg2.registration_id, [kv.Job(1, [hs[3]], [3])])
-    res = wait_for(lambda: c.completions(reg2.registration_id, wait_ms=100).results, timeout=3)
+    res = wait_for(lambda: c.completions(reg2.registration_id, wait_ms=100).results)
     assert [x.job_id for x in res] == [1], "the new registration's first result was acknowledged before it was read"
 
 

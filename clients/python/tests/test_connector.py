@@ -75,7 +75,7 @@ class Harness:
         self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=SimpleNamespace(drained=drained)))
         return plan
 
-    def run_until(self, pred, timeout=10.0):
+    def run_until(self, pred, timeout=60.0):
         return wait_for(lambda: (self.step(), pred())[1], timeout=timeout)
 
     def idle(self):
@@ -472,7 +472,7 @@ def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_dae
         d.restart()
         # The worker's connection is up again, to the new process: the first
         # stores after the restart meet NOT_FOUND, not a broken connection.
-        assert wait_for(lambda: h.workers[0]._client.healthy(timeout=1.0), timeout=10)
+        assert wait_for(lambda: h.workers[0]._client.healthy(timeout=1.0))
         for i in range(3):
             prefill(h, Request(f"y{i}", list(range(400 + 30 * i, 421 + 30 * i))), [7, 8, 9, 10, 11, 12])
         assert h.run_until(lambda: h.workers[0].registered() and h.workers[0].registration_id is not None

@@ -80,4 +80,4 @@ def test_a_sweep_leaves_live_owners_alone():
 def wait_gone(pid: int) -> bool:
     from helpers import wait_for
 
-    return wait_for(lambda: gone(pid), timeout=10)
+    return wait_for(lambda: gone(pid))

@@ -209,7 +209,8 @@ def test_metrics_reach_vllm(daemon, shm):
     """get_kv_connector_stats carries hits by tier, bytes and latencies;
     build_kv_connector_stats aggregates the workers'; the Prometheus metrics
     count them."""
-    cfg = Config(model="metrics", prefix_caching=False, tp=2)
+    # Exact hit counts: a deadline the busy loop cannot miss (test_random_workload).
+    cfg = Config(model="metrics", prefix_caching=False, tp=2, extra={"lookup_deadline_ms": 2000})
     with connector_module() as mod:
         eng = Engine(cfg, mod, daemon.socket, shm)
         agg = mod.KVOffloadConnector.build_kv_connector_stats()
