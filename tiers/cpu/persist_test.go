@@ -147,9 +147,11 @@ func TestPersistentArenaRefusesOtherFiles(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer tr.Close()
-		if found, _ := scanAll(tr); tr.Attached() || len(found) != 0 {
-			t.Fatalf("attached %v with %d records, want the file discarded", tr.Attached(), len(found))
+		found, _ := scanAll(tr)
+		attached := tr.Attached()
+		tr.Close() // its populate logs too
+		if attached || len(found) != 0 {
+			t.Fatalf("attached %v with %d records, want the file discarded", attached, len(found))
 		}
 		return tr, logs.String()
 	}
