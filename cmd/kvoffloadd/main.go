@@ -111,6 +111,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	svc, err := offload.New(offload.Config{
 		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes, Policy: slots.Policy(cfg.cpuPolicy)},
+		CPUArenaDir:  cfg.cpuArenaDir,
 		Disk:         diskCfg,
 		WriteThrough: cfg.writeThrough,
 		DMA:          copier,

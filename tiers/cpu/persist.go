@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 
 	"github.com/zeebo/xxh3"
@@ -148,6 +149,9 @@ type persist struct {
 	epoch    uint32
 	attached bool // the file held an arena of this geometry: recover it
 	seq      seqCounter
+
+	catMu   sync.Mutex
+	catalog map[[32]byte][]byte // CatalogFileName's contents
 }
 
 // checkArenaDir creates dir (0700) if missing and refuses one the daemon
@@ -283,6 +287,14 @@ func openPersist(dir string, g geometry, log *slog.Logger) (_ *persist, err erro
 			p.attached = false
 			clear(p.recs)
 			p.epoch = 1
+		}
+	}
+	p.catalog = map[[32]byte][]byte{}
+	if p.attached {
+		var cerr error
+		if p.catalog, cerr = p.loadCatalog(); cerr != nil {
+			log.Error("cpu tier: the namespace catalog beside the arena is unreadable; the arena's blocks will not come back",
+				"dir", dir, "err", cerr)
 		}
 	}
 	encodeSuper(superblock{version: superVersion, geometry: g, recordBytes: RecordBytes, epoch: p.epoch}, p.file[:superBytes])
