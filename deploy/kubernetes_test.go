@@ -494,7 +494,7 @@ func TestKubernetesSidecarRuns(t *testing.T) {
 	root := t.TempDir()
 	port := freePort(t)
 	args := hostArgs(t, "kvoffloadd args", p.args, root, map[string]string{
-		"cpu-bytes": "64MiB", "disk-bytes": "64MiB", "metrics-addr": fmt.Sprintf(":%d", port), "cpu-arena-dir": shmArenaDir(t),
+		"cpu-bytes": "64MiB", "disk-bytes": "64MiB", "metrics-addr": fmt.Sprintf(":%d", port),
 	})
 	d := startDaemon(t, args)
 	probe := func(pr *corev1.Probe, extra ...string) (int, string) {
