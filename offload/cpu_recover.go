@@ -58,6 +58,7 @@ type cpuRecovery struct {
 	blocks   atomic.Uint64 // filed in the index
 	bad      atomic.Uint64 // records dropped: damaged, torn, stale, failed verification
 	took     atomic.Int64  // nanoseconds, once done
+	hook     func()        // Config.CPURecoveryHook
 
 	mu struct {
 		sync.Mutex
@@ -80,8 +81,9 @@ func newCPUTier(cc cpu.Config, dir string) (*cpu.Tier, error) {
 // catalog, holds every chunk and starts recoverCPU. Call it after the disk
 // tier is open (its catalog's namespaces are the same ones) and before
 // anything can take a CPU slot. It returns at once.
-func (s *Service) startCPURecovery(reg prometheus.Registerer) {
+func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 	rec := &s.crec
+	rec.hook = hook
 	rec.done = make(chan struct{})
 	rec.byDigest = map[[32]byte]*Namespace{}
 	s.registerCPURecoveryGauges(reg)
@@ -267,6 +269,9 @@ func (s *Service) recoverCPU() {
 			s.cpuRecoveryEnded(cpuRecoveryStopped, start)
 			return
 		default:
+		}
+		if rec.hook != nil {
+			rec.hook()
 		}
 		s.recoverCPUChunk(ch, byChunk[ch])
 		byChunk[ch] = nil

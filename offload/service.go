@@ -135,6 +135,9 @@ type Config struct {
 	// or hugetlbfs directory, so its blocks survive a restart of the
 	// daemon (cpu_recover.go). Empty: a private arena.
 	CPUArenaDir string
+	// CPURecoveryHook, when set (tests), runs on the CPU tier's recovery
+	// before it files each chunk's blocks: a test holds recovery there.
+	CPURecoveryHook func()
 	// Disk, when set, adds the disk tier behind the CPU tier (the service
 	// sets its callbacks, logger and registerer).
 	Disk *disk.Config
@@ -341,7 +344,7 @@ func New(cfg Config) (*Service, error) {
 	}
 	// After the disk tier's namespaces are back, before any CPU slot is
 	// taken.
-	s.startCPURecovery(cfg.Registerer)
+	s.startCPURecovery(cfg.Registerer, cfg.CPURecoveryHook)
 	if cfg.Remote != nil {
 		if err := s.openRemote(*cfg.Remote, cfg.Registerer); err != nil {
 			s.Close()

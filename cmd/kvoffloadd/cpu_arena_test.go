@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -383,5 +385,94 @@ func TestCPUArenaPrivateWithoutTheOption(t *testing.T) {
 	dir := arenaDir(t)
 	if m := arenaMapped("--cpu-arena-dir", dir); !strings.Contains(m, filepath.Join(dir, cpu.ArenaFileName)) {
 		t.Fatalf("with --cpu-arena-dir the arena is not the file there: %q", m)
+	}
+}
+
+// TestCPUArenaRecoveryMeanwhile: while the CPU tier's recovery is held
+// before it files the arena's blocks, the daemon serves, offers none of
+// them (none is verified yet), takes stores, and an Invalidate of keys
+// recovery has not reached yet holds: once recovery ends those stay gone,
+// the keys stored again keep their new copy, and the rest come back
+// byte-exact.
+func TestCPUArenaRecoveryMeanwhile(t *testing.T) {
+	dir := arenaDir(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	args := arenaArgs(sock, metrics, dir)
+	ctx := context.Background()
+	r := testenv.NewRegion(t, arenaModel.RegionBytes())
+	c, stop := runInProcess(t, args, io.Discard)
+	reg, err := c.Register(ctx, []byte("arena-meanwhile"), arenaModel.Layout(), arenaModel.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := arenaModel.Hashes(29, 48)
+	for i := 0; i < len(hs); i += 16 {
+		blocks := make([]uint32, 16)
+		for j, h := range hs[i : i+16] {
+			blocks[j] = uint32(j)
+			arenaModel.Fill(r, j, h)
+		}
+		if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(uint64(i), hs[i:i+16], blocks)}, true); err != nil || !res[0].Ok {
+			t.Fatalf("store: %v %v", res, err)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	gate, held := make(chan struct{}), make(chan struct{}, 1)
+	var once sync.Once
+	open := func() { once.Do(func() { close(gate) }) }
+	testHookCPURecovery = func() {
+		select {
+		case held <- struct{}{}:
+		default:
+		}
+		<-gate
+	}
+	t.Cleanup(func() { open(); testHookCPURecovery = nil })
+	c2, stop2 := runInProcess(t, args, io.Discard)
+	t.Cleanup(open) // before stop2's cleanup: Close waits for recovery
+	<-held
+	reg2, err := c2.Register(ctx, []byte("arena-meanwhile"), arenaModel.Layout(), arenaModel.Regions(r), "test")
+	if err != nil || !reg2.JoinedExisting {
+		t.Fatalf("register while recovery runs: %v %v", reg2, err)
+	}
+	for i, h := range hs {
+		if ok, _ := lookupTier(t, c2, reg2.NamespaceId, h); ok {
+			t.Fatalf("block %d is offered before recovery verified it", i)
+		}
+	}
+	if n, err := c2.Invalidate(ctx, []uint32{reg2.NamespaceId}, testenv.Keys(hs[:4]...)); err != nil || n != 0 {
+		t.Fatalf("invalidate while recovery runs: %d %v (nothing of them is in the index yet)", n, err)
+	}
+	again := hs[4:8]
+	for j, h := range again {
+		arenaModel.Fill(r, j, h)
+	}
+	if res, err := c2.Store(ctx, reg2.RegistrationId, []*pb.Job{testenv.Job(100, again, []uint32{0, 1, 2, 3})}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store while recovery runs: %v %v", res, err)
+	}
+	open()
+	blocks, dropped := waitCPURecovered(t, metrics)
+	if want := len(hs) - 4 - len(again); blocks != want || dropped != 0 {
+		t.Fatalf("recovered %d blocks (dropped %d), want %d: all but the invalidated and the stored again", blocks, dropped, want)
+	}
+	for i, h := range hs {
+		ok, tier := lookupTier(t, c2, reg2.NamespaceId, h)
+		if i < 4 {
+			if ok {
+				t.Fatalf("block %d, invalidated while recovery was held, is offered", i)
+			}
+			continue
+		}
+		if !ok || tier != pb.Tier_TIER_CPU {
+			t.Fatalf("block %d: offered %v from %v, want the CPU tier", i, ok, tier)
+		}
+		loadExact(t, c2, reg2, r, uint64(200+i), h, 20)
+	}
+	if err := stop2(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -121,6 +121,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Remote:       remoteCfg,
 
 		NamespaceLinger: cfg.namespaceLinger,
+		// Set only by this package's tests: they hold the CPU tier's
+		// recovery before it files a chunk.
+		CPURecoveryHook: testHookCPURecovery,
 	})
 	if err != nil {
 		if remoteCfg != nil {

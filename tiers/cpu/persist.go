@@ -266,9 +266,14 @@ func openPersist(dir string, g geometry, log *slog.Logger) (_ *persist, err erro
 	}
 	// Backed now, not at the first store into a page: a tmpfs (or pool of
 	// huge pages) too small for the arena would otherwise kill the
-	// daemon with SIGBUS mid-copy. Pages already there are kept.
-	if err := unix.Fallocate(int(p.f.Fd()), 0, 0, int64(g.fileBytes)); err != nil {
-		return nil, fmt.Errorf("--cpu-arena-dir: reserve %d bytes for %s (is the tmpfs or the huge page pool large enough?): %w", g.fileBytes, path, err)
+	// daemon with SIGBUS mid-copy. Pages already there are kept; a file
+	// whose every page is there (a re-attached arena the last run
+	// populated) is left alone, since walking 4 GiB of pages costs a
+	// loaded host a second of the start.
+	if allocated(p.f) < g.fileBytes {
+		if err := unix.Fallocate(int(p.f.Fd()), 0, 0, int64(g.fileBytes)); err != nil {
+			return nil, fmt.Errorf("--cpu-arena-dir: reserve %d bytes for %s (is the tmpfs or the huge page pool large enough?): %w", g.fileBytes, path, err)
+		}
 	}
 	p.file, err = unix.Mmap(int(p.f.Fd()), 0, int(g.fileBytes), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -299,6 +304,15 @@ func openPersist(dir string, g geometry, log *slog.Logger) (_ *persist, err erro
 	}
 	encodeSuper(superblock{version: superVersion, geometry: g, recordBytes: RecordBytes, epoch: p.epoch}, p.file[:superBytes])
 	return p, nil
+}
+
+// allocated is how many bytes of f have storage (0 when unknown).
+func allocated(f *os.File) uint64 {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0
+	}
+	return uint64(st.Blocks) * 512
 }
 
 func (p *persist) close() error {
