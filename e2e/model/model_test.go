@@ -106,6 +106,7 @@ var ciSeeds = []struct {
 	{3, "wt", 200},
 	{4, "stripe", 200},
 	{5, "roomy", 200},
+	{6, "warm", 200},
 }
 
 // TestModel runs the CI seeds, or the run named by -seed.
