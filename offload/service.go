@@ -1100,6 +1100,13 @@ func (s *Service) onPolicyReject(k index.Key) {
 			return false
 		case e.Flags&index.Promoting != 0:
 			e.Flags &^= index.Promoting
+		case e.State == index.Ready && e.CPU != index.NoSlot && e.Flags&(index.DiskWriting|index.Spill) == 0:
+			// Brought back from a persistent arena (Learn,
+			// cpu_recover.go) past the class's share: the policy never
+			// evicts what it does not track, so it leaves the CPU tier.
+			s.cpu.Release(e.CPU)
+			e.CPU = index.NoSlot
+			return e.Holds()
 		}
 		return true
 	})

@@ -132,10 +132,13 @@ var Shapes = map[string]Shape{
 	// The CPU tier alone, its arena kept across restarts and kills: what
 	// it held comes back, verified, and nothing invalidated does.
 	"warm": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, CPUArena: true},
+	// Both kept: write-back disk tier and persistent arena, recovered
+	// side by side at each start.
+	"warmdisk": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, DiskBytes: 16 << 20, DiskChunk: 256 << 10, CPUArena: true},
 }
 
 // ShapeNames in the order seeds pick them.
-var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy", "stripe", "tight", "warm"}
+var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy", "stripe", "tight", "warm", "warmdisk"}
 
 // ShapeFor is the shape a seed runs with when none is named.
 func ShapeFor(seed uint64) Shape {
