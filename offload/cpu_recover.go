@@ -160,12 +160,14 @@ func (s *Service) saveCPUNamespaces(keepOnly bool) {
 	if !s.cpu.Persistent() {
 		return
 	}
+	// Under s.mu until saved, as Register's saveCPUNamespace: a namespace
+	// made meanwhile is either in metas or saved after.
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	metas := make(map[[32]byte][]byte, len(s.mu.byID))
 	for _, ns := range s.mu.byID {
 		metas[digestOf(ns.Fingerprint)] = s.cpuMeta(ns)
 	}
-	s.mu.Unlock()
 	if err := s.cpu.SaveNamespaces(metas, keepOnly); err != nil {
 		s.log.Warn("the CPU tier's blocks will not come back after a restart", "err", err)
 	}
