@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -262,24 +263,50 @@ func (s *Service) recoverCPU() {
 			s.unholdCPU(ch)
 		}
 	}
+	// Chunks are independent (each its own slots, records and keys: a
+	// key is in one chunk after the newest-wins pass): verifiers take
+	// them in order, so hashing runs on several cores where the daemon
+	// has them and leaves the rest to serving.
+	next := make(chan uint32)
+	var stopped atomic.Bool
+	var wg sync.WaitGroup
+	for range cpuVerifiers() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ch := range next {
+				if rec.hook != nil {
+					rec.hook()
+				}
+				s.recoverCPUChunk(ch, byChunk[ch])
+				byChunk[ch] = nil
+			}
+		}()
+	}
+feed:
 	for ch := range chunks {
 		if len(byChunk[ch]) == 0 {
 			continue
 		}
 		select {
+		case next <- ch:
 		case <-s.stop:
-			s.cpuRecoveryEnded(cpuRecoveryStopped, start)
-			return
-		default:
+			stopped.Store(true)
+			break feed
 		}
-		if rec.hook != nil {
-			rec.hook()
-		}
-		s.recoverCPUChunk(ch, byChunk[ch])
-		byChunk[ch] = nil
+	}
+	close(next)
+	wg.Wait()
+	if stopped.Load() {
+		s.cpuRecoveryEnded(cpuRecoveryStopped, start)
+		return
 	}
 	s.cpuRecoveryEnded(cpuRecoveryDone, start)
 }
+
+// cpuVerifiers is how many chunks recovery verifies at once: half the
+// daemon's Go processors, at least one, at most four.
+func cpuVerifiers() int { return min(4, max(1, runtime.GOMAXPROCS(0)/2)) }
 
 // cpuRecoveredKey names the block of a record, if its namespace is in the
 // catalog and its shape fits the namespace's layout.
