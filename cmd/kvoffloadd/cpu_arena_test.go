@@ -216,7 +216,8 @@ func arenaSlotOf(t *testing.T, file []byte, h []byte) (recOff, payloadOff int) {
 // TestCPUArenaNeverServesTornSlots: blocks damaged in the arena file while
 // the daemon is stopped (a payload byte changed, a torn record, a record
 // whose checksum is not its payload's) are never served after the
-// restart; the others are, byte-exact. A second daemon on the same
+// restart, nor is a record copied to another slot's place; the others
+// are, byte-exact. A second daemon on the same
 // directory is refused.
 func TestCPUArenaNeverServesTornSlots(t *testing.T) {
 	bin := buildDaemon(t)
@@ -274,14 +275,23 @@ func TestCPUArenaNeverServesTornSlots(t *testing.T) {
 		t.Fatal(err)
 	}
 	copy(file[r2:], buf[:cpu.RecordBytes])
+	// A good record copied to another slot's place (a misdirected write):
+	// it names its own slot, not this one, and its block stays itself.
+	r3, _ := arenaSlotOf(t, file, hs[3])
+	le := binary.LittleEndian
+	last := int(le.Uint64(file[40:])) + (int(le.Uint64(file[24:]))/4096-1)*cpu.RecordBytes
+	if !bytes.Equal(file[last:last+cpu.RecordBytes], make([]byte, cpu.RecordBytes)) {
+		t.Fatal("the arena's last slot holds a block: the test needs it empty")
+	}
+	copy(file[last:], file[r3:r3+cpu.RecordBytes])
 	if err := os.WriteFile(path, file, 0o600); err != nil {
 		t.Fatal(err)
 	}
 
 	_, c2, _ := startDaemon(t, bin, args...)
 	blocks, dropped := waitCPURecovered(t, metrics)
-	if blocks != len(hs)-3 || dropped != 3 {
-		t.Fatalf("recovered %d blocks, dropped %d; want %d and 3", blocks, dropped, len(hs)-3)
+	if blocks != len(hs)-3 || dropped != 4 {
+		t.Fatalf("recovered %d blocks, dropped %d; want %d and 4", blocks, dropped, len(hs)-3)
 	}
 	reg2, err := c2.Register(ctx, []byte("arena-torn"), arenaModel.Layout(), arenaModel.Regions(r), "test")
 	if err != nil {
