@@ -202,6 +202,9 @@ func TestPersistentArenaRefusesOtherFiles(t *testing.T) {
 	}
 	os.Chmod(dir, 0o700)
 	disk := t.TempDir()
+	if err := os.Chmod(disk, 0o700); err != nil {
+		t.Fatal(err)
+	}
 	var fs unix.Statfs_t
 	if err := unix.Statfs(disk, &fs); err != nil {
 		t.Fatal(err)
