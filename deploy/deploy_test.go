@@ -104,6 +104,9 @@ func hostArgs(t *testing.T, what string, args []string, root string, set map[str
 		}
 		if v, ok := set[name]; ok {
 			value, seen[name] = v, true
+		} else if name == "cpu-arena-dir" {
+			// On tmpfs, as the daemon requires of it.
+			value = filepath.Join(shmArenaDir(t), value)
 		} else if pathFlags[name] {
 			if !filepath.IsAbs(value) {
 				t.Fatalf("%s: --%s %q is not an absolute path", what, name, value)

@@ -718,6 +718,11 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 	for _, ref := range refs {
 		if op == OpStore {
 			dirty := false
+			var sum uint64
+			record := false
+			if copyErr == nil {
+				sum, record = s.storedSum(r.ns, job.Keys.Group, ref.slot)
+			}
 			s.ix.Mutate(&ref.key, func(e *index.Entry, found bool) bool {
 				if !found || e.CPU != ref.slot || e.State != index.Writing {
 					// Evicted or invalidated while written; whoever
@@ -733,6 +738,11 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 					return false
 				}
 				e.State = index.Ready
+				if record && e.Flags&index.Spill == 0 {
+					// Its bytes have drained into the slot: from now on
+					// a restart on the same arena brings it back.
+					s.recordStored(r.ns, &ref.key, ref.slot, sum)
+				}
 				switch spill := e.Flags&index.Spill != 0; {
 				case spill:
 					// Readable from its staging slot until the disk

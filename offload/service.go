@@ -131,6 +131,13 @@ func (l Limits) withDefaults() Limits {
 // Config wires the service to its parts.
 type Config struct {
 	CPU cpu.Config // the service sets the callbacks
+	// CPUArenaDir, when set, keeps the CPU arena in a file of this tmpfs
+	// or hugetlbfs directory, so its blocks survive a restart of the
+	// daemon (cpu_recover.go). Empty: a private arena.
+	CPUArenaDir string
+	// CPURecoveryHook, when set (tests), runs on the CPU tier's recovery
+	// before it files each chunk's blocks: a test holds recovery there.
+	CPURecoveryHook func()
 	// Disk, when set, adds the disk tier behind the CPU tier (the service
 	// sets its callbacks, logger and registerer).
 	Disk *disk.Config
@@ -191,7 +198,8 @@ type Service struct {
 		sync.Mutex
 		byKey map[index.Key]*demotion
 	}
-	rec    recovery // the disk tier's recovery (recover.go)
+	rec    recovery    // the disk tier's recovery (recover.go)
+	crec   cpuRecovery // the CPU tier's, from a persistent arena (cpu_recover.go)
 	linger time.Duration
 	// inval orders Invalidate (writer) with the Lookups that take leases
 	// (readers): a lease is filed either before an Invalidate looks at the
@@ -249,7 +257,10 @@ type Namespace struct {
 	// recovering: brought back from the disk tier's catalog, whose
 	// recovery may still file blocks of it (guarded by Service.mu).
 	recovering bool
-	marks      marks // invalidations recovery honours (marks.go); guarded by Service.marksMu
+	// cpuRecovering: the same for the CPU tier's recovery from a
+	// persistent arena (cpu_recover.go).
+	cpuRecovering bool
+	marks         marks // invalidations recovery honours (marks.go); guarded by Service.marksMu
 
 	remote remoteNS // the remote tier's name for it
 }
@@ -298,7 +309,7 @@ func New(cfg Config) (*Service, error) {
 	cc.Evict = s.onPolicyEvict
 	cc.Reject = s.onPolicyReject
 	cc.EvictRange = s.onEvictRange
-	t, err := cpu.New(cc)
+	t, err := newCPUTier(cc, cfg.CPUArenaDir)
 	if err != nil {
 		return nil, fmt.Errorf("cpu tier: %w", err)
 	}
@@ -331,6 +342,9 @@ func New(cfg Config) (*Service, error) {
 		s.rec.done = make(chan struct{})
 		close(s.rec.done)
 	}
+	// After the disk tier's namespaces are back, before any CPU slot is
+	// taken.
+	s.startCPURecovery(cfg.Registerer, cfg.CPURecoveryHook)
 	if cfg.Remote != nil {
 		if err := s.openRemote(*cfg.Remote, cfg.Registerer); err != nil {
 			s.Close()
@@ -472,6 +486,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 			closeAll()
 			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", storageError(err))
 		}
+		s.saveCPUNamespace(ns)
 	}
 	ns.regs++
 	s.mu.nextReg++
@@ -590,7 +605,7 @@ func (s *Service) sweepNamespacesLocked(now bool) {
 	}
 	t := time.Now()
 	for _, ns := range s.mu.byID {
-		if ns.regs > 0 || ns.recovering || (!now && t.Sub(ns.idleSince) < s.linger) {
+		if ns.regs > 0 || ns.recovering || ns.cpuRecovering || (!now && t.Sub(ns.idleSince) < s.linger) {
 			continue
 		}
 		// New entries of ns need a registration of ns (a store) or the
@@ -888,6 +903,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	// Before any entry goes: copies the disk tier's recovery has not
 	// reached yet must not come back after this call (recover.go).
 	s.rec.invalidating(nss, keys)
+	s.crec.invalidating(nss, keys)
 	var dropped []index.Key
 	var want map[index.Key]struct{}
 	all := map[uint32]bool{}
@@ -1084,6 +1100,13 @@ func (s *Service) onPolicyReject(k index.Key) {
 			return false
 		case e.Flags&index.Promoting != 0:
 			e.Flags &^= index.Promoting
+		case e.State == index.Ready && e.CPU != index.NoSlot && e.Flags&(index.DiskWriting|index.Spill) == 0:
+			// Brought back from a persistent arena (Learn,
+			// cpu_recover.go) past the class's share: the policy never
+			// evicts what it does not track, so it leaves the CPU tier.
+			s.cpu.Release(e.CPU)
+			e.CPU = index.NoSlot
+			return e.Holds()
 		}
 		return true
 	})

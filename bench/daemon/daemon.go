@@ -226,6 +226,16 @@ func (d *Daemon) Stop() error {
 	return d.stopErr
 }
 
+// Kill sends SIGKILL and waits for the exit: a crash, for the restart
+// scenario.
+func (d *Daemon) Kill() {
+	d.stopOnce.Do(func() {
+		defer d.log.Close()
+		d.cmd.Process.Kill()
+		<-d.exited
+	})
+}
+
 // Pid is the daemon's process id.
 func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
 

@@ -265,6 +265,33 @@ type Recovery struct {
 	RecoveryVsRawSeqRead float64 `json:"recovery_vs_raw_seq_read"`
 	BlocksBack           int     `json:"blocks_back"`
 	SampledByteExact     int     `json:"sampled_byte_exact"`
+	// CPU is the same restart for the CPU tier alone with a persistent
+	// arena (--cpu-arena-dir), killed with SIGKILL.
+	CPU *CPURecovery `json:"cpu,omitempty"`
+}
+
+// CPURecovery is what a kill -9 and restart of a daemon whose CPU arena is
+// a file that outlives it (--cpu-arena-dir) cost: SERVING at once, blocks
+// back as they are verified.
+type CPURecovery struct {
+	ArenaBytes uint64 `json:"arena_bytes"`
+	BlockBytes int    `json:"block_bytes"`
+	Blocks     int    `json:"blocks"` // stored before the kill
+	// From the exec of the restarted daemon: SERVING, the first Lookup
+	// (of a sample of the keys, polled) that offers a block, and the end
+	// of the recovery (kvoffload_cpu_recovery_state, polled).
+	StartToServingMs        float64 `json:"start_to_serving_ms"`
+	StartToFirstHitMs       float64 `json:"start_to_first_hit_ms"`
+	StartToRecoveredSeconds float64 `json:"start_to_recovered_seconds"`
+	RecoveryGBps            float64 `json:"recovery_gbps"` // payload bytes from SERVING to recovered
+	BlocksRecovered         uint64  `json:"blocks_recovered"`
+	// RawHash: xxh3 of the same payload bytes straight from the arena
+	// file on one core, the least a verifying recovery must do.
+	RawHashSeconds   float64 `json:"raw_hash_seconds"`
+	RawHashGBps      float64 `json:"raw_hash_gbps"`
+	BlocksBack       int     `json:"blocks_back"`
+	SampledByteExact int     `json:"sampled_byte_exact"`
+	Skipped          string  `json:"skipped,omitempty"`
 }
 
 // Faults is what the fault-injection scenario found.
@@ -485,6 +512,18 @@ func (r *Report) Print(w io.Writer) {
 		}
 		fmt.Fprintf(tw, "  after recovery\t%d of %d blocks offered, %d sampled loaded byte-exact\n", rc.BlocksBack, rc.Blocks, rc.SampledByteExact)
 		tw.Flush()
+		if c := rc.CPU; c != nil && c.Skipped != "" {
+			fmt.Fprintf(w, "restart of the CPU tier with a persistent arena: skipped (%s)\n", c.Skipped)
+		} else if c != nil {
+			fmt.Fprintf(w, "restart of the CPU tier alone, arena %s in --cpu-arena-dir, %d blocks of %s, kill -9:\n", sizeString(int(c.ArenaBytes)), c.Blocks, sizeString(c.BlockBytes))
+			tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+			fmt.Fprintf(tw, "  start to SERVING\t%.0f ms\n", c.StartToServingMs)
+			fmt.Fprintf(tw, "  start to the first hit\t%.0f ms\n", c.StartToFirstHitMs)
+			fmt.Fprintf(tw, "  start to every block recovered\t%.2f s (%.2f GB/s after SERVING), %d blocks back\n", c.StartToRecoveredSeconds, c.RecoveryGBps, c.BlocksRecovered)
+			fmt.Fprintf(tw, "  raw hash of the payloads from the file\t%.2f s (%.2f GB/s, one core)\n", c.RawHashSeconds, c.RawHashGBps)
+			fmt.Fprintf(tw, "  after recovery\t%d of %d blocks offered, %d sampled loaded byte-exact\n", c.BlocksBack, c.Blocks, c.SampledByteExact)
+			tw.Flush()
+		}
 	}
 	if len(r.Goals) > 0 {
 		fmt.Fprintf(w, "\ngoals:\n")

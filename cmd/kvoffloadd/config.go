@@ -29,6 +29,7 @@ type config struct {
 	cpuBytes        uint64
 	cpuChunkBytes   uint64
 	cpuPolicy       string
+	cpuArenaDir     string
 	ioWorkers       int
 	copyNice        int
 	copyIdle        bool
@@ -191,6 +192,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
 	fs.StringVar(&c.cpuPolicy, "cpu-policy", c.cpuPolicy, "which blocks the CPU tier keeps when it is full: slru (a segmented LRU: new blocks on probation, blocks used again protected; one-off prompts churn only the probation part) or tinylfu (ristretto's frequency-based admission and eviction). docs/benchmarks.md has both against LRU on kvbench's traces.")
 	fs.Var(byteSize{&c.cpuChunkBytes}, "cpu-chunk-bytes", "arena chunk size; each chunk serves one block size and bounds the largest block (0: arena/16, clamped to 4MiB..256MiB).")
+	fs.StringVar(&c.cpuArenaDir, "cpu-arena-dir", "", "keep the CPU tier's arena in a file of this directory, so its blocks survive a restart, crash or upgrade of the daemon: DIR/kvoffload-cpu.arena (the arena plus one 128-byte record per 4KiB), DIR/kvoffload-cpu.namespaces and DIR/kvoffload-cpu.lock. DIR must be on tmpfs (/dev/shm, /run) or hugetlbfs, owned by the daemon's user, mode 0700 (created so if missing); one daemon per directory. A restarted daemon serves at once and brings the blocks back in the background, each verified before it is offered. The file holds --cpu-bytes (plus 1/32 for the records) of memory after the daemon exits, until it is removed with the daemon stopped (docs/operations.md) or the host reboots; an arena of another --cpu-bytes or --cpu-chunk-bytes is discarded. Empty (the default): a private arena that goes with the process.")
 	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena. The daemon runs with at least io-workers+1 Go processors (GOMAXPROCS, unless set in the environment), so the copies never hold every one and the API is served while they run.")
 	fs.IntVar(&c.copyNice, "copy-nice", c.copyNice, "nice value (0..19) of the copy workers' threads, host build: the kernel runs the daemon's other threads (the API, the policy) first when both want a CPU, so a Lookup does not wait behind a memmove. 0 leaves them at the daemon's priority.")
 	fs.BoolVar(&c.copyIdle, "copy-sched-idle", false, "run the copy workers' threads in SCHED_IDLE instead of at --copy-nice (host build): they get a CPU only when nothing else on the machine wants it.")
@@ -265,6 +267,9 @@ func (c *config) validate() error {
 	}
 	if c.cpuChunkBytes != 0 && (c.cpuChunkBytes%4096 != 0 || c.cpuChunkBytes > c.cpuBytes) {
 		bad("--cpu-chunk-bytes %s: want a multiple of 4096 no larger than --cpu-bytes", formatBytes(c.cpuChunkBytes))
+	}
+	if c.cpuArenaDir != "" && !filepath.IsAbs(c.cpuArenaDir) {
+		bad("--cpu-arena-dir %q: want an absolute path", c.cpuArenaDir)
 	}
 	if c.ioWorkers < 1 || c.ioWorkers > 256 {
 		bad("--io-workers %d: want 1..256", c.ioWorkers)

@@ -87,6 +87,10 @@ func diskConfig(cfg *config, log *slog.Logger, reg prometheus.Registerer) (dc *d
 // filesystem (to hold recovery in the middle and kill the process there).
 var testHookDiskFS func(vfs.FS) vfs.FS
 
+// testHookCPURecovery, set only by this package's tests, runs before the
+// CPU tier's recovery files each chunk (offload.Config.CPURecoveryHook).
+var testHookCPURecovery func()
+
 // faultsAfterRecovery calls start once recovered is closed (the disk
 // tier's recovery ran in the background while the daemon served), unless
 // stop comes first. The returned func stops waiting and waits for the

@@ -111,6 +111,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	svc, err := offload.New(offload.Config{
 		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes, Policy: slots.Policy(cfg.cpuPolicy)},
+		CPUArenaDir:  cfg.cpuArenaDir,
 		Disk:         diskCfg,
 		WriteThrough: cfg.writeThrough,
 		DMA:          copier,
@@ -120,6 +121,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		Remote:       remoteCfg,
 
 		NamespaceLinger: cfg.namespaceLinger,
+		// Set only by this package's tests: they hold the CPU tier's
+		// recovery before it files a chunk.
+		CPURecoveryHook: testHookCPURecovery,
 	})
 	if err != nil {
 		if remoteCfg != nil {

@@ -34,7 +34,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-cpu-policy", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-cpu-policy", "-cpu-arena-dir", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
 		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes", "-namespace-linger", "-debug-checks",

@@ -130,7 +130,8 @@ func (r *runner) restart(op Op) error {
 	if err := r.startDaemon(faults, reset); err != nil {
 		return r.fail("daemon", "restart: %v", err)
 	}
-	empty := !r.sh.Disk() || reset
+	// --disk-reset empties the disk tier, not a persistent arena.
+	empty := (!r.sh.Disk() || reset) && !r.sh.CPUArena
 	for i := range r.nsID {
 		r.nsID[i] = 0
 		if empty {

@@ -464,7 +464,7 @@ func (r *runner) finalChecks() error {
 	}
 	skipped := r.c.Skipped
 	defer func() { r.c.Skipped = skipped }()
-	if r.sh.Disk() {
+	if r.sh.Durable() {
 		// Everything was invalidated before a clean stop: nothing may
 		// come back (docs/disk-format.md).
 		r.op = Op{Kind: Restart}
@@ -476,8 +476,10 @@ func (r *runner) finalChecks() error {
 			r.nsID[i] = 0
 		}
 		// Recovery runs in the background: look once it has ended.
-		if _, ok, err := r.waitMetrics(60*time.Second, func(m Metrics) bool { return m.Sum("kvoffload_disk_recovering") == 0 }); err != nil || !ok {
-			return r.fail("daemon", "the disk tier still recovering 60s after the restart (%v)", err)
+		if _, ok, err := r.waitMetrics(60*time.Second, func(m Metrics) bool {
+			return m.Sum("kvoffload_disk_recovering") == 0 && m.Sum("kvoffload_cpu_recovery_state") != 1
+		}); err != nil || !ok {
+			return r.fail("daemon", "the disk tier or the CPU arena still recovering 60s after the restart (%v)", err)
 		}
 		for set := range r.sh.Sets {
 			for chain := 0; chain < r.sh.Chains; chain++ {

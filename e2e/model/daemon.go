@@ -29,6 +29,7 @@ type Proc struct {
 	Dir      string   // private: the socket and the logs
 	DiskDir  string   // holds the disk tier's directories, kept across restarts
 	DiskDirs []string // one --disk-dir each
+	ArenaDir string   // --cpu-arena-dir, kept across restarts; empty: none
 
 	Socket      string
 	MetricsAddr string
@@ -104,6 +105,9 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 	}
 	if p.Debug {
 		args = append(args, "--debug-checks")
+	}
+	if p.ArenaDir != "" {
+		args = append(args, "--cpu-arena-dir", p.ArenaDir)
 	}
 	if p.Linger && sh.Linger > 0 {
 		args = append(args, "--namespace-linger", sh.Linger.String())

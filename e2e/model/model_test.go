@@ -91,9 +91,10 @@ func tolerances(t testing.TB, s string) Tolerances {
 	return tol
 }
 
-// ciSeeds run in `make test`: five shapes (the CPU tier alone; write-back
+// ciSeeds run in `make test`: seven shapes (the CPU tier alone; write-back
 // with one- or two-slot chunks; write-through; two slot files under fault
-// plans; room for everything), 200 operations each: with the regression
+// plans; room for everything; a persistent CPU arena, alone and beside a
+// write-back disk tier), 200 operations each: with the regression
 // cases about a minute on two busy shared cores (the longer runs are
 // -seed, make soak).
 var ciSeeds = []struct {
@@ -106,6 +107,8 @@ var ciSeeds = []struct {
 	{3, "wt", 200},
 	{4, "stripe", 200},
 	{5, "roomy", 200},
+	{6, "warm", 200},
+	{7, "warmdisk", 200},
 }
 
 // TestModel runs the CI seeds, or the run named by -seed.

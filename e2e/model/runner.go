@@ -213,6 +213,13 @@ func Run(o Options) (Counts, error) {
 		return r.c, err
 	}
 	r.p = p
+	if r.sh.CPUArena {
+		// On tmpfs, as --cpu-arena-dir must be; kept across restarts.
+		if p.ArenaDir, err = os.MkdirTemp("/dev/shm", "kvm-arena-"); err != nil {
+			return r.c, err
+		}
+		defer os.RemoveAll(p.ArenaDir)
+	}
 	r.nsID = make([]uint32, len(r.sh.NS))
 	r.live = make([]int, len(r.sh.NS))
 	r.inCat = make([]bool, len(r.sh.NS))
@@ -613,7 +620,7 @@ func (r *runner) register(op Op) error {
 	cn.regs[op.Slot] = g
 	r.nsID[op.NS] = g.nsID
 	r.live[op.NS]++
-	r.inCat[op.NS] = r.sh.Disk()
+	r.inCat[op.NS] = r.sh.Durable()
 	return nil
 }
 
@@ -775,7 +782,7 @@ func (r *runner) registerRace(op Op) error {
 	r.raced = append(r.raced, op.NS)
 	r.racedNS[op.NS] = true
 	r.racedPaths = append(r.racedPaths, g.path)
-	r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Disk()
+	r.inCat[op.NS] = r.inCat[op.NS] || r.sh.Durable()
 	return nil
 }
 

@@ -62,6 +62,9 @@ type Shape struct {
 	Stripe       int    // disk directories (0: one)
 	DiskChunk    uint64
 	WriteThrough bool
+	// CPUArena: the CPU tier's arena is a file that outlives the daemon
+	// (--cpu-arena-dir, on tmpfs): a restart or a kill keeps its blocks.
+	CPUArena bool
 	// Faults: restarts may turn on a --fault-spec plan.
 	Faults    bool
 	IOWorkers int
@@ -83,6 +86,10 @@ type Shape struct {
 
 // Disk reports whether the shape has a disk tier.
 func (s Shape) Disk() bool { return s.DiskBytes > 0 }
+
+// Durable reports whether a restart keeps blocks: a disk tier or a
+// persistent arena.
+func (s Shape) Durable() bool { return s.Disk() || s.CPUArena }
 
 // DiskDirs is the number of --disk-dir.
 func (s Shape) DiskDirs() int {
@@ -122,10 +129,16 @@ var Shapes = map[string]Shape{
 	"stripe": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, DiskBytes: 16 << 20, DiskChunk: 256 << 10, Stripe: 2, Faults: true},
 	// Chunks of one or two slots: every block size change moves chunks.
 	"tight": {CPUBytes: 4 << 20, CPUChunk: 64 << 10, DiskBytes: 16 << 20, DiskChunk: 80 << 10},
+	// The CPU tier alone, its arena kept across restarts and kills: what
+	// it held comes back, verified, and nothing invalidated does.
+	"warm": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, CPUArena: true},
+	// Both kept: write-back disk tier and persistent arena, recovered
+	// side by side at each start.
+	"warmdisk": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, DiskBytes: 16 << 20, DiskChunk: 256 << 10, CPUArena: true},
 }
 
 // ShapeNames in the order seeds pick them.
-var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy", "stripe", "tight"}
+var ShapeNames = []string{"cpu", "disk", "wt", "faults", "roomy", "stripe", "tight", "warm", "warmdisk"}
 
 // ShapeFor is the shape a seed runs with when none is named.
 func ShapeFor(seed uint64) Shape {

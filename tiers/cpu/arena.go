@@ -27,10 +27,16 @@ func mapArena(size uint64, log *slog.Logger) ([]byte, bool, error) {
 	if err != nil {
 		return nil, false, fmt.Errorf("mmap %d-byte arena: %w", size, err)
 	}
+	return mem, adviseAndLock(mem, size, log), nil
+}
+
+// adviseAndLock advises huge pages for a mapped arena and locks it on
+// fault where RLIMIT_MEMLOCK allows; it reports whether it is locked.
+func adviseAndLock(mem []byte, size uint64, log *slog.Logger) bool {
 	if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
 		log.Debug("transparent huge pages not available for the arena", "err", err)
 	}
-	err = mlockOnFault(mem)
+	err := mlockOnFault(mem)
 	if errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EINVAL) {
 		err = unix.Mlock(mem) // a kernel before 4.4: lock it all now
 	}
@@ -39,9 +45,9 @@ func mapArena(size uint64, log *slog.Logger) ([]byte, bool, error) {
 		_ = unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim)
 		log.Warn("arena is not locked in memory: it may be swapped out; raise RLIMIT_MEMLOCK (ulimit -l) or run with CAP_IPC_LOCK",
 			"bytes", size, "memlock_limit", lim.Cur, "err", err)
-		return mem, false, nil
+		return false
 	}
-	return mem, true, nil
+	return true
 }
 
 func mlockOnFault(b []byte) error {

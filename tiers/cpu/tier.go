@@ -24,6 +24,8 @@ type Tier struct {
 	*slots.Space
 	mem    []byte
 	locked bool
+	// persist is the arena's file (persist.go), nil for a private arena.
+	persist *persist
 
 	stopPopulate chan struct{}
 	populated    chan struct{} // closed when populate has returned
@@ -87,7 +89,15 @@ func (t *Tier) Close() error {
 	close(t.stopPopulate)
 	<-t.populated
 	t.Space.Close()
-	err := unix.Munmap(t.mem)
+	var err error
+	if t.persist != nil {
+		// The file stays, and with it every block whose record is
+		// there: the next start with the same --cpu-arena-dir brings
+		// them back.
+		err = t.persist.close()
+	} else {
+		err = unix.Munmap(t.mem)
+	}
 	t.mem = nil
 	if err != nil {
 		return fmt.Errorf("unmap arena: %w", err)

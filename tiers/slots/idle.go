@@ -13,6 +13,7 @@ func (t *Space) ReleaseIdle(s SlotID) bool {
 	if *st != slotUsed || *pins > 0 {
 		return false
 	}
+	t.released(s)
 	t.freeLocked(s)
 	return true
 }

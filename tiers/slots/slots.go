@@ -83,6 +83,13 @@ type Config struct {
 	// [lo, hi): the tier is giving that chunk to another slot size. The
 	// owner releases each slot and forgets each key.
 	EvictRange func(lo, hi SlotID)
+	// Released, when set, is called with each slot its owner lets go of
+	// (Release, a ReleaseIdle that released, Void, Quarantine of a slot
+	// in use), under the space's lock and before the slot can be handed
+	// out again: a tier whose slots outlive the daemon (the CPU tier's
+	// persistent arena) invalidates the slot's record there. It must not
+	// block or call back into the space.
+	Released func(SlotID)
 }
 
 // DefaultChunkBytes is the chunk size for a space of n bytes.
@@ -760,6 +767,7 @@ func (t *Space) Quarantine(s SlotID) {
 	ch := uint64(s) / t.slotsPer
 	switch *st {
 	case slotUsed:
+		t.released(s)
 		t.heldLocked(ch, 1)
 	case slotReleased, slotVoid: // held already, and pinned
 	default:
@@ -861,12 +869,21 @@ func (t *Space) Release(s SlotID) {
 	if *st != slotUsed {
 		panic(fmt.Sprintf("slots: release of slot %d in state %d", s, *st))
 	}
+	t.released(s)
 	if *pins > 0 {
 		*st = slotReleased
 		t.heldLocked(uint64(s)/t.slotsPer, 1)
 		return
 	}
 	t.freeLocked(s)
+}
+
+// released tells the owner's Released hook that s was let go of; the
+// caller holds t.mu.
+func (t *Space) released(s SlotID) {
+	if t.cfg.Released != nil {
+		t.cfg.Released(s)
+	}
 }
 
 func (t *Space) freeLocked(s SlotID) {

@@ -31,6 +31,9 @@ func (t *Space) Void(s SlotID) {
 	t.mu.Lock()
 	pins, st := t.slotLocked(s)
 	var erase func(SlotID)
+	if *st == slotUsed {
+		t.released(s)
+	}
 	switch {
 	case *st == slotUsed && *pins == 0:
 		// Held like a released slot while the eraser has it.

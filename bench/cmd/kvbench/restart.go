@@ -145,7 +145,9 @@ func (b *bench) restart(ctx context.Context) error {
 	if uint64(len(written)) != rec.BlocksRecovered || back != len(written) {
 		return fmt.Errorf("restart: %d blocks written before the restart, %d recovered, %d offered after it", len(written), rec.BlocksRecovered, back)
 	}
-	return nil
+	// The CPU tier's turn: a persistent arena (restart_cpu.go).
+	rs.CPU, err = b.restartCPU(ctx)
+	return err
 }
 
 // fillDisk stores n distinct blocks, E per job, waiting after each job
