@@ -27,7 +27,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 		t.Fatalf("deleted %d keys, want %d", n, len(keys))
 	}
 	have := make([]Presence, len(keys))
-	if err := r.Exists(testCtx(t), keys, have); err != nil {
+	if err := exists(testCtx(t), r, keys, have); err != nil {
 		t.Fatal(err)
 	}
 	for i, p := range have {
@@ -36,7 +36,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 		}
 	}
 	have = have[:len(otherKeys)]
-	if err := r.Exists(testCtx(t), otherKeys, have); err != nil {
+	if err := exists(testCtx(t), r, otherKeys, have); err != nil {
 		t.Fatal(err)
 	}
 	for i, p := range have {

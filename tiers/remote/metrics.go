@@ -88,13 +88,6 @@ func (i instrumented) observe(op string, start time.Time, errs ...error) {
 	}
 }
 
-func (i instrumented) Exists(ctx context.Context, keys []string, out []Presence) error {
-	start := time.Now()
-	err := i.s.Exists(ctx, keys, out)
-	i.observe("exists", start, err)
-	return err
-}
-
 func (i instrumented) Get(ctx context.Context, fs []Fetch) error {
 	start := time.Now()
 	err := i.s.Get(ctx, fs)
@@ -106,6 +99,13 @@ func (i instrumented) Set(ctx context.Context, items []Item) []error {
 	start := time.Now()
 	errs := i.s.Set(ctx, items)
 	i.observe("set", start, errors.Join(errs...))
+	return errs
+}
+
+func (i instrumented) SetGens(ctx context.Context, gs []GenWrite) []error {
+	start := time.Now()
+	errs := i.s.SetGens(ctx, gs)
+	i.observe("invalidate", start, errors.Join(errs...))
 	return errs
 }
 
