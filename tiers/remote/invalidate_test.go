@@ -1,6 +1,8 @@
 package remote
 
 import (
+	"bytes"
+	"errors"
 	"testing"
 	"time"
 
@@ -100,4 +102,82 @@ func TestPublisherCancelAndBarrier(t *testing.T) {
 	if n := int(testutil.ToFloat64(m.Blocks.WithLabelValues("publish", "cancelled"))); n != 1 {
 		t.Fatalf("cancelled %d, want 1", n)
 	}
+}
+
+// TestGenerations: on a real cluster, a block's value and both its
+// generation records share a slot; a value is current until its key's or
+// its namespace's record is written anew, and stale after (whatever is
+// still stored under the key); a publish never overwrites another
+// writer's current value (two nodes whose kernels computed different
+// bytes), and replaces a stale one.
+func TestGenerations(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 8, 1)
+	ids, keys, vals := testBlocks(t, 2, 1000, nil)
+	sizes := sizesOf(vals)
+	for i, k := range keys {
+		slot, err := c.KeySlot(testCtx(t), k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, rec := range []string{GenKey(k), NamespaceGenKeyOf(k)} {
+			if s, err := c.KeySlot(testCtx(t), rec); err != nil || s != slot {
+				t.Fatalf("block %d: record %s in slot %d, its value in %d (%v)", i, rec, s, slot, err)
+			}
+		}
+	}
+	publish := func(i int, payload []byte) {
+		t.Helper()
+		if err := p.Publish(ids[i], len(payload), &memSource{payload: payload}); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	current := func(i int, want []byte) {
+		t.Helper()
+		got, errs := loadAll(t, r, ids[i:i+1], keys[i:i+1], sizes[i:i+1], nil)
+		if errs[0] != nil || !bytes.Equal(got[0], want) {
+			t.Fatalf("block %d: current %v (err %v), want the payload given", i, got[0] != nil, errs[0])
+		}
+	}
+	stale := func(i int) {
+		t.Helper()
+		if got, errs := loadAll(t, r, ids[i:i+1], keys[i:i+1], sizes[i:i+1], nil); got[0] != nil || !errors.Is(errs[0], ErrStale) {
+			t.Fatalf("block %d: served %v, err %v; want stale", i, got[0] != nil, errs[0])
+		}
+	}
+	first := vals[0][HeaderSize:]
+	other := bytes.Repeat([]byte{0x77}, len(first))
+	publish(0, first)
+	current(0, first)
+	publish(0, other) // another node's bytes for the same block
+	current(0, first)
+	if n := count(m, "exists"); n != 1 {
+		t.Fatalf("a second writer's publish: exists %d, want 1", n)
+	}
+	// The key's record written anew: what is stored is stale, and a
+	// publish replaces it.
+	if errs := r.SetGens(testCtx(t), []GenWrite{{Key: GenKey(keys[0]), Gen: NewGen()}}); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	stale(0)
+	publish(0, other)
+	current(0, other)
+	// The namespace's records written anew: every block of it is stale.
+	publish(1, vals[1][HeaderSize:])
+	current(1, vals[1][HeaderSize:])
+	var ws []GenWrite
+	for _, k := range NewKeyspace(nil).NamespaceGenKeys(ids[0].NS) {
+		ws = append(ws, GenWrite{Key: k, Gen: NewGen()})
+	}
+	for _, err := range r.SetGens(testCtx(t), ws) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	stale(0)
+	stale(1)
 }
