@@ -159,7 +159,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 	c.Learn(ks)
 	for _, i := range kept {
 		if e, ok := s.ix.Get(&keys[i]); !ok || e.Disk != blocks[i].Slot {
-			c.Forget(&keys[i])
+			s.forgetDisk(c, &keys[i])
 		}
 	}
 	return verdicts

@@ -279,3 +279,59 @@ func TestReshardMidSweep(t *testing.T) {
 			metric(t, b, "kvoffload_remote_blocks_total", "op", "publish", "result", "error"))
 	}
 }
+
+// recordGate holds every SetGens (an Invalidate's writes of generation
+// records), once armed, until release is closed.
+type recordGate struct {
+	remote.Store
+	armed   atomic.Bool
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *recordGate) SetGens(ctx context.Context, gs []remote.GenWrite) []error {
+	if g.armed.Load() {
+		g.entered <- struct{}{}
+		<-g.release
+	}
+	return g.Store.SetGens(context.Background(), gs)
+}
+
+// TestInvalidateWaitingOnTheClusterKeepsThePolicy: blocks stored again
+// while an Invalidate of them waits on the cluster are tracked by the CPU
+// tier's policy afterwards (and so can be evicted): the policy forgets the
+// invalidated keys together with the index change. It used to forget them
+// after the round trips, untracking the new copies for good: the CPU tier
+// filled up and stores failed NO_SPACE.
+func TestInvalidateWaitingOnTheClusterKeepsThePolicy(t *testing.T) {
+	c := rediscluster.ForTest(t)
+	g := &recordGate{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	var once sync.Once
+	release := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(release)
+	a := startNode(t, c, nodeOpts{wrapStore: func(s remote.Store) remote.Store { g.Store = s; return g }})
+	ea := register(t, a, model, fingerprint(t))
+	hs := ea.hashes(121, 16)
+	ea.store(t, hs, seq(0, 16))
+	flush(t, a)
+	g.armed.Store(true)
+	invalidated := make(chan error, 1)
+	go func() {
+		_, err := ea.c.Invalidate(context.Background(), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs...))
+		invalidated <- err
+	}()
+	<-g.entered // the index has let go of them; the records' round trip waits
+	g.armed.Store(false)
+	ea.store(t, hs, seq(16, 16)) // the engine computes them again meanwhile
+	release()
+	if err := <-invalidated; err != nil {
+		t.Fatal(err)
+	}
+	if lr := ea.lookup(t, hs); lr.Ready != 16 || lr.Tiers[0] != pb.Tier_TIER_CPU {
+		t.Fatalf("the blocks stored again: %d ready, first in %v; want 16 in the CPU tier", lr.Ready, lr.Tiers)
+	}
+	flush(t, a) // they are published once their records are written
+	if err := a.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err) // an entry whose slot its policy does not count
+	}
+}
