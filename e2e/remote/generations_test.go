@@ -335,3 +335,41 @@ func TestInvalidateWaitingOnTheClusterKeepsThePolicy(t *testing.T) {
 		t.Fatal(err) // an entry whose slot its policy does not count
 	}
 }
+
+// TestFencesAreBoundedPerNamespace: a node that invalidated more keys of
+// one namespace than the old fence bound (65,536, one by one) keeps no fence
+// once their records are written, and an Invalidate of one key of another
+// namespace invalidates that key only: the other blocks of that namespace
+// stay shared. The bound used to count the fences of every namespace, and
+// fences stayed after their deletes: with 65,536 of an old namespace, one
+// key's Invalidate swept the other namespace whole, for every node.
+func TestFencesAreBoundedPerNamespace(t *testing.T) {
+	c := rediscluster.ForTest(t)
+	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
+	old := register(t, a, model, fingerprint(t))
+	for i := 0; i < 8; i++ {
+		if _, err := old.c.Invalidate(ctx(t), []uint32{old.reg.NamespaceId}, testenv.Keys(old.hashes(uint64(1000+i), 8192)...)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if keys, whole := a.Svc.RemoteFences(); keys != 0 || whole != 0 {
+		t.Fatalf("A fences %d keys and %d namespaces once the records are written, want none", keys, whole)
+	}
+	fp := fingerprint(t)
+	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
+	hs := ea.hashes(131, 8)
+	ea.store(t, hs, seq(0, 8))
+	flush(t, a)
+	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs[0])); err != nil {
+		t.Fatal(err)
+	}
+	if lr := eb.lookup(t, hs[1:]); lr.Ready != 7 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
+		t.Fatalf("B after one key of the namespace was invalidated: %d of the 7 others ready, first in %v", lr.Ready, lr.Tiers)
+	}
+	if st := eb.load(t, hs[1:], seq(0, 7)); count(st)[okSt] != 7 {
+		t.Fatalf("B loading the 7 blocks not invalidated: %v", count(st))
+	}
+	if lr := eb.lookup(t, hs[:1]); lr.Ready != 0 {
+		t.Fatal("B is offered the block invalidated")
+	}
+}
