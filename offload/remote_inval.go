@@ -117,8 +117,11 @@ type fence struct {
 	// again by the sweeper. Each is in keys (pending), or was brought
 	// back from disk in another keyspace.
 	retry map[string]fenceKey
-	// sweeps: namespace prefixes whose garbage the sweeper deletes.
+	// sweeps: namespace prefixes whose garbage the sweeper deletes;
+	// swept: the masters each has been through (a failed round keeps
+	// what it did).
 	sweeps []string
+	swept  map[string]*remote.Swept
 	// fetching counts the fetches in flight by the gen they began at.
 	fetching map[uint64]int
 	wake     chan struct{} // cap 1: the sweeper has work
@@ -132,6 +135,7 @@ func (f *fence) init() {
 	f.perNS = map[[32]byte]int{}
 	f.whole = map[[32]byte]*nsFence{}
 	f.retry = map[string]fenceKey{}
+	f.swept = map[string]*remote.Swept{}
 	f.fetching = map[uint64]int{}
 	f.wake = make(chan struct{}, 1)
 }
@@ -311,12 +315,15 @@ func (rt *remoteTier) wholeLocked(d [32]byte, ks string) []remote.GenWrite {
 			delete(f.retry, sk)
 		}
 	}
-	if prefix := remote.KeyspaceOf(ks).NamespacePrefix(d); !containsString(f.sweeps, prefix) {
+	prefix := remote.KeyspaceOf(ks).NamespacePrefix(d)
+	if !containsString(f.sweeps, prefix) {
 		if len(f.sweeps) >= maxSweeps {
+			delete(f.swept, f.sweeps[0])
 			f.sweeps = f.sweeps[1:]
 		}
 		f.sweeps = append(f.sweeps, prefix)
 	}
+	f.swept[prefix] = &remote.Swept{} // invalidated again: every master again
 	f.version++
 	return nsWrites(d, ks)
 }
@@ -733,21 +740,29 @@ func (rt *remoteTier) sweep(ctx context.Context) bool {
 	f := &rt.fence
 	f.mu.Lock()
 	todo := append([]string(nil), f.sweeps...)
+	done := make([]*remote.Swept, len(todo))
+	for i, p := range todo {
+		done[i] = f.swept[p]
+	}
 	f.mu.Unlock()
 	failed := false
-	for _, p := range todo {
-		n, err := rt.store.DeletePrefix(ctx, p)
+	for i, p := range todo {
+		n, err := rt.store.DeletePrefix(ctx, p, done[i])
 		rt.m.Blocks.WithLabelValues("sweep", "deleted").Add(float64(n))
 		if err != nil {
 			if ctx.Err() != nil {
 				return true
 			}
 			failed = true
-			rt.log.Warn("remote tier: sweeping the garbage of a namespace invalidated whole failed; trying again", "prefix", p, "deleted", n, "err", err)
+			rt.log.Warn("remote tier: sweeping the garbage of a namespace invalidated whole failed; trying again (the masters it went through are not scanned again)",
+				"prefix", p, "deleted", n, "masters_done", done[i].Len(), "err", err)
 			continue
 		}
 		f.mu.Lock()
-		f.sweeps = removeString(f.sweeps, p)
+		if f.swept[p] == done[i] { // not invalidated again meanwhile
+			f.sweeps = removeString(f.sweeps, p)
+			delete(f.swept, p)
+		}
 		f.mu.Unlock()
 		rt.log.Info("remote tier: the garbage of a namespace invalidated whole was swept from the store", "prefix", p, "deleted", n)
 	}

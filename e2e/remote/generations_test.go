@@ -152,7 +152,7 @@ type sweepGate struct {
 	release chan struct{}
 }
 
-func (g *sweepGate) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+func (g *sweepGate) DeletePrefix(ctx context.Context, prefix string, done *remote.Swept) (int, error) {
 	if g.armed.Load() {
 		select {
 		case g.entered <- struct{}{}:
@@ -164,7 +164,7 @@ func (g *sweepGate) DeletePrefix(ctx context.Context, prefix string) (int, error
 			return 0, ctx.Err()
 		}
 	}
-	return g.Store.DeletePrefix(ctx, prefix)
+	return g.Store.DeletePrefix(ctx, prefix, done)
 }
 
 // TestReshardMidSweep: A invalidates a namespace whole while slots holding

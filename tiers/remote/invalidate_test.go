@@ -2,11 +2,16 @@ package remote
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 )
 
 // TestRedisDeletePrefix: every key under one namespace's prefix goes, on
@@ -21,7 +26,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 	if len(byNode(t, c, keys)) != len(c.Nodes()) {
 		t.Fatal("the keys do not cover every master")
 	}
-	n, err := r.DeletePrefix(testCtx(t), NewKeyspace(nil).NamespacePrefix(ids[0].NS))
+	n, err := r.DeletePrefix(testCtx(t), NewKeyspace(nil).NamespacePrefix(ids[0].NS), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,4 +185,74 @@ func TestGenerations(t *testing.T) {
 	}
 	stale(0)
 	stale(1)
+}
+
+// scanCalls is how many SCANs node n has served.
+func scanCalls(t *testing.T, n *rediscluster.Node) int {
+	t.Helper()
+	cl := n.Client()
+	defer cl.Close()
+	info, err := cl.Info(testCtx(t), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_scan:calls="); ok {
+			v, _ := strconv.Atoi(rest[:strings.IndexByte(rest, ',')])
+			return v
+		}
+	}
+	return 0
+}
+
+// TestRedisSweepKeepsWhatARoundDid: a sweep with a master down fails, and
+// the next try (the master back, with its data) scans only that master:
+// the masters a round went through are not scanned again.
+func TestRedisSweepKeepsWhatARoundDid(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 500*time.Millisecond)
+	ids, keys, vals := testBlocks(t, 60, 100, nil)
+	setAll(t, r, keys, vals)
+	victim := c.Node(2)
+	if err := victim.Snapshot(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	victim.Kill()
+	t.Cleanup(func() {
+		victim.Restart(context.Background())
+		victim.DropSnapshot()
+	})
+	prefix := NewKeyspace(nil).NamespacePrefix(ids[0].NS)
+	var done Swept
+	if _, err := r.DeletePrefix(testCtx(t), prefix, &done); err == nil {
+		t.Fatal("a sweep with a master down succeeded")
+	}
+	if n := done.Len(); n != len(c.Nodes())-1 {
+		t.Fatalf("%d masters swept through, want the %d alive", n, len(c.Nodes())-1)
+	}
+	before := map[*rediscluster.Node]int{}
+	for _, n := range c.Nodes() {
+		if n != victim {
+			before[n] = scanCalls(t, n)
+		}
+	}
+	if err := victim.Restart(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() error { return r.Ping(testCtx(t)) })
+	if _, err := r.DeletePrefix(testCtx(t), prefix, &done); err != nil {
+		t.Fatal(err)
+	}
+	for n, calls := range before {
+		if got := scanCalls(t, n); got != calls {
+			t.Errorf("master %s scanned again (%d SCANs, %d before)", n.Addr(), got, calls)
+		}
+	}
+	have := make([]Presence, len(keys))
+	exists(testCtx(t), r, keys, have)
+	for i, p := range have {
+		if p != Absent {
+			t.Fatalf("key %d: %v after the sweep went through", i, p)
+		}
+	}
 }

@@ -116,9 +116,9 @@ func (i instrumented) Delete(ctx context.Context, keys []string) []error {
 	return errs
 }
 
-func (i instrumented) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+func (i instrumented) DeletePrefix(ctx context.Context, prefix string, done *Swept) (int, error) {
 	start := time.Now()
-	n, err := i.s.DeletePrefix(ctx, prefix)
+	n, err := i.s.DeletePrefix(ctx, prefix, done)
 	i.observe("sweep", start, err)
 	return n, err
 }

@@ -392,12 +392,16 @@ func (r *Redis) Delete(ctx context.Context, keys []string) []error {
 // page of up to 1000 keys per round trip, each bounded by the timeout) and
 // each page's keys are unlinked in one pipeline, the masters in parallel.
 // A master that fails fails the sweep; what it holds remains until the
-// caller tries again.
-func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+// caller tries again, and the masters swept through (done) are not
+// scanned again.
+func (r *Redis) DeletePrefix(ctx context.Context, prefix string, done *Swept) (int, error) {
 	var n atomic.Int64
 	match := globEscape(prefix) + "*"
 	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 		addr := c.Options().Addr
+		if done.Has(addr) {
+			return nil
+		}
 		var cursor uint64
 		for {
 			keys, next, err := c.Scan(ctx, cursor, match, 1000).Result()
@@ -419,6 +423,7 @@ func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
 				}
 			}
 			if next == 0 {
+				done.Add(addr)
 				return nil
 			}
 			cursor = next

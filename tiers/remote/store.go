@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"math/rand/v2"
+	"sync"
 )
 
 // Store is a shared block store reached over the network. Every method
@@ -43,12 +44,54 @@ type Store interface {
 	// DeletePrefix removes every key that starts with prefix (garbage
 	// of a namespace invalidated whole) and returns how many it removed.
 	// It walks the whole store, many round trips; ctx bounds it all. An
-	// error means some keys may remain: the caller tries again.
-	DeletePrefix(ctx context.Context, prefix string) (int, error)
+	// error means some keys may remain: the caller tries again, passing
+	// the same done, in which DeletePrefix records each server it swept
+	// through (by name) and which it skips: a try keeps what the tries
+	// before it did (nil: sweep every server).
+	DeletePrefix(ctx context.Context, prefix string, done *Swept) (int, error)
 	// Ping reports whether the store answers at all.
 	Ping(ctx context.Context) error
 	// Close releases connections. No call may be in flight.
 	Close() error
+}
+
+// Swept is the servers a sweep has been through; safe for concurrent use.
+type Swept struct {
+	mu   sync.Mutex
+	done map[string]bool
+}
+
+// Has reports whether server name was swept through.
+func (s *Swept) Has(name string) bool {
+	if s == nil {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.done[name]
+}
+
+// Add records that server name was swept through.
+func (s *Swept) Add(name string) {
+	if s == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done == nil {
+		s.done = map[string]bool{}
+	}
+	s.done[name] = true
+}
+
+// Len is the number of servers swept through.
+func (s *Swept) Len() int {
+	if s == nil {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.done)
 }
 
 // Gen is a generation: a random non-zero token an invalidation writes into
