@@ -152,3 +152,63 @@ func TestMarksStayUntilEveryCopyIsDurablyGone(t *testing.T) {
 		})
 	}
 }
+
+// TestManyKeyMarksKeepTheRest: an Invalidate of more keys than the
+// namespace keeps marks for one by one (1,100 here, past 1,024) costs the
+// next start those keys' blocks, not the namespace's whole disk cache: the
+// blocks not invalidated come back. The namespace used to be marked whole,
+// and every block of it was erased at the next start.
+func TestManyKeyMarksKeepTheRest(t *testing.T) {
+	m := testenv.Model{Layers: 2, SegBytes: 16 << 10, Blocks: 32, HashBytes: 16}
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	start := func() (*testenv.Daemon, *client.Client, *pb.RegisterResponse, *testenv.Region) {
+		d := testenv.Start(t, testenv.Options{Quiet: true, CPUBytes: 16 << 20, ChunkBytes: 4 << 20, DiskDirs: []string{dir}, WriteThrough: true})
+		r := testenv.NewRegion(t, m.RegionBytes())
+		c := d.Client(t)
+		reg, err := c.Register(ctx, []byte("many-marks"), m.Layout(), m.Regions(r), t.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d, c, reg, r
+	}
+	d1, c1, reg1, r1 := start()
+	hs := m.Hashes(3, 20)
+	for i, h := range hs {
+		m.Fill(r1, i, h)
+	}
+	if res, err := c1.Store(ctx, reg1.RegistrationId, []*pb.Job{testenv.Job(1, hs, testenv.Seq(0, 20))}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %+v %v", res, err)
+	}
+	if err := d1.Svc.FlushDisk(ctx); err != nil {
+		t.Fatal(err)
+	}
+	gone := append(m.Hashes(4, 1096), hs[:4]...)
+	if _, err := c1.Invalidate(ctx, []uint32{reg1.NamespaceId}, testenv.Keys(gone...)); err != nil {
+		t.Fatal(err)
+	}
+	if err := d1.Svc.FlushDisk(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d1.Stop(t)
+	_, c2, reg2, _ := start()
+	ready := 0
+	for _, h := range hs {
+		lr, err := c2.Lookup(ctx, []uint32{reg2.NamespaceId}, testenv.Keys(h), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lr.Ready == 1 && h != nil {
+			ready++
+			for _, g := range hs[:4] {
+				if string(g) == string(h) {
+					t.Fatal("an invalidated block came back")
+				}
+			}
+		}
+	}
+	if ready != 16 {
+		t.Fatalf("%d of the 16 blocks not invalidated came back after an Invalidate of 1,100 keys", ready)
+	}
+}
