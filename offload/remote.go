@@ -184,7 +184,7 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 				return float64(keys)
 			}
 		}
-		const help = "Deletes from the remote tier of blocks invalidated on this node still to go through, tried again every 2 s: kind=key, keys whose delete failed; kind=namespace, namespaces invalidated whole whose sweep has not finished. This node does not read them from the remote tier meanwhile; other nodes may."
+		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again every 2 s: kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
 		for kind, namespaces := range map[string]bool{"key": false, "namespace": true} {
 			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvoffload_remote_pending_deletes", Help: help, ConstLabels: prometheus.Labels{"kind": kind},
