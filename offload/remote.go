@@ -542,8 +542,8 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 		// A good value written under the key meanwhile goes too: it
 		// costs a recompute, never a wrong block.
 		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
-		if err := rt.store.Delete(ctx, corrupt); err != nil {
-			rt.log.Warn("remote tier: deleting corrupt values failed; another load will find them corrupt again", "err", err)
+		if err := errors.Join(rt.store.Delete(ctx, corrupt)...); err != nil {
+			rt.log.Warn("remote tier: deleting corrupt or stale values failed; another load will find them again", "err", err)
 		}
 		cancel()
 	}

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
@@ -371,5 +372,41 @@ func TestFencesAreBoundedPerNamespace(t *testing.T) {
 	}
 	if lr := eb.lookup(t, hs[:1]); lr.Ready != 0 {
 		t.Fatal("B is offered the block invalidated")
+	}
+}
+
+// TestPendingBoundIsPerNamespace: with a master down, more keys of one
+// namespace wait for their records than its bound (4096): that namespace
+// is invalidated whole, and another namespace's pending keys stay keys
+// (its other blocks still served once the master is back).
+func TestPendingBoundIsPerNamespace(t *testing.T) {
+	c := rediscluster.ForTest(t)
+	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
+	b := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
+	busy := register(t, a, model, fingerprint(t))
+	fp := fingerprint(t)
+	ea, eb := register(t, a, model, fp), register(t, b, model, fp)
+	hs := ea.hashes(151, 8)
+	ea.store(t, hs, seq(0, 8))
+	flush(t, a)
+	victim := victimOf(t, c, ea, hs[0])
+	up := down(t, victim)
+	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs[0])); err != nil {
+		t.Fatal(err)
+	}
+	// About a third of these are on the dead master: past 4096 pending.
+	for i := 0; i < 2; i++ {
+		if _, err := busy.c.Invalidate(ctx(t), []uint32{busy.reg.NamespaceId}, testenv.Keys(busy.hashes(uint64(2000+i), 8192)...)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys, whole := a.Svc.RemotePendingDeletes()
+	if whole != 1 || keys < 1 || keys > 4096 {
+		t.Fatalf("pending: %d keys, %d namespaces; want the busy namespace whole and the other's key", keys, whole)
+	}
+	up()
+	waitPending(t, a, 0, 0)
+	if st := eb.load(t, hs, seq(0, 8)); st[0] == okSt || count(st)[okSt] != 7 {
+		t.Fatalf("B loading the other namespace: %v, want the 7 not invalidated", count(st))
 	}
 }
