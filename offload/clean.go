@@ -233,7 +233,7 @@ func (s *Service) dropClean(c *slots.Class, tries int) bool {
 		})
 		if freed {
 			// The CPU policy no longer holds it; its disk policy still does.
-			c.Forget(&k)
+			s.forgetCPU(c, &k)
 			s.cl.m.dropped.Inc()
 			s.m.evictions.WithLabelValues("cpu", "clean_for_store").Inc()
 			s.c.evictions.Add(1)

@@ -304,7 +304,7 @@ func (s *Service) writeDemotions(batch []*demotion) {
 		if dslot == index.NoSlot {
 			s.inval.RUnlock()
 			if result == "no_space" {
-				c.Forget(&d.key)
+				s.forgetDisk(c, &d.key)
 			}
 			s.dm.demotions.WithLabelValues(result).Inc()
 			s.endCleaning(d, false)
@@ -364,7 +364,7 @@ func (s *Service) demotionDone(d *demotion, c *slots.Class, dslot slots.SlotID, 
 	s.endCleaning(d, clean)
 	// Forget while the slot still holds the class alive.
 	if forget {
-		c.Forget(&d.key)
+		s.forgetDisk(c, &d.key)
 	}
 	s.endDemotion(d)
 	if attached {

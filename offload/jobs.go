@@ -559,10 +559,10 @@ func (lj *loadJob) readDone(rd diskRead, staging cpu.SlotID, err error) {
 	s.disk.Unpin(rd.dslot)
 	g := lj.job.Keys.Group
 	if forgetCPU {
-		r.ns.classes[g].Forget(&rd.key)
+		s.forgetCPU(r.ns.classes[g], &rd.key)
 	}
 	if forgetDisk {
-		r.ns.diskClasses[g].Forget(&rd.key)
+		s.forgetDisk(r.ns.diskClasses[g], &rd.key)
 	}
 	if attached {
 		s.dm.promoted.Inc()
@@ -675,7 +675,7 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 		}
 		cl.refs = kept
 		for i := range forget {
-			c.Forget(&forget[i])
+			s.forgetCPU(c, &forget[i])
 		}
 		r.runCopies(job, cl.refs, true, readyEvent, cl.res, start, w, j)
 	}

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"sort"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/kvoffloadd/kvoffloadd/index"
 )
 
@@ -23,10 +25,25 @@ import (
 // kept. Once a recovery has looked at every chunk, the marks of earlier
 // runs have done their work and go.
 
-// maxKeyMarks bounds the keys marked in one namespace (about 100 bytes of
-// catalog each). Past it the namespace is marked whole: recovery erases
-// more of its blocks than were invalidated, never fewer.
+// maxKeyMarks bounds the keys marked one by one in one namespace (about
+// 100 bytes of catalog each). Past it further keys go into the namespace's
+// filter.
 const maxKeyMarks = 1024
+
+// The filter: the keys marked past maxKeyMarks, as a Bloom filter of
+// filterBits bits (8 KiB of catalog, 11 KB as JSON) with filterHashes
+// hashes and one clock, the newest of its keys' marks. A block of a key
+// the filter has, written before that clock, is erased: the keys that
+// collide with the filter's (about 2% at its fullest) and the blocks of
+// its keys stored again before the newest mark are erased too. More is
+// erased than was invalidated, never less, and routine invalidations do not
+// cost the namespace's whole disk cache. Past maxFilterKeys the namespace
+// is marked whole.
+const (
+	filterBits    = 1 << 16
+	filterHashes  = 4
+	maxFilterKeys = 8192
+)
 
 // markKey is a key within its namespace.
 type markKey struct {
@@ -38,6 +55,11 @@ type markKey struct {
 type marks struct {
 	all  uint64             // every block written before it is invalidated
 	keys map[markKey]uint64 // the key's blocks written before it
+	// filter (filterBits/8 bytes, nil: none) holds filterKeys keys whose
+	// blocks written before filterBefore are invalidated.
+	filter       []byte
+	filterKeys   int
+	filterBefore uint64
 }
 
 // keyMark is a key's mark as the catalog keeps it.
@@ -51,10 +73,14 @@ type keyMark struct {
 type marksMeta struct {
 	InvalidatedBefore uint64    `json:"invalidated_before,omitempty"`
 	Invalidated       []keyMark `json:"invalidated,omitempty"`
+	// The filter; JSON encodes the bytes as base64.
+	InvalidatedFilter       []byte `json:"invalidated_filter,omitempty"`
+	InvalidatedFilterKeys   int    `json:"invalidated_filter_keys,omitempty"`
+	InvalidatedFilterBefore uint64 `json:"invalidated_filter_before,omitempty"`
 }
 
 func (m *marks) meta() marksMeta {
-	out := marksMeta{InvalidatedBefore: m.all}
+	out := marksMeta{InvalidatedBefore: m.all, InvalidatedFilter: m.filter, InvalidatedFilterKeys: m.filterKeys, InvalidatedFilterBefore: m.filterBefore}
 	for k, before := range m.keys {
 		h := k.hash // the whole 32 bytes: a hash may end in zeros
 		out.Invalidated = append(out.Invalidated, keyMark{Group: k.group, Hash: h[:], Before: before})
@@ -73,6 +99,12 @@ func decodeMarks(b []byte) (marks, error) {
 		return marks{}, err
 	}
 	out := marks{all: m.InvalidatedBefore}
+	if m.InvalidatedFilter != nil {
+		if len(m.InvalidatedFilter) != filterBits/8 {
+			return marks{}, fmt.Errorf("invalidation filter of %d bytes, want %d", len(m.InvalidatedFilter), filterBits/8)
+		}
+		out.filter, out.filterKeys, out.filterBefore = m.InvalidatedFilter, m.InvalidatedFilterKeys, m.InvalidatedFilterBefore
+	}
 	for i, km := range m.Invalidated {
 		if len(km.Hash) != 32 {
 			return marks{}, fmt.Errorf("invalidation mark %d has a %d-byte hash", i, len(km.Hash))
@@ -91,9 +123,37 @@ func decodeMarks(b []byte) (marks, error) {
 // merge takes in the marks of o.
 func (m *marks) merge(o marks) {
 	m.all = max(m.all, o.all)
+	if o.filter != nil {
+		if m.filter == nil {
+			m.filter = make([]byte, filterBits/8)
+		}
+		for i := range m.filter {
+			m.filter[i] |= o.filter[i]
+		}
+		m.filterKeys += o.filterKeys
+		m.filterBefore = max(m.filterBefore, o.filterBefore)
+	}
 	for k, before := range o.keys {
 		m.mark(k, before)
 	}
+}
+
+// filterBit is the i-th filter bit of k (double hashing).
+func filterBit(k markKey, i int) uint64 {
+	var b [36]byte
+	b[0], b[1], b[2], b[3] = byte(k.group), byte(k.group>>8), byte(k.group>>16), byte(k.group>>24)
+	copy(b[4:], k.hash[:])
+	h := xxh3.Hash128(b[:])
+	return (h.Lo + uint64(i)*(h.Hi|1)) % filterBits
+}
+
+func (m *marks) filterHas(k markKey) bool {
+	for i := 0; i < filterHashes; i++ {
+		if bit := filterBit(k, i); m.filter[bit/8]&(1<<(bit%8)) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // mark marks k's blocks written before clock.
@@ -104,11 +164,27 @@ func (m *marks) mark(k markKey, clock uint64) {
 	if m.keys == nil {
 		m.keys = map[markKey]uint64{}
 	}
-	if _, ok := m.keys[k]; !ok && len(m.keys) >= maxKeyMarks {
-		m.all, m.keys = clock, nil
+	if _, ok := m.keys[k]; ok || len(m.keys) < maxKeyMarks {
+		m.keys[k] = max(m.keys[k], clock)
 		return
 	}
-	m.keys[k] = max(m.keys[k], clock)
+	if m.filterKeys >= maxFilterKeys {
+		m.all = max(clock, m.filterBefore)
+		for _, before := range m.keys {
+			m.all = max(m.all, before)
+		}
+		m.keys, m.filter, m.filterKeys, m.filterBefore = nil, nil, 0, 0
+		return
+	}
+	if m.filter == nil {
+		m.filter = make([]byte, filterBits/8)
+	}
+	for i := 0; i < filterHashes; i++ {
+		bit := filterBit(k, i)
+		m.filter[bit/8] |= 1 << (bit % 8)
+	}
+	m.filterKeys++
+	m.filterBefore = max(m.filterBefore, clock)
 }
 
 // covers reports whether a block of k written at write is invalidated.
@@ -116,8 +192,11 @@ func (m *marks) covers(k *index.Key, write uint64) bool {
 	if write < m.all {
 		return true
 	}
-	before, ok := m.keys[markKey{group: k.Group, hash: k.Hash}]
-	return ok && write < before
+	mk := markKey{group: k.Group, hash: k.Hash}
+	if before, ok := m.keys[mk]; ok && write < before {
+		return true
+	}
+	return m.filter != nil && write < m.filterBefore && m.filterHas(mk)
 }
 
 // markInvalidated records durably that the blocks of nss written before
@@ -132,6 +211,7 @@ func (s *Service) markInvalidated(nss []*Namespace, keys map[index.Key]struct{},
 	for _, ns := range nss {
 		if keys == nil {
 			ns.marks.all, ns.marks.keys = max(ns.marks.all, clock), nil
+			ns.marks.filter, ns.marks.filterKeys, ns.marks.filterBefore = nil, 0, 0
 		} else {
 			for k := range keys {
 				if k.NS == ns.ID {
@@ -178,6 +258,10 @@ func (s *Service) pruneMarks(epoch uint32) {
 		changed := false
 		if ns.marks.all != 0 && old(ns.marks.all) {
 			ns.marks.all, changed = 0, true
+		}
+		if ns.marks.filter != nil && old(ns.marks.filterBefore) {
+			ns.marks.filter, ns.marks.filterKeys, ns.marks.filterBefore = nil, 0, 0
+			changed = true
 		}
 		for k, before := range ns.marks.keys {
 			if old(before) {

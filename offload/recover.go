@@ -159,7 +159,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 	c.Learn(ks)
 	for _, i := range kept {
 		if e, ok := s.ix.Get(&keys[i]); !ok || e.Disk != blocks[i].Slot {
-			c.Forget(&keys[i])
+			s.forgetDisk(c, &keys[i])
 		}
 	}
 	return verdicts
@@ -181,9 +181,20 @@ func (s *Service) recoveryDone(st disk.RecoveryStats) {
 	}
 	s.mu.Unlock()
 	if st.State == disk.RecoveryDone {
-		// Every chunk was looked at: the copies the marks of earlier
-		// runs cover are erased.
-		s.pruneMarks(s.rec.epoch)
+		// Every chunk was looked at. The marks of earlier runs have done
+		// their work only if every slot was read, every copy they cover
+		// was erased, and the erasures are durable: a slot unreadable
+		// now (a transient EIO) may hold an intact copy the next start
+		// reads, and an erase still in a volatile cache comes back after
+		// a power loss.
+		if st.Missed > 0 || st.EraseFailed > 0 {
+			s.log.Warn("disk tier: recovery could not read or erase every copy; the invalidation marks stay for the next start",
+				"unread_slots", st.Missed, "erases_failed", st.EraseFailed)
+		} else if err := s.disk.Sync(); err != nil {
+			s.log.Warn("disk tier: recovery's erasures could not be synced; the invalidation marks stay for the next start", "err", err)
+		} else {
+			s.pruneMarks(s.rec.epoch)
+		}
 	}
 	s.log.Info("disk tier: index rebuilt from the slot files", "state", st.State, "blocks", st.Blocks,
 		"namespaces", len(s.rec.byDigest), "took", st.Elapsed)

@@ -184,7 +184,7 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 				return float64(keys)
 			}
 		}
-		const help = "Deletes from the remote tier of blocks invalidated on this node still to go through, tried again every 2 s: kind=key, keys whose delete failed; kind=namespace, namespaces invalidated whole whose sweep has not finished. This node does not read them from the remote tier meanwhile; other nodes may."
+		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again every 2 s: kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
 		for kind, namespaces := range map[string]bool{"key": false, "namespace": true} {
 			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvoffload_remote_pending_deletes", Help: help, ConstLabels: prometheus.Labels{"kind": kind},
@@ -323,23 +323,34 @@ func (rt *remoteTier) extendLookup(nss []*Namespace, keys Keys, n int, res *Look
 			names = append(names, rt.ks.Key(rt.ident(ns, &k)))
 		}
 	}
-	have := make([]remote.Presence, len(names))
+	// Each key's header and generation records in one round trip per
+	// store node: a value an invalidation made stale (on any node) is a
+	// miss, not offered.
+	remoteAt := make([]bool, len(local))
+	failed := make([]bool, len(local))
 	if len(names) > 0 {
+		fs := make([]remote.Fetch, len(names))
+		heads := make([]byte, len(names)*remote.HeaderSize)
+		for a, name := range names {
+			fs[a] = remote.Fetch{Key: name, Head: heads[a*remote.HeaderSize : (a+1)*remote.HeaderSize]}
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
-		if err := rt.store.Exists(ctx, names, have); err != nil {
+		if err := rt.store.Get(ctx, fs); err != nil {
 			rt.log.Debug("remote tier: lookup: some keys unanswered", "err", err)
 		}
 		cancel()
-	}
-	remoteAt := make([]bool, len(local))
-	failed := make([]bool, len(local))
-	for a, q := range asks {
-		p := (q.i-from)*len(nss) + q.j
-		switch have[a] {
-		case remote.Present:
-			remoteAt[p] = true
-		case remote.Failed:
-			failed[p] = true
+		for a, q := range asks {
+			ns := nss[q.j]
+			hash := keys.Hashes[q.i*hb : (q.i+1)*hb]
+			k := makeKey(ns.ID, keys.Group, hash)
+			found, _, err := remote.CheckHead(&fs[a], rt.ident(ns, &k), ns.Layout.PayloadBytes(keys.Group), rt.mac)
+			p := (q.i-from)*len(nss) + q.j
+			switch {
+			case err != nil:
+				failed[p] = true
+			case found:
+				remoteAt[p] = true
+			}
 		}
 	}
 	hits, result := 0, "miss"
@@ -412,6 +423,10 @@ func (rt *remoteTier) fetchLoad(req fetchReq) {
 	c := lj.r.ns.classes[lj.job.Keys.Group]
 	payload := lj.r.ns.Layout.PayloadBytes(lj.job.Keys.Group)
 	per := max(1, int(rt.batch/max(payload, 1)))
+	// Taken before the fences are looked at: a block read from the store
+	// is not filed if its key was invalidated here since (fetchBatch).
+	start := rt.beginFetch()
+	defer rt.endFetch(start)
 	left := req.blocks[:0:0]
 	for _, b := range req.blocks {
 		if rt.fenced(lj.r.ns, &b.key) {
@@ -444,20 +459,21 @@ func (rt *remoteTier) fetchLoad(req fetchReq) {
 			}
 			return
 		}
-		rt.fetchBatch(lj, c, payload, batch, staging)
+		rt.fetchBatch(lj, c, payload, batch, staging, start)
 	}
 }
 
 // fetchBatch reads one batch of blocks from the store straight into their
 // staging slots, verifies each, deletes corrupt values from the store,
 // offers the good ones to the CPU tier's policy and settles every block.
-func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, batch []remoteRead, staging []cpu.SlotID) {
+func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, batch []remoteRead, staging []cpu.SlotID, start uint64) {
 	s, ns := rt.s, lj.r.ns
 	fs := make([]remote.Fetch, len(batch))
 	heads := make([]byte, len(batch)*remote.HeaderSize)
 	for i, b := range batch {
+		key := rt.ks.Key(rt.ident(ns, &b.key))
 		fs[i] = remote.Fetch{
-			Key:  rt.ks.Key(rt.ident(ns, &b.key)),
+			Key:  key,
 			Head: heads[i*remote.HeaderSize : (i+1)*remote.HeaderSize],
 			Body: s.cpu.Slot(staging[i], layout.AlignUp(payload))[:payload],
 		}
@@ -479,6 +495,12 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 			status[i] = IOError
 		case !found:
 			status[i] = Missing
+		case errors.Is(verr, remote.ErrStale):
+			// Written before an invalidation of its key or namespace
+			// (on any node): garbage, never served.
+			status[i] = Missing
+			corrupt = append(corrupt, fs[i].Key)
+			rt.m.Errors.WithLabelValues("verify", "stale").Inc()
 		case verr != nil:
 			status[i] = Corrupt
 			corrupt = append(corrupt, fs[i].Key)
@@ -488,14 +510,14 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 		}
 	}
 	// Filed under s.inval (read): an Invalidate either comes after and
-	// removes the entry, or has fenced the key and the block is MISSING
-	// (remote_inval.go).
+	// removes the entry, or has fenced the key since this fetch began and
+	// the block is MISSING (remote_inval.go).
 	s.inval.RLock()
 	for i, b := range batch {
 		if status[i] != OK {
 			continue
 		}
-		if rt.fenced(ns, &b.key) {
+		if rt.fencedSince(ns, &b.key, start) {
 			status[i] = Missing
 			continue
 		}
@@ -516,12 +538,12 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 	s.inval.RUnlock()
 	if len(corrupt) > 0 {
 		// Deleted before the job completes, so no node (this one
-		// included) is offered the value again. A good value written
-		// under the key meanwhile goes too: it costs a recompute, never
-		// a wrong block.
+		// included) is offered the value again; a stale one is garbage.
+		// A good value written under the key meanwhile goes too: it
+		// costs a recompute, never a wrong block.
 		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
-		if err := rt.store.Delete(ctx, corrupt); err != nil {
-			rt.log.Warn("remote tier: deleting corrupt values failed; another load will find them corrupt again", "err", err)
+		if err := errors.Join(rt.store.Delete(ctx, corrupt)...); err != nil {
+			rt.log.Warn("remote tier: deleting corrupt or stale values failed; another load will find them again", "err", err)
 		}
 		cancel()
 	}
@@ -569,30 +591,31 @@ func rank(t Tier) int {
 func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID) {
 	s := rt.s
 	payload := ns.Layout.PayloadBytes(k.Group)
-	src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
-	ready := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 		if !found || e.State != index.Ready {
 			return found
 		}
 		// Under the entry's lock: an Invalidate drops the entry (under
-		// this lock) before it fences the key, so the fence lifted here
-		// is one set before this store, never the one of an Invalidate
-		// that is removing the block.
-		ready = rt.stored(ns, &k) && rt.pub != nil && e.CPU == slot
-		if ready && rt.write == WriteAll {
+		// this lock) before it fences the key and cancels its queued
+		// publishes, so the fence lifted here is one set before this
+		// store, and the item is queued before that Cancel (which then
+		// cancels it) or belongs to a store after the Invalidate.
+		if !rt.stored(ns, &k) || rt.pub == nil || e.CPU != slot {
+			return found
+		}
+		src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
+		if rt.write == WriteAll {
 			// Pinned while the entry names it, so it is in use; the
 			// publisher unpins it when done. A slot at its pin
 			// ceiling is not published.
-			if ready = s.cpu.Pin(slot); ready {
-				src.slot = slot
+			if !s.cpu.Pin(slot) {
+				return found
 			}
+			src.slot = slot
 		}
+		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
 		return found
 	})
-	if ready {
-		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
-	}
 }
 
 // publishSource reads a block for the publisher from its CPU slot: the one

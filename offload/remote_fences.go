@@ -11,17 +11,16 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// The remote tier's fences on disk. A delete of an invalidated key that
-// has not gone through (a master was down) and a namespace sweep that has
-// not finished must outlive a restart: the master may still hold the old
-// value, and a restarted node that forgot its fence would load it. With a
-// disk tier they are kept in a state file in every --disk-dir
+// The remote tier's fences on disk. An invalidation whose generation
+// record is not written yet (a master was down) must outlive a restart:
+// until it is written the store serves the old value, and a restarted node
+// that forgot its fence would load it. With a disk tier the records still
+// to be written are kept in a state file in every --disk-dir
 // (kvoffload-<i>.remote-fences, written like the namespace catalog:
 // replaced, synced, renamed, directory synced), written before Invalidate
-// returns, and brought back at start: fenced again, their deletes and
-// sweeps resumed. The fences of keys whose delete has gone through are not
-// kept: the old value is gone from the store, and what another node
-// publishes after that is that node's own computation.
+// returns, and brought back at start: fenced again, their records written.
+// A record written needs nothing on disk: it is in the store, for every
+// node.
 //
 // A copy that exists but cannot be read (bad checksum, unknown version,
 // cut short) makes the daemon refuse to start: dropping it could let the
@@ -32,24 +31,33 @@ import (
 // Format, little-endian:
 //
 //	0   8  magic "KVOFRFNC"
-//	8   2  version (1)
+//	8   2  version (2)
 //	10  2  reserved, zero
-//	12  4  key count (at most maxPendingDeletes)
+//	12  4  key count (at most maxPendingTotal)
 //	16  4  namespace count (at most maxDurableNamespaces)
 //	20  4  reserved, zero
 //	24     keys: namespace digest (32), group (u32), hash (32, zero padded),
-//	       store key length (u16, 1..maxStoreKey), store key
-//	       namespaces: namespace digest (32), prefix length (u16,
-//	       1..maxStoreKey), store key prefix to sweep
+//	       value key length (u16, 1..maxStoreKey), value key (its
+//	       record is remote.GenKey of it)
+//	       namespaces: namespace digest (32), keyspace length (u16,
+//	       1..maxStoreKey), the keyspace's prefix (kvo:2:<key id>:) whose
+//	       copies of the namespace's generation record are to be written
 //	end 8  xxh3-64 of every byte before it
+//
+// A file of version 1 (deletes and sweeps of version-1 values) is read as
+// empty: this build neither reads those values (another key prefix) nor
+// accepts them (another format version).
 
 const (
 	fencesState          = "remote-fences"
 	fencesMagic          = "KVOFRFNC"
-	fencesVersion        = 1
+	fencesVersion        = 2
 	fencesHeader         = 24
 	maxStoreKey          = 1024
 	maxDurableNamespaces = 1 << 16
+	// maxPendingTotal bounds the keys whose record is still to be
+	// written over all namespaces (the fences file's size).
+	maxPendingTotal = 1 << 16
 )
 
 // durableFences is what the fences file keeps.
@@ -64,8 +72,8 @@ type durableKey struct {
 }
 
 type durableSpace struct {
-	ns     [32]byte
-	prefix string
+	ns       [32]byte
+	keyspace string
 }
 
 func encodeFences(df durableFences) []byte {
@@ -73,7 +81,7 @@ func encodeFences(df durableFences) []byte {
 	sort.Slice(df.spaces, func(i, j int) bool {
 		a, b := df.spaces[i], df.spaces[j]
 		c := bytes.Compare(a.ns[:], b.ns[:])
-		return c < 0 || c == 0 && a.prefix < b.prefix
+		return c < 0 || c == 0 && a.keyspace < b.keyspace
 	})
 	le := binary.LittleEndian
 	b := make([]byte, fencesHeader, 4096)
@@ -90,8 +98,8 @@ func encodeFences(df durableFences) []byte {
 	}
 	for _, s := range df.spaces {
 		b = append(b, s.ns[:]...)
-		b = le.AppendUint16(b, uint16(len(s.prefix)))
-		b = append(b, s.prefix...)
+		b = le.AppendUint16(b, uint16(len(s.keyspace)))
+		b = append(b, s.keyspace...)
 	}
 	return le.AppendUint64(b, xxh3.Hash(b))
 }
@@ -112,14 +120,16 @@ func decodeFences(b []byte) (durableFences, error) {
 		return bad("bad magic %q", body[:8])
 	case le.Uint64(b[len(body):]) != xxh3.Hash(body):
 		return bad("checksum mismatch")
+	case le.Uint16(body[8:]) == 1:
+		return durableFences{}, nil
 	case le.Uint16(body[8:]) != fencesVersion:
 		return bad("version %d; this build reads version %d", le.Uint16(body[8:]), fencesVersion)
 	case le.Uint16(body[10:]) != 0 || le.Uint32(body[20:]) != 0:
 		return bad("reserved bytes are not zero")
 	}
 	nk, nn := le.Uint32(body[12:]), le.Uint32(body[16:])
-	if nk > maxPendingDeletes || nn > maxDurableNamespaces {
-		return bad("%d keys and %d namespaces, at most %d and %d", nk, nn, maxPendingDeletes, maxDurableNamespaces)
+	if nk > maxPendingTotal || nn > maxDurableNamespaces {
+		return bad("%d keys and %d namespaces, at most %d and %d", nk, nn, maxPendingTotal, maxDurableNamespaces)
 	}
 	rest := body[fencesHeader:]
 	str := func() (string, bool) {
@@ -158,8 +168,8 @@ func decodeFences(b []byte) (durableFences, error) {
 		copy(s.ns[:], rest)
 		rest = rest[32:]
 		var ok bool
-		if s.prefix, ok = str(); !ok {
-			return bad("namespace %d of %d: bad prefix", i, nn)
+		if s.keyspace, ok = str(); !ok {
+			return bad("namespace %d of %d: bad keyspace", i, nn)
 		}
 		df.spaces = append(df.spaces, s)
 	}
@@ -189,8 +199,8 @@ func (rt *remoteTier) saveFences() error {
 		df.keys = append(df.keys, durableKey{fk: fk, store: sk})
 	}
 	for d, nf := range f.whole {
-		for _, p := range nf.prefixes {
-			df.spaces = append(df.spaces, durableSpace{ns: d, prefix: p})
+		for _, ks := range nf.pending {
+			df.spaces = append(df.spaces, durableSpace{ns: d, keyspace: ks})
 		}
 	}
 	f.mu.Unlock()
@@ -204,16 +214,16 @@ func (rt *remoteTier) saveFences() error {
 }
 
 // loadFences brings the fences file back at start (the caller has not
-// started the sweeper yet): the keys fenced again and their deletes tried
-// again, the namespaces fenced whole and swept. An unreadable copy is an
-// error: the daemon refuses to start.
+// started the sweeper yet): the keys and namespaces fenced again and their
+// records written. An unreadable copy is an error: the daemon refuses to
+// start.
 func (rt *remoteTier) loadFences() error {
 	if rt.s.disk == nil {
 		return nil
 	}
 	copies, err := rt.s.disk.LoadState(fencesState)
 	if err != nil {
-		return fmt.Errorf("remote tier: %w; it lists deletes of invalidated blocks from the cluster that had not gone through, and without it this node could load them; refusing to start (move the file away to start without it)", err)
+		return fmt.Errorf("remote tier: %w; it lists invalidations not yet recorded in the cluster, and without it this node could load those blocks; refusing to start (move the file away to start without it)", err)
 	}
 	f := &rt.fence
 	f.mu.Lock()
@@ -222,11 +232,11 @@ func (rt *remoteTier) loadFences() error {
 	for path, b := range copies {
 		df, err := decodeFences(b)
 		if err != nil {
-			return fmt.Errorf("remote tier: %s: %w; it lists deletes of invalidated blocks from the cluster that had not gone through, and without it this node could load them; refusing to start (move the file away to start without it)", path, err)
+			return fmt.Errorf("remote tier: %s: %w; it lists invalidations not yet recorded in the cluster, and without it this node could load those blocks; refusing to start (move the file away to start without it)", path, err)
 		}
 		for _, s := range df.spaces {
-			if nf := f.whole[s.ns]; nf == nil || !containsString(nf.prefixes, s.prefix) {
-				rt.wholeLocked(s.ns, s.prefix)
+			if nf := f.whole[s.ns]; nf == nil || !containsString(nf.pending, s.keyspace) {
+				rt.wholeLocked(s.ns, s.keyspace)
 				spaces++
 			}
 		}
@@ -235,22 +245,16 @@ func (rt *remoteTier) loadFences() error {
 				continue
 			}
 			if _, ok := f.whole[k.fk.ns]; ok {
-				continue // swept whole
-			}
-			if len(f.retry) >= maxPendingDeletes {
-				// Copies that differ (a save failed in one
-				// directory) add up past the bound.
-				rt.wholeLocked(k.fk.ns, nsPrefixOf(k.store))
-				spaces++
-				continue
+				continue // invalidated whole
 			}
 			f.retry[k.store] = k.fk
 			keys++
 			// Fenced for reading in this node's keyspace only: a key
-			// of another (the key file changed) is only deleted.
+			// of another (the key file changed) is only recorded.
 			if strings.HasPrefix(k.store, rt.ks.Prefix()) {
 				f.gen++
 				f.keys[k.fk] = &keyFence{store: k.store, pending: true, gen: f.gen}
+				f.perNS[k.fk.ns]++
 			}
 		}
 	}
@@ -260,13 +264,13 @@ func (rt *remoteTier) loadFences() error {
 	}
 	f.version, f.saved = 1, 0 // the copies are rewritten alike at the next save
 	f.kick()
-	rt.log.Warn("remote tier: fences brought back from disk: deletes of invalidated blocks and namespace sweeps that had not gone through are resumed; until then this node does not read them from the cluster",
+	rt.log.Warn("remote tier: invalidations not yet recorded in the cluster brought back from disk: their records are written again; until then this node does not read those blocks from the cluster",
 		"keys", keys, "namespaces", spaces)
 	return nil
 }
 
 // nsPrefixOf is the namespace prefix of a store key (docs/remote.md):
-// kvo:1:<key id>:<namespace>: of kvo:1:<key id>:<namespace>:<group>:<hash>.
+// kvo:2:<key id>:{<namespace>: of kvo:2:<key id>:{<namespace>:<group>:<hash>}.
 func nsPrefixOf(store string) string {
 	n := 0
 	for i := 0; i < len(store); i++ {

@@ -3,58 +3,64 @@ package offload
 import (
 	"context"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
 
-// Invalidate and the remote tier. A block invalidated on this node is
-// never loaded back from the store by this node: Invalidate fences its key
-// (a namespace invalidated whole: the namespace) while it holds the index,
-// so a Lookup does not offer it as REMOTE and a fetch in flight does not
-// file it. It also reaches the store for every node: the publishes still
-// queued for those keys are cancelled, and once the batches in flight have
-// landed the keys are deleted from the store (a namespace invalidated whole
-// is swept, in the background, by its key prefix).
+// Invalidate and the remote tier (docs/remote.md, Invalidation). The
+// contract holds by generations, not by the order of deletes and writes:
+// every block and every namespace has a generation record in the store,
+// every value is stamped with the records its publisher read, and a reader
+// (any node) refuses a value whose stamp is not what the records say now.
+// An Invalidate writes new records: one per key invalidated (with the
+// value's UNLINK behind it, on the same node), one per namespace
+// invalidated whole. Once those writes are acknowledged, nothing the store
+// held or will receive from before (a publish still queued or in flight, a
+// SET that timed out and lands later, a key a resharding hid from a sweep)
+// is served to any node: it is garbage, deleted when a load meets it, by
+// the namespace's sweep, or by the store's eviction.
 //
-// A delete that fails (a master down, slow, failing over) is kept and
-// tried again every sweepRetry until it goes through: until then the
-// master's copy is there for the other nodes, never for this one. Past
-// maxPendingDeletes the namespace is swept whole instead. What the store
-// held for the keys is gone for the other nodes once the delete (or the
-// sweep) has gone through, unless a node publishes the block again (its
-// own copy, when its engine stores it).
-//
-// A key's fence lifts when this node stores the key again (its engine
-// computed the block anew) and its delete has gone through; stored again
-// before that, the block is published once the delete has gone through (a
-// publish before it would meet the old value, or be deleted with it). A
-// namespace's fence lifts once a sweep that began after the invalidation
-// has gone through every store node.
-//
-// With a disk tier, the deletes and sweeps still to go through are also
-// kept on disk (remote_fences.go), written before Invalidate returns: a
-// restarted node fences them again and resumes them.
+// Until a record's write is acknowledged the node fences the key (or the
+// namespace): it neither offers nor loads it from the store. The fence is
+// taken while the Invalidate holds the index, so a Lookup does not offer it
+// and a fetch already in flight does not file it; the queued publishes of
+// those keys are cancelled before the records are written. A write that
+// fails (a master down, slow, failing over) is kept and tried again every
+// sweepRetry until it goes through; with a disk tier it is also kept on
+// disk (remote_fences.go) before Invalidate returns, so a restarted node
+// fences the key again and writes the record. A fence whose record is
+// written has done its work and goes as soon as no fetch that began before
+// it is in flight.
 
-// maxFencedKeys bounds the keys fenced one by one (about 100 bytes each).
-// Past it a namespace is fenced and swept whole: more is invalidated in the
-// store, never less.
-const maxFencedKeys = 1 << 16
+// maxPendingKeys bounds, per namespace, the keys whose generation record
+// is still to be written (each also in the fences file, about 200 bytes).
+// Past it that namespace is invalidated whole instead: more is invalidated,
+// never less, and only in the namespace that passed it.
+const maxPendingKeys = 4096
 
-// maxPendingDeletes bounds the keys whose delete failed and is tried
-// again (each also in the fences file, about 200 bytes). Past it the
-// namespace is fenced and swept whole.
-const maxPendingDeletes = 4096
+// maxLingering bounds the fences whose record is written but that a fetch
+// begun before them still needs; past it they go and every fetch begun
+// before the latest invalidation files nothing (its blocks serve the load
+// only).
+const maxLingering = 1 << 16
 
-// maxFencedNamespaces bounds the namespaces fenced whole whose sweep has
-// not gone through yet; Invalidate of more whole namespaces is refused
-// (ErrLimit) until sweeps go through.
+// maxFencedNamespaces bounds the namespaces invalidated whole whose record
+// is still to be written; Invalidate of more whole namespaces is refused
+// (ErrLimit) until they go through.
 const maxFencedNamespaces = 1024
 
-// sweepRetry is how long a failed delete or sweep waits before the next try.
+// maxSweeps bounds the namespaces whose garbage is still to be swept from
+// the store; past it the oldest is left to the store's eviction.
+const maxSweeps = 1024
+
+// sweepRetry is how long a failed record write or sweep waits before the
+// next try.
 const sweepRetry = 2 * time.Second
 
 // fenceKey is a key fenced on this node, by namespace digest: it outlives
@@ -67,54 +73,70 @@ type fenceKey struct {
 
 // keyFence is the state of one fenced key.
 type keyFence struct {
-	store string // the key in the store
-	// pending: its delete from the store has not gone through yet (the
-	// first try runs, or it failed and is in fence.retry).
+	store string // the value's key in the store
+	// pending: its generation record is not written yet (the first try
+	// runs, or it failed and is in fence.retry). Not pending: it lingers
+	// for the fetches begun before it.
 	pending bool
 	// restored, while pending: this node stored the key again, in this
-	// namespace; the fence lifts and the block is published once the
-	// delete has gone through.
+	// namespace; the block is published once the record is written (a
+	// publish before would be stamped with the old generation).
 	restored *Namespace
 	// gen is the fence generation of the key's latest invalidation: only
-	// a delete sent for it (or later) ends pending.
+	// a record written for it (or later) ends pending.
 	gen uint64
 }
 
-// nsFence is a namespace fenced whole.
+// nsFence is a namespace invalidated whole.
 type nsFence struct {
 	gen uint64 // of its latest invalidation
-	// prefixes are the key prefixes to sweep: the namespace's in this
-	// node's keyspace, and in another one the node used before a restart
-	// (a fence brought back from disk after the key file changed).
-	prefixes []string
+	// pending are the keyspaces (their prefixes) whose copies of the
+	// namespace's generation record (one per bucket) are still to be
+	// written: this node's, or another one the node used before a
+	// restart (brought back from disk after the key file changed).
+	pending []string
 }
 
-// fence is what this node must not read from the store, and what it still
-// has to delete there.
+// fence is what this node must not read from the store, and the
+// generation records it still has to write there.
 type fence struct {
-	n  atomic.Int64 // len(keys)+len(whole): the Lookup's fast path
+	n  atomic.Int64 // len(keys)+len(whole): the fast path
 	mu sync.Mutex
-	// keys: fenced until this node stores them again and their delete
-	// has gone through.
+	// keys: pending, or lingering for a fetch in flight.
 	keys map[fenceKey]*keyFence
-	// whole: namespaces invalidated whole, by digest; fenced until a
-	// sweep that began after their latest invalidation succeeds.
+	// perNS counts the pending keys of each namespace (maxPendingKeys).
+	perNS map[[32]byte]int
+	// whole: namespaces invalidated whole, by digest; pending or
+	// lingering like keys.
 	whole map[[32]byte]*nsFence
 	gen   uint64
-	// retry: the keys whose delete failed, by store key, tried again by
-	// the sweeper. Each is in keys (pending), or was brought back from
-	// disk with its fence.
+	// floor: a fetch begun before it files nothing (lingering fences
+	// were dropped past maxLingering).
+	floor atomic.Uint64
+	// retry: the keys whose record write failed, by value key, tried
+	// again by the sweeper. Each is in keys (pending), or was brought
+	// back from disk in another keyspace.
 	retry map[string]fenceKey
-	wake  chan struct{} // cap 1: the sweeper has work
-	// version counts changes to what the fences file keeps (retry and
-	// whole); saved is the version last written.
+	// sweeps: namespace prefixes whose garbage the sweeper deletes;
+	// swept: the masters each has been through (a failed round keeps
+	// what it did).
+	sweeps []string
+	swept  map[string]*remote.Swept
+	// fetching counts the fetches in flight by the gen they began at.
+	fetching map[uint64]int
+	wake     chan struct{} // cap 1: the sweeper has work
+	// version counts changes to what the fences file keeps (the pending
+	// records); saved is the version last written.
 	version, saved uint64
 }
 
 func (f *fence) init() {
 	f.keys = map[fenceKey]*keyFence{}
+	f.perNS = map[[32]byte]int{}
 	f.whole = map[[32]byte]*nsFence{}
 	f.retry = map[string]fenceKey{}
+	f.swept = map[string]*remote.Swept{}
+	f.fetching = map[uint64]int{}
 	f.wake = make(chan struct{}, 1)
 }
 
@@ -127,7 +149,81 @@ func (f *fence) kick() {
 	}
 }
 
-// fenced reports whether this node must not read key k of ns from the store.
+// reapLocked drops the fences that have done their work (their record is
+// written) and that no fetch in flight began before.
+func (f *fence) reapLocked() {
+	oldest := uint64(math.MaxUint64)
+	for g := range f.fetching {
+		oldest = min(oldest, g)
+	}
+	lingering := 0
+	for k, kf := range f.keys {
+		if !kf.pending {
+			if kf.gen <= oldest {
+				delete(f.keys, k)
+			} else {
+				lingering++
+			}
+		}
+	}
+	for d, nf := range f.whole {
+		if len(nf.pending) == 0 {
+			if nf.gen <= oldest {
+				delete(f.whole, d)
+			} else {
+				lingering++
+			}
+		}
+	}
+	if lingering > maxLingering {
+		for k, kf := range f.keys {
+			if !kf.pending {
+				delete(f.keys, k)
+			}
+		}
+		for d, nf := range f.whole {
+			if len(nf.pending) == 0 {
+				delete(f.whole, d)
+			}
+		}
+		f.floor.Store(f.gen + 1)
+	}
+	f.countLocked()
+}
+
+// pendingLocked counts the keys whose record is still to be written.
+func (f *fence) pendingLocked() int {
+	n := 0
+	for _, c := range f.perNS {
+		n += c
+	}
+	return n
+}
+
+// beginFetch notes a fetch beginning and returns the gen it began at.
+func (rt *remoteTier) beginFetch() uint64 {
+	f := &rt.fence
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fetching[f.gen]++
+	return f.gen
+}
+
+// endFetch notes the fetch begun at gen g ended.
+func (rt *remoteTier) endFetch(g uint64) {
+	f := &rt.fence
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fetching[g]--; f.fetching[g] <= 0 {
+		delete(f.fetching, g)
+	}
+	if f.n.Load() > 0 {
+		f.reapLocked()
+	}
+}
+
+// fenced reports whether this node must not read key k of ns from the
+// store: its (or its namespace's) record is still to be written.
 func (rt *remoteTier) fenced(ns *Namespace, k *index.Key) bool {
 	f := &rt.fence
 	if f.n.Load() == 0 {
@@ -136,41 +232,64 @@ func (rt *remoteTier) fenced(ns *Namespace, k *index.Key) bool {
 	d := rt.digest(ns)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.whole[d]; ok {
+	if nf, ok := f.whole[d]; ok && len(nf.pending) > 0 {
 		return true
 	}
-	_, ok := f.keys[fenceKey{ns: d, group: k.Group, hash: k.Hash}]
-	return ok
+	kf, ok := f.keys[fenceKey{ns: d, group: k.Group, hash: k.Hash}]
+	return ok && kf.pending
+}
+
+// fencedSince reports whether a block of k a fetch begun at gen start read
+// must not be filed: fenced now, or invalidated on this node since start
+// (the fetch may have read it before the record was written).
+func (rt *remoteTier) fencedSince(ns *Namespace, k *index.Key, start uint64) bool {
+	f := &rt.fence
+	if start < f.floor.Load() {
+		return true
+	}
+	if f.n.Load() == 0 {
+		return false
+	}
+	d := rt.digest(ns)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if nf, ok := f.whole[d]; ok && (len(nf.pending) > 0 || nf.gen > start) {
+		return true
+	}
+	kf, ok := f.keys[fenceKey{ns: d, group: k.Group, hash: k.Hash}]
+	return ok && (kf.pending || kf.gen > start)
 }
 
 // stored notes that this node has just stored key k again (the caller
 // holds its index entry, ready). It reports whether the block may be
-// published now: not while the delete of the value invalidated is still to
-// go through (the fence then lifts and the block is published after it).
+// published now: not while the key's record is still to be written (the
+// block is published after it).
 func (rt *remoteTier) stored(ns *Namespace, k *index.Key) bool {
 	f := &rt.fence
 	if f.n.Load() == 0 {
 		return true
 	}
-	fk := fenceKey{ns: rt.digest(ns), group: k.Group, hash: k.Hash}
+	d := rt.digest(ns)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	kf, ok := f.keys[fk]
-	switch {
-	case !ok:
-		return true
-	case kf.pending:
+	if nf, ok := f.whole[d]; ok && len(nf.pending) > 0 {
+		// Stamped now it would carry the namespace's old generation:
+		// this copy stays local (the next store of it publishes).
+		return false
+	}
+	kf, ok := f.keys[fenceKey{ns: d, group: k.Group, hash: k.Hash}]
+	if ok && kf.pending {
 		kf.restored = ns
 		return false
 	}
-	delete(f.keys, fk)
-	f.countLocked()
 	return true
 }
 
-// wholeLocked fences namespace d whole (its key fences and pending deletes
-// go: the sweep covers them), to be swept by prefix p, and returns p.
-func (rt *remoteTier) wholeLocked(d [32]byte, p string) string {
+// wholeLocked invalidates namespace d whole in keyspace ks (its prefix):
+// its records there are to be written (its key fences go: the namespace's
+// records cover them) and its garbage swept. It returns the records'
+// writes.
+func (rt *remoteTier) wholeLocked(d [32]byte, ks string) []remote.GenWrite {
 	f := &rt.fence
 	f.gen++
 	nf := f.whole[d]
@@ -179,21 +298,45 @@ func (rt *remoteTier) wholeLocked(d [32]byte, p string) string {
 		f.whole[d] = nf
 	}
 	nf.gen = f.gen
-	if !containsString(nf.prefixes, p) {
-		nf.prefixes = append(nf.prefixes, p)
+	if !containsString(nf.pending, ks) {
+		nf.pending = append(nf.pending, ks)
 	}
-	for k := range f.keys {
+	for k, kf := range f.keys {
 		if k.ns == d {
+			if kf.pending {
+				f.perNS[d]--
+			}
 			delete(f.keys, k)
 		}
 	}
+	delete(f.perNS, d)
 	for sk, k := range f.retry {
 		if k.ns == d {
 			delete(f.retry, sk)
 		}
 	}
+	prefix := remote.KeyspaceOf(ks).NamespacePrefix(d)
+	if !containsString(f.sweeps, prefix) {
+		if len(f.sweeps) >= maxSweeps {
+			delete(f.swept, f.sweeps[0])
+			f.sweeps = f.sweeps[1:]
+		}
+		f.sweeps = append(f.sweeps, prefix)
+	}
+	f.swept[prefix] = &remote.Swept{} // invalidated again: every master again
 	f.version++
-	return p
+	return nsWrites(d, ks)
+}
+
+// nsWrites are the writes of every copy of namespace d's generation
+// record in keyspace ks, each with a new generation.
+func nsWrites(d [32]byte, ks string) []remote.GenWrite {
+	keys := remote.KeyspaceOf(ks).NamespaceGenKeys(d)
+	ws := make([]remote.GenWrite, len(keys))
+	for i, k := range keys {
+		ws[i] = remote.GenWrite{Key: k, Gen: remote.NewGen()}
+	}
+	return ws
 }
 
 func containsString(ss []string, s string) bool {
@@ -205,8 +348,8 @@ func containsString(ss []string, s string) bool {
 	return false
 }
 
-// canFenceWhole refuses an Invalidate of namespaces whole when the sweeps
-// still to go through would pass maxFencedNamespaces. A nil tier allows it.
+// canFenceWhole refuses an Invalidate of namespaces whole when the records
+// still to be written would pass maxFencedNamespaces. A nil tier allows it.
 func (rt *remoteTier) canFenceWhole(nss []*Namespace) error {
 	if rt == nil {
 		return nil
@@ -214,45 +357,97 @@ func (rt *remoteTier) canFenceWhole(nss []*Namespace) error {
 	f := &rt.fence
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	n := len(f.whole)
+	n := 0
+	for _, nf := range f.whole {
+		if len(nf.pending) > 0 {
+			n++
+		}
+	}
 	for _, ns := range nss {
-		if _, ok := f.whole[rt.digest(ns)]; !ok {
+		if nf, ok := f.whole[rt.digest(ns)]; !ok || len(nf.pending) == 0 {
 			n++
 		}
 	}
 	if n > maxFencedNamespaces {
-		return fmt.Errorf("%w: %d namespaces invalidated whole are still to be swept from the remote tier (at most %d); try again once the cluster answers",
-			ErrLimit, len(f.whole), maxFencedNamespaces)
+		return fmt.Errorf("%w: %d namespaces invalidated whole are still to be recorded in the remote tier (at most %d); try again once the cluster answers",
+			ErrLimit, n-len(nss), maxFencedNamespaces)
 	}
 	return nil
+}
+
+// genWrite is one record write of an invalidation and what it settles:
+// a key's record, or every copy of a namespace's (ws) in keyspace ks.
+type genWrite struct {
+	w   remote.GenWrite
+	ws  []remote.GenWrite
+	ks  string
+	fk  fenceKey // a key's
+	ns  [32]byte // a namespace's (whole)
+	key bool
+	gen uint64
+}
+
+// flatten lists the store writes of ws, and for each the write it is part of.
+func flatten(ws []genWrite) ([]remote.GenWrite, []int) {
+	var out []remote.GenWrite
+	var of []int
+	for i := range ws {
+		if ws[i].key {
+			out = append(out, ws[i].w)
+			of = append(of, i)
+			continue
+		}
+		for _, w := range ws[i].ws {
+			out = append(out, w)
+			of = append(of, i)
+		}
+	}
+	return out, of
+}
+
+// joinErrs folds the errors of flattened writes back: one per write, the
+// first error of its parts.
+func joinErrs(n int, of []int, errs []error) []error {
+	out := make([]error, n)
+	for j, err := range errs {
+		if out[of[j]] == nil {
+			out[of[j]] = err
+		}
+	}
+	return out
 }
 
 // remoteInval is what an Invalidate still has to do in the store once it
 // has let go of the index.
 type remoteInval struct {
-	rt    *remoteTier
-	keys  []string // store keys to delete
-	fkeys []fenceKey
-	gens  []uint64
+	rt     *remoteTier
+	writes []genWrite
 }
 
 // fenceInvalidated fences the invalidated keys (want; nil: the namespaces
-// whole) and cancels their queued publishes. Invalidate calls it while it
-// holds s.inval, after the index has lost the keys: a fetch files its block
-// under s.inval (read), so it either comes before (and Invalidate removes
-// it) or sees the fence. A nil tier does nothing.
+// whole), cancels their queued publishes and returns the generation
+// records to write. Invalidate calls it while it holds s.inval, after the
+// index has lost the keys: a fetch files its block under s.inval (read), so
+// it either comes before (and Invalidate removes it) or sees the fence. A
+// nil tier does nothing.
 func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]struct{}) *remoteInval {
 	if rt == nil {
 		return nil
 	}
 	inv := &remoteInval{rt: rt}
-	var prefixes []string
+	var prefixes, keys []string
+	wholeNow := map[[32]byte]bool{}
+	whole := func(d [32]byte) {
+		wholeNow[d] = true
+		ws := rt.wholeLocked(d, rt.ks.Prefix())
+		inv.writes = append(inv.writes, genWrite{ws: ws, ks: rt.ks.Prefix(), ns: d, gen: rt.fence.gen})
+		prefixes = append(prefixes, rt.ks.NamespacePrefix(d))
+	}
 	f := &rt.fence
 	f.mu.Lock()
 	if want == nil {
 		for _, ns := range nss {
-			d := rt.digest(ns)
-			prefixes = append(prefixes, rt.wholeLocked(d, rt.ks.NamespacePrefix(d)))
+			whole(rt.digest(ns))
 		}
 	} else {
 		byID := make(map[uint32]*Namespace, len(nss))
@@ -262,34 +457,39 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 		for k := range want {
 			ns := byID[k.NS]
 			d := rt.digest(ns)
-			if _, ok := f.whole[d]; ok {
-				continue
+			if nf, ok := f.whole[d]; wholeNow[d] || ok && len(nf.pending) > 0 {
+				continue // invalidated whole, its record still to be written: it covers the key
 			}
 			fk := fenceKey{ns: d, group: k.Group, hash: k.Hash}
-			f.gen++
-			if kf := f.keys[fk]; kf != nil {
-				// Fenced already: deleted again (it may have been
-				// published again since), and a store since is undone.
-				kf.pending, kf.restored, kf.gen = true, nil, f.gen
-			} else {
-				if len(f.keys) >= maxFencedKeys {
-					rt.log.Warn("remote tier: too many keys invalidated one by one; the namespace is fenced and swept from the store whole",
-						"namespace", ns.ID, "fenced_keys", len(f.keys))
-					prefixes = append(prefixes, rt.wholeLocked(d, rt.ks.NamespacePrefix(d)))
-					continue
-				}
-				f.keys[fk] = &keyFence{store: rt.ks.Key(rt.ident(ns, &k)), pending: true, gen: f.gen}
+			kf := f.keys[fk]
+			if (kf == nil || !kf.pending) && (f.perNS[d] >= maxPendingKeys || f.pendingLocked() >= maxPendingTotal) {
+				rt.log.Warn("remote tier: too many keys of one namespace invalidated with their records still to be written; the namespace is invalidated whole",
+					"namespace", ns.ID, "pending_keys", f.perNS[d])
+				whole(d)
+				continue
 			}
-			inv.keys = append(inv.keys, f.keys[fk].store)
-			inv.fkeys = append(inv.fkeys, fk)
-			inv.gens = append(inv.gens, f.gen)
+			f.gen++
+			if kf == nil {
+				kf = &keyFence{store: rt.ks.Key(rt.ident(ns, &k))}
+				f.keys[fk] = kf
+			}
+			if !kf.pending {
+				f.perNS[d]++
+			}
+			// Fenced again if it was: a store since is undone.
+			kf.pending, kf.restored, kf.gen = true, nil, f.gen
+			inv.writes = append(inv.writes, genWrite{
+				w:  remote.GenWrite{Key: remote.GenKey(kf.store), Gen: remote.NewGen(), Unlink: kf.store},
+				fk: fk, key: true, gen: f.gen,
+			})
+			keys = append(keys, kf.store)
 		}
 	}
 	f.countLocked()
 	f.mu.Unlock()
-	if rt.pub != nil && (len(inv.keys) > 0 || len(prefixes) > 0) {
-		set := make(map[string]struct{}, len(inv.keys))
-		for _, k := range inv.keys {
+	if rt.pub != nil && len(inv.writes) > 0 {
+		set := make(map[string]struct{}, len(keys))
+		for _, k := range keys {
 			set[k] = struct{}{}
 		}
 		rt.pub.Cancel(func(key string) bool {
@@ -304,141 +504,177 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 			return false
 		})
 	}
-	// Only now: the sweep's Barrier must come after the Cancel, or a batch
-	// that took a block of the namespace from the queue in between could
-	// land behind the sweep and outlive the fence.
 	if len(prefixes) > 0 {
-		f.kick()
+		f.kick() // the garbage sweep
 	}
 	return inv
 }
 
-// reach deletes the invalidated keys from the store, once the publish
-// batches in flight (which may have read them before the fence) have
-// landed: one round trip per store node, within the timeout. The keys it
-// could not delete are tried again in the background; with a disk tier,
-// they (and the namespaces to sweep) are on disk before it returns.
+// reach writes the invalidation's generation records (each key's with its
+// value's UNLINK behind it), one round trip per store node, within the
+// timeout: from their acknowledgement on, no node is served a value
+// written before. Those that failed are tried again in the background;
+// with a disk tier, they are on disk before it returns. It does not wait
+// for the publish batches in flight: what they send after is stamped with
+// the generations before and refused.
 func (inv *remoteInval) reach() error {
 	if inv == nil {
 		return nil
 	}
 	rt := inv.rt
-	if len(inv.keys) > 0 {
-		if rt.pub != nil {
-			rt.pub.Barrier()
-		}
+	if len(inv.writes) > 0 {
+		ws, of := flatten(inv.writes)
 		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
-		errs := rt.store.Delete(ctx, inv.keys)
+		errs := rt.store.SetGens(ctx, ws)
 		cancel()
-		rt.settleDeletes(inv.keys, inv.fkeys, inv.gens, errs, false)
+		rt.settleWrites(inv.writes, joinErrs(len(inv.writes), of, errs), false)
 	}
 	return rt.saveFences()
 }
 
-// settleDeletes records how deletes of fenced keys went: a key deleted is
-// no longer pending (its fence lifts if this node stored it again since,
-// and the block is published); a key not deleted goes to the retry set
-// (past its bound, its namespace is fenced and swept whole).
-func (rt *remoteTier) settleDeletes(keys []string, fkeys []fenceKey, gens []uint64, errs []error, retried bool) {
+// settleWrites records how record writes went: a key's written ends its
+// pending (its fence lingers, and the block is published if this node
+// stored it again since); one not written goes to the retry set (past its
+// namespace's bound, the namespace is invalidated whole). A namespace's
+// written ends its pending; one not written stays and is tried again.
+func (rt *remoteTier) settleWrites(ws []genWrite, errs []error, retried bool) {
 	f := &rt.fence
 	var republish []*Namespace
 	var rkeys []fenceKey
 	var firstErr error
-	deleted, failed := 0, 0
-	sweep := false
+	written, failed := 0, 0
 	f.mu.Lock()
-	for i, sk := range keys {
-		fk := fkeys[i]
-		kf := f.keys[fk]
+	for i, w := range ws {
+		if !w.key {
+			nf := f.whole[w.ns]
+			if errs[i] != nil {
+				failed++
+				firstErr = cmp(firstErr, errs[i])
+				continue
+			}
+			written++
+			if nf != nil && nf.gen <= w.gen {
+				nf.pending = removeString(nf.pending, w.ks)
+				f.version++
+			}
+			continue
+		}
+		sk := w.w.Unlink
+		kf := f.keys[w.fk]
 		if errs[i] == nil {
-			deleted++
-			if _, ok := f.retry[sk]; ok {
+			written++
+			if _, ok := f.retry[sk]; ok && (kf == nil || kf.gen <= w.gen) {
 				delete(f.retry, sk)
 				f.version++
 			}
-			if kf != nil && kf.store == sk && kf.gen <= gens[i] {
+			if kf != nil && kf.store == sk && kf.pending && kf.gen <= w.gen {
 				kf.pending = false
+				f.perNS[w.fk.ns]--
 				if kf.restored != nil {
 					republish = append(republish, kf.restored)
-					rkeys = append(rkeys, fk)
-					delete(f.keys, fk)
+					rkeys = append(rkeys, w.fk)
+					kf.restored = nil
 				}
 			}
 			continue
 		}
 		failed++
-		if firstErr == nil {
-			firstErr = errs[i]
-		}
+		firstErr = cmp(firstErr, errs[i])
 		if _, ok := f.retry[sk]; ok {
 			continue
 		}
 		if kf == nil || kf.store != sk || !kf.pending {
-			continue // swept whole, or deleted by another try, meanwhile
+			continue // invalidated whole, or written by another try, meanwhile
 		}
-		if len(f.retry) >= maxPendingDeletes {
-			rt.log.Warn("remote tier: too many deletes of invalidated blocks pending; the namespace is fenced and swept from the store whole",
-				"pending", len(f.retry))
-			rt.wholeLocked(fk.ns, nsPrefixOf(sk))
-			sweep = true
-			continue
-		}
-		f.retry[sk] = fk
+		f.retry[sk] = w.fk
 		f.version++
 	}
 	pending := len(f.retry)
-	f.countLocked()
+	for _, nf := range f.whole {
+		if len(nf.pending) > 0 {
+			pending++
+		}
+	}
+	f.reapLocked()
 	f.mu.Unlock()
-	rt.m.Blocks.WithLabelValues("invalidate", "deleted").Add(float64(deleted))
+	rt.m.Blocks.WithLabelValues("invalidate", "deleted").Add(float64(written))
 	switch {
 	case failed > 0 && !retried:
 		rt.m.Blocks.WithLabelValues("invalidate", "error").Add(float64(failed))
-		rt.log.Warn("remote tier: deleting invalidated blocks from the store failed; trying again until it goes through (other nodes may load them until then, this node does not)",
-			"blocks", failed, "pending", pending, "err", firstErr)
-	case deleted > 0 && retried:
-		rt.log.Info("remote tier: invalidated blocks whose delete had failed are deleted from the store", "blocks", deleted, "still_pending", pending)
+		rt.log.Warn("remote tier: recording invalidated blocks in the store failed; trying again until it goes through (other nodes may load them until then, this node does not)",
+			"records", failed, "pending", pending, "err", firstErr)
+	case written > 0 && retried:
+		rt.log.Info("remote tier: invalidations whose record had failed are recorded in the store", "records", written, "still_pending", pending)
 	}
-	if failed > 0 || sweep {
-		f.kick()
+	if failed > 0 && !retried {
+		f.kick() // the sweeper tries again (and then every sweepRetry)
 	}
 	for i, ns := range republish {
 		rt.republish(ns, rkeys[i])
 	}
 }
 
-// retryDeletes tries the pending deletes again, one round trip per store
-// node. It reports whether some remain.
-func (rt *remoteTier) retryDeletes() bool {
+func cmp(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+func removeString(ss []string, s string) []string {
+	out := ss[:0]
+	for _, x := range ss {
+		if x != s {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// retryWrites tries the pending record writes again, one round trip per
+// store node. It reports whether some remain.
+func (rt *remoteTier) retryWrites() bool {
 	f := &rt.fence
 	f.mu.Lock()
-	keys := make([]string, 0, len(f.retry))
-	fkeys := make([]fenceKey, 0, len(f.retry))
-	gens := make([]uint64, 0, len(f.retry))
+	var ws []genWrite
 	for sk, fk := range f.retry {
-		keys = append(keys, sk)
-		fkeys = append(fkeys, fk)
 		var gen uint64
 		if kf := f.keys[fk]; kf != nil {
 			gen = kf.gen
 		}
-		gens = append(gens, gen)
+		ws = append(ws, genWrite{w: remote.GenWrite{Key: remote.GenKey(sk), Gen: remote.NewGen(), Unlink: sk}, fk: fk, key: true, gen: gen})
+	}
+	for d, nf := range f.whole {
+		for _, ks := range nf.pending {
+			ws = append(ws, genWrite{ws: nsWrites(d, ks), ks: ks, ns: d, gen: nf.gen})
+		}
 	}
 	f.mu.Unlock()
-	if len(keys) == 0 {
+	if len(ws) == 0 {
 		return false
 	}
+	gw, of := flatten(ws)
 	ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
-	errs := rt.store.Delete(ctx, keys)
+	errs := rt.store.SetGens(ctx, gw)
 	cancel()
-	rt.settleDeletes(keys, fkeys, gens, errs, true)
+	rt.settleWrites(ws, joinErrs(len(ws), of, errs), true)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return len(f.retry) > 0
+	if len(f.retry) > 0 {
+		return true
+	}
+	for _, nf := range f.whole {
+		if len(nf.pending) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
-// republish publishes a block this node stored again while the delete of
-// its invalidated value was pending, now that the delete has gone
-// through: from whatever CPU slot holds it now (none: not published).
+// republish publishes a block this node stored again while its record was
+// still to be written, now that it is: from whatever CPU slot holds it now
+// (none: not published). It queues the publish under the entry's lock, so
+// an Invalidate of the key cancels it (publishStored).
 func (rt *remoteTier) republish(ns *Namespace, fk fenceKey) {
 	s := rt.s
 	if rt.pub == nil || s.nsByID(ns.ID) != ns {
@@ -446,26 +682,26 @@ func (rt *remoteTier) republish(ns *Namespace, fk fenceKey) {
 	}
 	k := index.Key{NS: ns.ID, Group: fk.group, Hash: fk.hash}
 	payload := ns.Layout.PayloadBytes(k.Group)
-	src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
-	ready := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		ready = found && e.State == index.Ready && e.CPU != index.NoSlot
-		if ready && rt.write == WriteAll {
-			if ready = s.cpu.Pin(e.CPU); ready {
-				src.slot = e.CPU
-			}
+		if !found || e.State != index.Ready || e.CPU == index.NoSlot || rt.fenced(ns, &k) {
+			return found
 		}
+		src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
+		if rt.write == WriteAll {
+			if !s.cpu.Pin(e.CPU) {
+				return found
+			}
+			src.slot = e.CPU
+		}
+		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
 		return found
 	})
-	if ready {
-		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
-	}
 }
 
-// sweeper tries the failed deletes again and sweeps the namespaces
-// invalidated whole from the store, by key prefix, lifting their fences; a
-// round with work left waits sweepRetry and tries again. It keeps the
-// fences file up to date.
+// sweeper tries the failed record writes again and sweeps the garbage of
+// the namespaces invalidated whole from the store, by key prefix; a round
+// with work left waits sweepRetry and tries again. It keeps the fences file
+// up to date.
 func (rt *remoteTier) sweeper(ctx context.Context) {
 	defer rt.wg.Done()
 	f := &rt.fence
@@ -479,7 +715,7 @@ func (rt *remoteTier) sweeper(ctx context.Context) {
 		case <-f.wake:
 		case <-retry.C:
 		}
-		again := rt.retryDeletes()
+		again := rt.retryWrites()
 		if rt.sweep(ctx) {
 			again = true
 		}
@@ -487,7 +723,7 @@ func (rt *remoteTier) sweeper(ctx context.Context) {
 			return
 		}
 		if err := rt.saveFences(); err != nil {
-			rt.log.Warn("remote tier: could not update the fences file; it lists deletes that went through since (a restart tries them again)", "err", err)
+			rt.log.Warn("remote tier: could not update the fences file; it lists records written since (a restart writes them again)", "err", err)
 		}
 		if again {
 			retry.Reset(sweepRetry)
@@ -495,65 +731,48 @@ func (rt *remoteTier) sweeper(ctx context.Context) {
 	}
 }
 
-// sweep sweeps every namespace fenced whole and lifts the fences of those
-// whose sweep went through. It reports whether some failed.
+// sweep deletes the garbage of the namespaces invalidated whole (what the
+// store still holds under their prefixes). It is garbage collection only:
+// the namespace's record already makes every value there stale, so a key a
+// resharding hid from the sweep costs memory, never a wrong block. It
+// reports whether some sweep failed (tried again later).
 func (rt *remoteTier) sweep(ctx context.Context) bool {
 	f := &rt.fence
-	type todo struct {
-		d        [32]byte
-		gen      uint64
-		prefixes []string
-	}
 	f.mu.Lock()
-	var todos []todo
-	for d, nf := range f.whole {
-		todos = append(todos, todo{d, nf.gen, append([]string(nil), nf.prefixes...)})
+	todo := append([]string(nil), f.sweeps...)
+	done := make([]*remote.Swept, len(todo))
+	for i, p := range todo {
+		done[i] = f.swept[p]
 	}
 	f.mu.Unlock()
-	if len(todos) == 0 {
-		return false
-	}
-	// A batch in flight may have read a block of the namespace before
-	// its publishes were cancelled: it lands first.
-	if rt.pub != nil {
-		rt.pub.Barrier()
-	}
 	failed := false
-	for _, t := range todos {
-		ok := true
-		total := 0
-		for _, p := range t.prefixes {
-			n, err := rt.store.DeletePrefix(ctx, p)
-			total += n
-			rt.m.Blocks.WithLabelValues("sweep", "deleted").Add(float64(n))
-			if err != nil {
-				if ctx.Err() != nil {
-					return true
-				}
-				ok = false
-				rt.log.Warn("remote tier: sweeping a namespace invalidated whole from the store failed; trying again",
-					"prefix", p, "deleted", n, "err", err)
+	for i, p := range todo {
+		n, err := rt.store.DeletePrefix(ctx, p, done[i])
+		rt.m.Blocks.WithLabelValues("sweep", "deleted").Add(float64(n))
+		if err != nil {
+			if ctx.Err() != nil {
+				return true
 			}
-		}
-		if !ok {
 			failed = true
+			rt.log.Warn("remote tier: sweeping the garbage of a namespace invalidated whole failed; trying again (the masters it went through are not scanned again)",
+				"prefix", p, "deleted", n, "masters_done", done[i].Len(), "err", err)
 			continue
 		}
 		f.mu.Lock()
-		if nf := f.whole[t.d]; nf != nil && nf.gen == t.gen {
-			delete(f.whole, t.d)
-			f.version++
+		if f.swept[p] == done[i] { // not invalidated again meanwhile
+			f.sweeps = removeString(f.sweeps, p)
+			delete(f.swept, p)
 		}
-		f.countLocked()
 		f.mu.Unlock()
-		rt.log.Info("remote tier: a namespace invalidated whole was swept from the store", "prefixes", t.prefixes, "deleted", total)
+		rt.log.Info("remote tier: the garbage of a namespace invalidated whole was swept from the store", "prefix", p, "deleted", n)
 	}
 	return failed
 }
 
 // RemoteFences reports the keys and the namespaces this node does not read
-// from the remote tier because they were invalidated here (a namespace's
-// until its sweep has gone through). Tests wait on it.
+// from the remote tier because they were invalidated here and their
+// generation records are not written yet (or a fetch begun before still
+// needs their fence). Tests wait on it.
 func (s *Service) RemoteFences() (keys, namespaces int) {
 	if s.rem == nil {
 		return 0, 0
@@ -564,9 +783,9 @@ func (s *Service) RemoteFences() (keys, namespaces int) {
 	return len(f.keys), len(f.whole)
 }
 
-// RemotePendingDeletes reports the invalidated keys whose delete from the
-// remote tier failed and is being tried again, and the namespaces
-// invalidated whole whose sweep has not gone through yet.
+// RemotePendingDeletes reports the invalidated keys whose generation
+// record is still to be written to the remote tier (their first try
+// failed), and the namespaces invalidated whole whose record is.
 func (s *Service) RemotePendingDeletes() (keys, namespaces int) {
 	if s.rem == nil {
 		return 0, 0
@@ -574,5 +793,22 @@ func (s *Service) RemotePendingDeletes() (keys, namespaces int) {
 	f := &s.rem.fence
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return len(f.retry), len(f.whole)
+	for _, nf := range f.whole {
+		if len(nf.pending) > 0 {
+			namespaces++
+		}
+	}
+	return len(f.retry), namespaces
+}
+
+// RemoteSweeps reports the namespaces whose garbage is still to be swept
+// from the remote tier.
+func (s *Service) RemoteSweeps() int {
+	if s.rem == nil {
+		return 0
+	}
+	f := &s.rem.fence
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.sweeps)
 }

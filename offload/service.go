@@ -1021,15 +1021,41 @@ func (s *Service) dropCopiesLocked(e *index.Entry) {
 	}
 }
 
-// forget tells the policy about keys dropped for reasons of our own.
+// forget tells the policies about keys whose copies the index dropped for
+// reasons of our own (forgetCPU, forgetDisk).
 func (s *Service) forget(keys []index.Key) {
 	for i := range keys {
 		if ns := s.nsByID(keys[i].NS); ns != nil {
-			ns.classes[keys[i].Group].Forget(&keys[i])
+			s.forgetCPU(ns.classes[keys[i].Group], &keys[i])
 			if ns.diskClasses != nil {
-				ns.diskClasses[keys[i].Group].Forget(&keys[i])
+				s.forgetDisk(ns.diskClasses[keys[i].Group], &keys[i])
 			}
 		}
+	}
+}
+
+// forgetCPU takes k out of CPU class c's policy after the index let go of
+// k's CPU copy. The policy and the index change together by construction:
+// a copy of k made since (a store that claimed the key again, a load
+// promoting it) made its own Admit, perhaps before this Forget, so a key
+// the index holds again once the Forget is done is learnt again; one
+// claimed after the look admits itself after the Forget. A block left
+// untracked would never be evicted (the CPU tier would fill up for good).
+// The policy is never called under the index's locks (its callbacks take
+// them).
+func (s *Service) forgetCPU(c *slots.Class, k *index.Key) {
+	c.Forget(k)
+	if e, ok := s.ix.Get(k); ok && (e.State == index.Writing || e.CPU != index.NoSlot || e.Flags&index.Promoting != 0) {
+		c.Learn([]index.Key{*k})
+	}
+}
+
+// forgetDisk is forgetCPU for disk class c: a disk copy of k made (or
+// being written) since is learnt again.
+func (s *Service) forgetDisk(c *slots.Class, k *index.Key) {
+	c.Forget(k)
+	if e, ok := s.ix.Get(k); ok && (e.Disk != index.NoSlot || e.Flags&index.DiskWriting != 0) {
+		c.Learn([]index.Key{*k})
 	}
 }
 

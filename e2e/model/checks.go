@@ -464,9 +464,10 @@ func (r *runner) finalChecks() error {
 	}
 	skipped := r.c.Skipped
 	defer func() { r.c.Skipped = skipped }()
-	if r.sh.Durable() {
+	if r.sh.Durable() || r.sh.HasRemote() {
 		// Everything was invalidated before a clean stop: nothing may
-		// come back (docs/disk-format.md).
+		// come back (docs/disk-format.md; from the remote tier,
+		// docs/remote.md, Invalidation).
 		r.op = Op{Kind: Restart}
 		if err := r.startDaemon("", false); err != nil {
 			return r.fail("daemon", "restart: %v", err)

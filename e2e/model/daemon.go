@@ -112,6 +112,9 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 	if p.Linger && sh.Linger > 0 {
 		args = append(args, "--namespace-linger", sh.Linger.String())
 	}
+	if sh.HasRemote() {
+		args = append(args, "--remote-redis", strings.Join(sh.Remote, ","), "--remote-timeout", "5s")
+	}
 	if sh.Disk() {
 		for _, d := range p.DiskDirs {
 			args = append(args, "--disk-dir", d)

@@ -799,12 +799,14 @@ func (r *runner) loadBlock(g *reg, j *jobRec, b *blockRec, st pb.BlockStatus) er
 			return r.mustHold(b.key, b.mustBase, fmt.Sprintf("load job %d (step %d) found %s MISSING", j.id, j.step, b.key))
 		}
 	case pb.BlockStatus_BLOCK_STATUS_NO_SPACE:
-		if !r.sh.Disk() {
+		if !r.sh.Disk() && !r.sh.HasRemote() {
 			return r.fail("unexpected-status", "load job %d (step %d): %s NO_SPACE without a disk tier to stage from", j.id, j.step, b.key)
 		}
 	case pb.BlockStatus_BLOCK_STATUS_IO_ERROR, pb.BlockStatus_BLOCK_STATUS_CORRUPT:
 		underRead := ks.lastClear > b.issued && r.o.Tol["discard-under-read"]
-		if !r.m.readFaults && !ks.corrupt && !b.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead {
+		// A remote block's read may fail (IO_ERROR) on a busy machine
+		// without a fault plan: a recompute, never a wrong block.
+		if !r.m.readFaults && !ks.corrupt && !b.corrupt && !(b.staleLease && r.o.Tol["lease-after-invalidate"]) && !underRead && !(r.sh.HasRemote() && st == pb.BlockStatus_BLOCK_STATUS_IO_ERROR) {
 			return r.fail("unexpected-status", "load job %d (step %d): %s %v with no fault plan and no corruption", j.id, j.step, b.key, st)
 		}
 		r.m.loadFailed(b.key, b.clearFrom, b.issued, true)
@@ -941,6 +943,9 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 		return r.fail("wrong-result", "Lookup of %d keys: ready %d with %d tiers", op.N, n, len(resp.GetTiers()))
 	}
 	for i, tier := range resp.GetTiers() {
+		if r.sh.HasRemote() && tier == pb.Tier_TIER_REMOTE {
+			continue
+		}
 		if tier == pb.Tier_TIER_NONE || tier > pb.Tier_TIER_CPU_AND_DISK || (!r.sh.Disk() && tier != pb.Tier_TIER_CPU) {
 			return r.fail("wrong-result", "Lookup: key %d offered in tier %v", i, tier)
 		}
@@ -975,6 +980,14 @@ func (c *lookupCall) finish(map[KeyRef]bool) error {
 		}
 	}
 	if op.LeaseMs > 0 {
+		// A lease pins the local prefix only: the keys only the remote
+		// tier holds come after it and are never pinned.
+		for i, tier := range resp.GetTiers() {
+			if tier == pb.Tier_TIER_REMOTE {
+				n = i
+				break
+			}
+		}
 		switch {
 		case n > 0 && resp.GetLeaseId() == 0:
 			return r.fail("wrong-result", "Lookup with a lease offered %d keys and no lease", n)

@@ -128,7 +128,13 @@ func (m *Model) maybePresent(k KeyRef) bool { return len(m.key(k).present) > 0 }
 // clearAfter makes k absent as of a failure of a job issued at tick t:
 // only stores issued after t (and after the last clear) may have made it
 // present again.
-func (s *keyState) clearAfter(t int) {
+func (s *keyState) clearAfter(t int, remote bool) {
+	if remote {
+		// The remote tier may hold every generation not invalidated:
+		// a local failure drops the local copy only.
+		s.must = false
+		return
+	}
 	keep := s.lastStore > t && s.lastStore > s.lastClear
 	for _, g := range s.present {
 		s.freed = addGen(s.freed, g)
@@ -175,7 +181,7 @@ func (m *Model) storeSettled(k KeyRef, b *blockRec, ok, lost bool, incarnation i
 	default:
 		// The job claimed k (only a claim can fail), so k was absent
 		// when it was accepted, and its claim is gone now.
-		s.clearAfter(b.issued)
+		s.clearAfter(b.issued, m.sh.HasRemote())
 	}
 	m.trace(k, "store of tick %d settled ok=%v lost=%v", b.issued, ok, lost)
 }
@@ -206,7 +212,7 @@ func (m *Model) loadFailed(k KeyRef, clearFrom, issued int, diskRead bool) {
 		m.trace(k, "load of tick %d failed reading disk; another load may have kept a CPU copy", issued)
 		return
 	}
-	s.clearAfter(clearFrom)
+	s.clearAfter(clearFrom, m.sh.HasRemote())
 	m.trace(k, "load of tick %d failed", issued)
 }
 
@@ -234,7 +240,7 @@ func (m *Model) restarted(killed, empty bool, readFaults bool) {
 		s.must = false
 		s.inflight = 0
 		s.loading = 0
-		if empty {
+		if empty && !m.sh.HasRemote() {
 			s.present, s.freed, s.ghosts = s.present[:0], nil, nil
 			s.corrupt = false
 			continue

@@ -1,6 +1,7 @@
 package model
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -13,6 +14,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 )
 
 var (
@@ -120,7 +123,7 @@ func TestModel(t *testing.T) {
 	if *flagSeed != 0 {
 		o := Options{Seed: *flagSeed, Steps: *flagSteps, Shape: ShapeFor(*flagSeed), Off: off, Tol: tolerances(t, *flagTol)}
 		if *flagShape != "" {
-			o.Shape = NamedShape(*flagShape)
+			o.Shape = namedShape(t, *flagShape)
 		}
 		if *flagKeep != "" {
 			if o.Keep, err = ParseKeep(*flagKeep); err != nil {
@@ -144,6 +147,42 @@ func TestModel(t *testing.T) {
 			runSeed(t, Options{Seed: c.seed, Steps: c.steps, Shape: NamedShape(c.shape), Off: off, Tol: tolerances(t, tol)})
 		})
 	}
+}
+
+// namedShape is NamedShape, and for the remote shape a Redis Cluster of
+// its own for the run (the test is skipped without redis-server).
+func namedShape(t *testing.T, name string) Shape {
+	sh := NamedShape(name)
+	if name != "remote" {
+		return sh
+	}
+	if err := rediscluster.Available(); err != nil {
+		if rediscluster.Required() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	c, err := rediscluster.Start(context.Background(), rediscluster.Options{Log: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	sh.Remote = c.Addrs()
+	return sh
+}
+
+// TestModelRemote runs a CI seed on the remote shape: invalidations race
+// stores and publishes, restarts bring blocks back from the cluster, and
+// no invalidated block may ever be offered or loaded again.
+func TestModelRemote(t *testing.T) {
+	off, err := ParseKinds(*flagOff)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *flagSeed != 0 {
+		t.Skip("a -seed run is TestModel's")
+	}
+	runSeed(t, Options{Seed: 6, Steps: 200, Shape: namedShape(t, "remote"), Off: off, Tol: tolerances(t, "known")})
 }
 
 // runSeed runs o against a fresh daemon; on a finding it reduces the
@@ -224,7 +263,7 @@ func TestSoak(t *testing.T) {
 	if tol == "" {
 		tol = "known"
 	}
-	o := Options{Binary: daemonBinary(t), Seed: seed, Duration: d, Shape: NamedShape(shape), Off: off, Tol: tolerances(t, tol), MetricsEvery: 5, Logf: t.Logf}
+	o := Options{Binary: daemonBinary(t), Seed: seed, Duration: d, Shape: namedShape(t, shape), Off: off, Tol: tolerances(t, tol), MetricsEvery: 5, Logf: t.Logf}
 	t.Logf("soak: seed %d, shape %s, %s", seed, shape, d)
 	c, err := Run(o)
 	fmt.Printf("soak counts: %s\n", c)

@@ -77,6 +77,11 @@ type Shape struct {
 	// namespace, or every rank of a TP group.
 	Sets [][]int
 
+	// Remote, when set, is the seed nodes of a Redis Cluster the daemon
+	// uses as its remote tier (--remote-redis): blocks outlive restarts
+	// there, and a block invalidated must never come back from it.
+	Remote []string
+
 	Clients      int // connections
 	Slots        int // registrations per connection
 	EngineBlocks int // engine blocks per registration
@@ -90,6 +95,9 @@ func (s Shape) Disk() bool { return s.DiskBytes > 0 }
 // Durable reports whether a restart keeps blocks: a disk tier or a
 // persistent arena.
 func (s Shape) Durable() bool { return s.Disk() || s.CPUArena }
+
+// HasRemote reports whether the shape has a remote tier.
+func (s Shape) HasRemote() bool { return len(s.Remote) > 0 }
 
 // DiskDirs is the number of --disk-dir.
 func (s Shape) DiskDirs() int {
@@ -135,6 +143,10 @@ var Shapes = map[string]Shape{
 	// Both kept: write-back disk tier and persistent arena, recovered
 	// side by side at each start.
 	"warmdisk": {CPUBytes: 4 << 20, CPUChunk: 128 << 10, DiskBytes: 16 << 20, DiskChunk: 256 << 10, CPUArena: true},
+	// A tiny CPU tier and the remote tier (a Redis Cluster the test
+	// starts, Shape.Remote): invalidations race stores and publishes, and
+	// restarts bring blocks back from the cluster, never invalidated ones.
+	"remote": {CPUBytes: 4 << 20, CPUChunk: 128 << 10},
 }
 
 // ShapeNames in the order seeds pick them.

@@ -14,12 +14,13 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
 
-// TestInvalidateReachesTheCluster: keys invalidated on node A are deleted
-// from the cluster (B no longer finds them), and A never loads them back
-// from the cluster, even once B has published them again, until A stores
-// them itself. A namespace invalidated whole is swept from the cluster;
-// A reads nothing of it from the cluster until the sweep has gone through,
-// then blocks published afterwards are shared again.
+// TestInvalidateReachesTheCluster: keys invalidated on node A are gone
+// from the cluster for every node when Invalidate returns (B no longer
+// finds them), and no node loads their old values again; what B computes
+// and publishes afterwards is its own, shared with A too. A namespace
+// invalidated whole is invalid for every node when Invalidate returns,
+// before its garbage is swept; blocks published afterwards are shared
+// again. A's fences are gone once the records are written.
 func TestInvalidateReachesTheCluster(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	a, b := startNode(t, c, nodeOpts{}), startNode(t, c, nodeOpts{})
@@ -39,6 +40,9 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	if n := inCluster(t, c, ea, hs[:4]); n != 0 {
 		t.Fatalf("%d invalidated blocks still in the cluster", n)
 	}
+	if keys, whole := a.Svc.RemoteFences(); keys != 0 || whole != 0 {
+		t.Fatalf("A fences %d keys, %d namespaces once the records are written, want none", keys, whole)
+	}
 	if lr := ea.lookup(t, hs); lr.Ready != 0 {
 		t.Fatalf("A offers %d blocks of an invalidated prefix (tiers %v)", lr.Ready, lr.Tiers)
 	}
@@ -48,55 +52,51 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	if lr := eb.lookup(t, hs[4:]); lr.Ready != 4 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
 		t.Fatalf("B: %d of the blocks A kept, first in %v; want 4 REMOTE", lr.Ready, lr.Tiers)
 	}
-	// B publishes two of them again (its engine computed them): the
-	// cluster has them, B shares them, A still does not read them back.
+	// B publishes two of them again (its engine computed them): they
+	// are stamped with the new generations, and every node shares them.
 	eb.store(t, hs[:2], seq(10, 2))
 	flush(t, b)
 	if n := inCluster(t, c, ea, hs[:2]); n != 2 {
 		t.Fatalf("%d of B's 2 blocks in the cluster", n)
 	}
-	if lr := ea.lookup(t, hs[:2]); lr.Ready != 0 {
-		t.Fatalf("A offers %d blocks it invalidated, from the cluster", lr.Ready)
+	if lr := ea.lookup(t, hs[:2]); lr.Ready != 2 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
+		t.Fatalf("A: %d of the blocks B computed again, first in %v; want 2 REMOTE", lr.Ready, lr.Tiers)
 	}
-	if st := ea.load(t, hs[:2], seq(20, 2)); count(st)[missingSt] != 2 {
-		t.Fatalf("A loading blocks it invalidated: %v, want both MISSING", count(st))
-	}
-	if keys, _ := a.Svc.RemoteFences(); keys != 4 {
-		t.Fatalf("A fences %d keys, want 4", keys)
-	}
-	// A stores one again: its fence lifts (A holds it itself now).
-	ea.store(t, hs[:1], seq(30, 1))
-	if keys, _ := a.Svc.RemoteFences(); keys != 3 {
-		t.Fatalf("A fences %d keys after storing one again, want 3", keys)
+	if st := ea.load(t, hs[:2], seq(20, 2)); count(st)[okSt] != 2 {
+		t.Fatalf("A loading blocks B computed again: %v, want both OK", count(st))
 	}
 
-	// The namespace whole: A offers nothing of it from the cluster at
-	// once, and the sweep empties the cluster of it.
+	// The namespace whole: no node is offered anything of it once
+	// Invalidate returns, the sweep aside (it is garbage collection).
 	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, nil); err != nil {
 		t.Fatal(err)
 	}
 	if lr := ea.lookup(t, hs[4:]); lr.Ready != 0 {
 		t.Fatalf("A offers %d blocks of a namespace it invalidated whole", lr.Ready)
 	}
+	if lr := eb.lookup(t, hs[4:]); lr.Ready != 0 {
+		t.Fatalf("B offers %d blocks of a namespace A invalidated whole", lr.Ready)
+	}
+	eb2 := register(t, startNode(t, c, nodeOpts{}), model, fp) // a fresh node: nothing local
+	if st := eb2.load(t, hs[2:], seq(0, 6)); count(st)[missingSt] != 6 {
+		t.Fatalf("a fresh node loading a namespace A invalidated whole: %v, want all MISSING", count(st))
+	}
 	waitFor(t, func() error {
-		if _, whole := a.Svc.RemoteFences(); whole != 0 {
+		if n := a.Svc.RemoteSweeps(); n != 0 {
 			return errors.New("the namespace's sweep has not gone through")
 		}
 		return nil
 	})
-	if keys, _ := a.Svc.RemoteFences(); keys != 0 {
-		t.Fatalf("A still fences %d keys of a namespace swept whole", keys)
+	if keys, whole := a.Svc.RemoteFences(); keys != 0 || whole != 0 {
+		t.Fatalf("A still fences %d keys, %d namespaces", keys, whole)
 	}
 	if n := inCluster(t, c, ea, hs); n != 0 {
 		t.Fatalf("%d blocks of a namespace invalidated whole still in the cluster after its sweep", n)
 	}
-	if lr := eb.lookup(t, hs[4:]); lr.Ready != 0 {
-		t.Fatalf("B offers %d blocks of a namespace swept from the cluster", lr.Ready)
+	if n := metric(t, a, "kvoffload_remote_blocks_total", "op", "sweep", "result", "deleted"); n < 6 {
+		t.Fatalf("A's sweep deleted %v keys, want at least the 6 values (4 A kept, 2 B published)", n)
 	}
-	if n := metric(t, a, "kvoffload_remote_blocks_total", "op", "sweep", "result", "deleted"); n != 6 {
-		t.Fatalf("A's sweep deleted %v blocks, want 6 (4 A kept, 2 B published)", n)
-	}
-	// Published after the sweep: shared again, A included.
+	// Published after the invalidation: shared again, A included.
 	eb.store(t, hs[4:], seq(40, 4))
 	flush(t, b)
 	if lr := ea.lookup(t, hs[4:]); lr.Ready != 4 || lr.Tiers[0] != pb.Tier_TIER_REMOTE {
@@ -112,7 +112,7 @@ func TestInvalidateReachesTheCluster(t *testing.T) {
 	}
 }
 
-// gatedStore holds every Exists, once armed, until release is closed,
+// gatedStore holds every Get, once armed, until release is closed,
 // telling entered when one begins.
 type gatedStore struct {
 	remote.Store
@@ -121,12 +121,12 @@ type gatedStore struct {
 	release chan struct{}
 }
 
-func (g *gatedStore) Exists(ctx context.Context, keys []string, out []remote.Presence) error {
+func (g *gatedStore) Get(ctx context.Context, fs []remote.Fetch) error {
 	if g.armed.Load() {
 		g.entered <- struct{}{}
 		<-g.release
 	}
-	return g.Store.Exists(ctx, keys, out)
+	return g.Store.Get(ctx, fs)
 }
 
 // TestInvalidateNeverWaitsForTheCluster: a Lookup with a lease asks the

@@ -2,7 +2,6 @@ package remote_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -106,12 +105,13 @@ func waitPending(t *testing.T, d *testenv.Daemon, keys, namespaces int) {
 }
 
 // TestFailedDeleteIsRetried: a master that is down when node A
-// invalidates keys, and comes back with its data, keeps its copies; A
-// tries the delete again until it goes through once the master is back,
-// and then node B (a second daemon, empty local cache) gets MISSING for
-// every key, never the old bytes. A never offers them meanwhile; a key A
-// stores again meanwhile stays fenced and is published once its delete has
-// gone through.
+// invalidates keys, and comes back with its data, keeps its copies and
+// their old generation records; A writes the records again until they go
+// through once the master is back, and then node B (a second daemon, empty
+// local cache) gets MISSING for every key, never the old bytes. A never
+// offers them meanwhile; a key A stores again meanwhile stays fenced and
+// is published once its record has gone through. The fences of the keys
+// whose records went through at once are gone at once.
 func TestFailedDeleteIsRetried(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
@@ -140,8 +140,8 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	j := firstOn(on)
 	again := hs[j : j+1]
 	ea.store(t, again, seq(30, 1))
-	if keys, _ := a.Svc.RemoteFences(); keys != 24 {
-		t.Fatalf("A fences %d keys after storing one whose delete is pending, want 24", keys)
+	if keys, _ := a.Svc.RemoteFences(); keys != nOn {
+		t.Fatalf("A fences %d keys after storing one whose record is pending, want %d (the dead master's)", keys, nOn)
 	}
 	up()
 
@@ -154,8 +154,8 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if n := inCluster(t, c, ea, again); n != 1 {
 		t.Fatal("the block stored again while its delete was pending was not published once it went through")
 	}
-	if keys, _ := a.Svc.RemoteFences(); keys != 23 {
-		t.Fatalf("A fences %d keys once the delete of the one it stored again went through, want 23", keys)
+	if keys, _ := a.Svc.RemoteFences(); keys != 0 {
+		t.Fatalf("A fences %d keys once their records went through, want 0", keys)
 	}
 	if st := eb.load(t, rest, seq(0, 23)); count(st)[missingSt] != 23 {
 		t.Fatalf("B loading blocks A invalidated: %v, want all MISSING", count(st))
@@ -176,9 +176,6 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	more := rest[:4]
 	ea.store(t, more, seq(0, 4))
 	flush(t, a)
-	if keys, _ := a.Svc.RemoteFences(); keys != 19 {
-		t.Fatalf("A fences %d keys after storing 4 more of 24 again, want 19", keys)
-	}
 	if st := eb.load(t, more, seq(0, 4)); count(st)[okSt] != 4 {
 		t.Fatalf("B loading blocks A stored again: %v", count(st))
 	}
@@ -252,16 +249,25 @@ func TestFencesSurviveRestart(t *testing.T) {
 				t.Fatalf("restarted A loading a namespace it invalidated whole: %v, want all MISSING", count(st))
 			}
 			waitPending(t, a2, 0, 0)
+			waitFor(t, func() error {
+				if n := a2.Svc.RemoteSweeps(); n != 0 {
+					return fmt.Errorf("%d namespaces still to sweep", n)
+				}
+				return nil
+			})
 			if n := inCluster(t, c, ea2, hs) + inCluster(t, c, ew2, hw); n != 0 {
 				t.Fatalf("%d invalidated blocks still in the cluster after the resumed deletes and sweep", n)
 			}
 			if st := eb.load(t, hs, seq(0, 16)); count(st)[missingSt] != 16 {
 				t.Fatalf("B loading keys A invalidated: %v, want all MISSING", count(st))
 			}
-			// Done: the fences file no longer holds them, and the
-			// key fences went with the restart (the old values are gone).
-			if k, n := a2.Svc.RemoteFences(); k != nOn || n != 0 {
-				t.Fatalf("fences once the deletes went through: %d keys, %d namespaces; want %d and 0", k, n, nOn)
+			if st := eb.load(t, hw, seq(0, 8)); count(st)[missingSt] != 8 {
+				t.Fatalf("B loading a namespace A invalidated whole: %v, want all MISSING", count(st))
+			}
+			// Done: the records are in the cluster, the fences have
+			// done their work and are gone, and so is the file's list.
+			if k, n := a2.Svc.RemoteFences(); k != 0 || n != 0 {
+				t.Fatalf("fences once the records went through: %d keys, %d namespaces; want none", k, n)
 			}
 			a2.Stop(t)
 			a3 := startNode(t, c, o)
@@ -325,24 +331,14 @@ func TestRestoredWhileCancelledIsPublished(t *testing.T) {
 	ea.store(t, x, seq(0, 1))
 	<-g.entered // the one publisher is in x's batch
 	ea.store(t, k, seq(1, 1))
-	invalidated := make(chan error, 1)
-	go func() {
-		_, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(k...))
-		invalidated <- err
-	}()
-	// Fenced (its queued publish is cancelled right after, under the same
-	// lock), then waiting for x's batch to land before its delete.
-	waitFor(t, func() error {
-		if keys, _ := a.Svc.RemoteFences(); keys != 1 {
-			return errors.New("not fenced yet")
-		}
-		return nil
-	})
-	ea.store(t, k, seq(1, 1)) // its engine computed it again
-	release()
-	if err := <-invalidated; err != nil {
+	// Invalidated while its publish is queued: cancelled. The Invalidate
+	// does not wait for x's batch (what it would send is stamped with the
+	// generations before).
+	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(k...)); err != nil {
 		t.Fatal(err)
 	}
+	ea.store(t, k, seq(1, 1)) // its engine computed it again
+	release()
 	flush(t, a)
 	if n := inCluster(t, c, ea, k); n != 1 {
 		t.Fatal("the block stored again after its invalidation was not published")
@@ -357,16 +353,18 @@ func TestRestoredWhileCancelledIsPublished(t *testing.T) {
 
 // TestStoreRejectedByInvalidateKeepsFence: a Store whose copy was still
 // running when the key was invalidated does not make the block ready
-// (REJECTED), so it does not lift the key's fence either: A does not load
-// the value another node publishes afterwards. The fence used to lift on
-// any store that completed.
+// (REJECTED), and the old value written into the cluster again after the
+// invalidation (a late SET: a publish that timed out and still lands, or
+// another node's publish queued before it) is served to no node: A does
+// not load it, and neither does B, which never invalidated anything.
+// The generation record, not a fence on A, refuses it: B used to load it.
 func TestStoreRejectedByInvalidateKeepsFence(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	gate := testenv.NewGate()
 	a := startNode(t, c, nodeOpts{wrap: gate.Wrap})
 	b := startNode(t, c, nodeOpts{})
 	t.Cleanup(gate.Release) // a failure must not leave A's copies held at its Stop
-	ea, _, k := sharedBlocks(t, c, a, b, 91, 1)
+	ea, eb, k := sharedBlocks(t, c, a, b, 91, 1)
 	gate.Arrived(1) // the store's copy
 	cc := c.ClusterClient()
 	defer cc.Close()
@@ -402,10 +400,7 @@ func TestStoreRejectedByInvalidateKeepsFence(t *testing.T) {
 	if res := <-stored; res == nil || res.Ok {
 		t.Fatalf("a store invalidated while written: %+v, want REJECTED", res)
 	}
-	if keys, _ := a.Svc.RemoteFences(); keys != 1 {
-		t.Fatalf("A fences %d keys after a store that was invalidated while written, want 1", keys)
-	}
-	// Another node publishes the old value again: A does not read it.
+	// The old value lands again after the invalidation: nobody reads it.
 	if err := cc.Set(ctx(t), key, old, 0).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -414,5 +409,14 @@ func TestStoreRejectedByInvalidateKeepsFence(t *testing.T) {
 	}
 	if st := ea.load(t, k, seq(3, 1)); count(st)[missingSt] != 1 {
 		t.Fatalf("A loading a block it invalidated: %v, want MISSING", count(st))
+	}
+	if lr := eb.lookup(t, k); lr.Ready != 0 {
+		t.Fatalf("B offers a block A invalidated, its old value set again after: %v", lr.Tiers)
+	}
+	if err := cc.Set(ctx(t), key, old, 0).Err(); err != nil { // A's load deleted it as garbage
+		t.Fatal(err)
+	}
+	if st := eb.load(t, k, seq(4, 1)); count(st)[missingSt] != 1 {
+		t.Fatalf("B loading a block A invalidated, its old value set again after: %v, want MISSING", count(st))
 	}
 }

@@ -131,7 +131,9 @@ func TestMACKeyedFleet(t *testing.T) {
 		}
 		id := remote.Ident{Group: 0, Hash: hs[i]}
 		copy(id.NS[:], v[32:64]) // the namespace digest, read off the real header
-		if err := remote.EncodeHeader(forged, id, m); err != nil {
+		// The real value's stamp, so the forgery is of the current
+		// generations and only the MAC can tell.
+		if err := remote.EncodeHeader(forged, id, remote.StampOf(v), m); err != nil {
 			t.Fatal(err)
 		}
 		if err := cc.Set(ctx(t), key, forged, 0).Err(); err != nil {

@@ -517,3 +517,125 @@ func freePorts(n int) ([]int, error) {
 	}
 	return out, nil
 }
+
+// MoveSlot reshards one hash slot to master to, as `redis-cli --cluster
+// reshard` does: the target imports it, the source migrates it, its keys
+// go over with MIGRATE (a page of 100 at a time; between pages some of
+// them are on each master), then every master is told the slot's new
+// owner. It returns once every master agrees. Clients that still route by
+// the old map get MOVED (or ASK mid-move) and follow.
+func (c *Cluster) MoveSlot(ctx context.Context, slot int, to *Node) error {
+	return c.MoveSlotPaged(ctx, slot, to, nil)
+}
+
+// MoveSlotPaged is MoveSlot calling between(page) after each page of keys
+// has moved (nil: nothing), so a test can act while the slot's keys are
+// split between the two masters.
+func (c *Cluster) MoveSlotPaged(ctx context.Context, slot int, to *Node, between func(page int)) error {
+	from, err := c.slotOwner(ctx, slot)
+	if err != nil {
+		return err
+	}
+	if from == to {
+		return nil
+	}
+	ids := map[*Node]string{}
+	for _, n := range []*Node{from, to} {
+		cl := n.Client()
+		id, err := cl.Do(ctx, "cluster", "myid").Text()
+		cl.Close()
+		if err != nil {
+			return fmt.Errorf("node %s: CLUSTER MYID: %w", n.Addr(), err)
+		}
+		ids[n] = id
+	}
+	src, dst := from.Client(), to.Client()
+	defer src.Close()
+	defer dst.Close()
+	if err := dst.Do(ctx, "cluster", "setslot", slot, "importing", ids[from]).Err(); err != nil {
+		return fmt.Errorf("node %s: SETSLOT IMPORTING: %w", to.Addr(), err)
+	}
+	if err := src.Do(ctx, "cluster", "setslot", slot, "migrating", ids[to]).Err(); err != nil {
+		return fmt.Errorf("node %s: SETSLOT MIGRATING: %w", from.Addr(), err)
+	}
+	for page := 0; ; page++ {
+		keys, err := src.ClusterGetKeysInSlot(ctx, slot, 100).Result()
+		if err != nil {
+			return fmt.Errorf("node %s: GETKEYSINSLOT: %w", from.Addr(), err)
+		}
+		if len(keys) == 0 {
+			break
+		}
+		args := []any{"migrate", "127.0.0.1", to.Port, "", 0, 10000}
+		if c.opt.Password != "" {
+			args = append(args, "auth", c.opt.Password)
+		}
+		args = append(args, "keys")
+		for _, k := range keys {
+			args = append(args, k)
+		}
+		if err := src.Do(ctx, args...).Err(); err != nil {
+			return fmt.Errorf("node %s: MIGRATE: %w", from.Addr(), err)
+		}
+		if between != nil {
+			between(page)
+		}
+	}
+	for _, n := range append([]*Node{to, from}, c.nodes...) {
+		cl := n.Client()
+		err := cl.Do(ctx, "cluster", "setslot", slot, "node", ids[to]).Err()
+		cl.Close()
+		if err != nil {
+			return fmt.Errorf("node %s: SETSLOT NODE: %w", n.Addr(), err)
+		}
+	}
+	return poll(ctx, 30*time.Second, func() error {
+		for _, n := range c.nodes {
+			owner, err := n.slotOwnerSeen(ctx, slot)
+			if err != nil {
+				return err
+			}
+			if owner != to.Addr() {
+				return fmt.Errorf("node %s still sees slot %d on %s", n.Addr(), slot, owner)
+			}
+		}
+		return nil
+	})
+}
+
+// KeySlot is the hash slot of key.
+func (c *Cluster) KeySlot(ctx context.Context, key string) (int, error) {
+	cl := c.nodes[0].Client()
+	defer cl.Close()
+	s, err := cl.ClusterKeySlot(ctx, key).Result()
+	return int(s), err
+}
+
+func (c *Cluster) slotOwner(ctx context.Context, slot int) (*Node, error) {
+	addr, err := c.nodes[0].slotOwnerSeen(ctx, slot)
+	if err != nil {
+		return nil, err
+	}
+	for _, n := range c.nodes {
+		if n.Addr() == addr {
+			return n, nil
+		}
+	}
+	return nil, fmt.Errorf("slot %d is served by %s, not a node of this cluster", slot, addr)
+}
+
+// slotOwnerSeen is the master node n says serves slot.
+func (n *Node) slotOwnerSeen(ctx context.Context, slot int) (string, error) {
+	cl := n.Client()
+	defer cl.Close()
+	slots, err := cl.ClusterSlots(ctx).Result()
+	if err != nil {
+		return "", fmt.Errorf("node %s: CLUSTER SLOTS: %w", n.Addr(), err)
+	}
+	for _, s := range slots {
+		if s.Start <= slot && slot <= s.End && len(s.Nodes) > 0 {
+			return s.Nodes[0].Addr, nil
+		}
+	}
+	return "", fmt.Errorf("node %s: no master serves slot %d", n.Addr(), slot)
+}

@@ -150,7 +150,7 @@ func (t *Tier) worker(f *file, hdr []byte) {
 		case r.op == opRead:
 			err = t.read(f, hdr, r)
 		case r.op == opDiscard:
-			t.discard(f, hdr, r.s)
+			err = t.discard(f, hdr, r.s)
 		}
 		r.done(err)
 	}
@@ -322,7 +322,7 @@ func readError(f *file, s slots.SlotID, off int64, n, want int, err error) error
 	return fmt.Errorf("%w: %w: read slot %d of %s at %d: %d of %d bytes: %w", ErrIO, errSlotDevice, s, f.f.Name(), off, n, want, err)
 }
 
-func (t *Tier) discard(f *file, hdr []byte, s slots.SlotID) {
+func (t *Tier) discard(f *file, hdr []byte, s slots.SlotID) error {
 	t.seqs.clearAny(s)
 	local := slots.Offset(s) - f.base
 	clear(hdr)
@@ -330,5 +330,7 @@ func (t *Tier) discard(f *file, hdr []byte, s slots.SlotID) {
 		t.m.errIO.Inc()
 		t.log.Warn("disk tier: discarding a slot failed; its block may come back at the next start",
 			"slot", s, "file", f.f.Name(), "err", err)
+		return fmt.Errorf("%w: discard of slot %d: %d of %d bytes: %w", ErrIO, s, n, len(hdr), err)
 	}
+	return nil
 }

@@ -125,6 +125,13 @@ type RecoveryStats struct {
 	// empty slot is not bad). Declined and Erased are the owner's other
 	// verdicts, Dropped the blocks Key did not name.
 	Blocks, Bad, Declined, Erased, Dropped uint64
+	// Missed counts the slots recovery could not read (an I/O error:
+	// what they hold is not known, and may be intact) and the intact
+	// blocks it could not hand to the owner; EraseFailed the erasures
+	// (Erase verdicts) that did not reach the file. Either means a copy
+	// the owner wanted gone may still be on disk: its invalidation marks
+	// must stay for the next recovery.
+	Missed, EraseFailed uint64
 	// Elapsed is the time since Recover, or the whole recovery once it
 	// ended.
 	Elapsed time.Duration
@@ -149,6 +156,7 @@ type recovery struct {
 		took  time.Duration
 	}
 	slots, bytes, blocks, bad, declined, erased, dropped atomic.Uint64
+	missed, eraseFailed                                  atomic.Uint64
 }
 
 // fileScan is one file's part of recovery.
@@ -340,6 +348,7 @@ func (t *Tier) Recovery() RecoveryStats {
 	st.SlotsScanned, st.BytesScanned = t.rec.slots.Load(), t.rec.bytes.Load()
 	st.Blocks, st.Bad = t.rec.blocks.Load(), t.rec.bad.Load()
 	st.Declined, st.Erased, st.Dropped = t.rec.declined.Load(), t.rec.erased.Load(), t.rec.dropped.Load()
+	st.Missed, st.EraseFailed = t.rec.missed.Load(), t.rec.eraseFailed.Load()
 	return st
 }
 
@@ -377,6 +386,7 @@ func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte) ([]found, bo
 				// The window failed: read its slots one by one, so a
 				// bad spot costs its own slot only.
 				if m, err := f.f.ReadAt(img, int64(off+j*sb)); m != len(img) {
+					t.rec.missed.Add(1)
 					t.slotBad(f, s, fmt.Errorf("%w: slot read: %d of %d bytes: %w", ErrIO, m, len(img), err))
 					continue
 				}
@@ -457,6 +467,7 @@ func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recove
 	}
 	unhold := func(why error) {
 		if why != nil {
+			t.rec.missed.Add(uint64(len(recs)))
 			t.log.Error("disk tier: recovery could not take back a chunk's blocks; they are free space", "file", f.f.Name(), "chunk", ci, "err", why)
 		}
 		if err := t.Space.Unhold(ch); err != nil {
@@ -509,10 +520,13 @@ func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recove
 			t.Pin(s)
 			t.Release(s)
 			erasing.Add(1)
-			t.Discard(s, func() {
+			t.submit(&request{op: opDiscard, s: s, done: func(err error) {
+				if err != nil {
+					t.rec.eraseFailed.Add(1)
+				}
 				t.Unpin(s)
 				erasing.Done()
-			})
+			}})
 			t.rec.erased.Add(1)
 		}
 	}

@@ -4,16 +4,21 @@
 //
 // It holds four things, each in its own file:
 //
-//   - the Store interface (store.go): pipelined exists/get/set/delete over
-//     many keys, under one deadline, with a result per key. Redis Cluster
+//   - the Store interface (store.go): pipelined get/set/delete and the
+//     writes of generation records over many keys, under one deadline,
+//     with a result per key. Redis Cluster
 //     implements it (redis.go); an S3-compatible object store can follow.
 //   - the key layout (keys.go): a block's key names the format version, the
 //     MAC key in use and a digest of the namespace, so two nodes with the
-//     same engine, model and layout share blocks and nothing else does.
-//   - the value format (value.go, mac.go): a 128-byte header (magic,
+//     same engine, model and layout share blocks and nothing else does; its
+//     hash tag puts a block's value and its generation records in one slot.
+//   - the value format (value.go, mac.go): a 160-byte header (magic,
 //     version, namespace digest, group, key hash, length, payload checksum,
-//     keyed MAC) before the payload, checked by Verify on every read before
-//     a byte of it is used.
+//     the generations it was written under, a write id, keyed MAC) before
+//     the payload, checked by Verify and CheckFetch on every read before a
+//     byte of it is used. A value whose generations are not what its
+//     records in the store say now (an invalidation came after it) is
+//     stale: never served (docs/remote.md, Invalidation).
 //   - the write-behind publisher (publisher.go): a bounded queue of blocks
 //     to publish, deduplicated, drained by a few goroutines off the engine's
 //     path; a full queue drops and counts.

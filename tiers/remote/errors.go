@@ -39,3 +39,9 @@ var (
 	// published (counted, never an error to the engine).
 	ErrQueueFull = errors.New("remote: publish queue full")
 )
+
+// ErrStale means a value read back is well-formed but not of the current
+// generations of its key or namespace: an invalidation came after it was
+// written (or the store lost the records). It is never served (MISSING)
+// and is deleted as garbage; it does not wrap ErrCorrupt.
+var ErrStale = errors.New("remote: stale value (invalidated since it was written)")

@@ -1,10 +1,17 @@
 package remote
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 )
 
 // TestRedisDeletePrefix: every key under one namespace's prefix goes, on
@@ -19,7 +26,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 	if len(byNode(t, c, keys)) != len(c.Nodes()) {
 		t.Fatal("the keys do not cover every master")
 	}
-	n, err := r.DeletePrefix(testCtx(t), NewKeyspace(nil).NamespacePrefix(ids[0].NS))
+	n, err := r.DeletePrefix(testCtx(t), NewKeyspace(nil).NamespacePrefix(ids[0].NS), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +34,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 		t.Fatalf("deleted %d keys, want %d", n, len(keys))
 	}
 	have := make([]Presence, len(keys))
-	if err := r.Exists(testCtx(t), keys, have); err != nil {
+	if err := exists(testCtx(t), r, keys, have); err != nil {
 		t.Fatal(err)
 	}
 	for i, p := range have {
@@ -36,7 +43,7 @@ func TestRedisDeletePrefix(t *testing.T) {
 		}
 	}
 	have = have[:len(otherKeys)]
-	if err := r.Exists(testCtx(t), otherKeys, have); err != nil {
+	if err := exists(testCtx(t), r, otherKeys, have); err != nil {
 		t.Fatal(err)
 	}
 	for i, p := range have {
@@ -99,5 +106,153 @@ func TestPublisherCancelAndBarrier(t *testing.T) {
 	}
 	if n := int(testutil.ToFloat64(m.Blocks.WithLabelValues("publish", "cancelled"))); n != 1 {
 		t.Fatalf("cancelled %d, want 1", n)
+	}
+}
+
+// TestGenerations: on a real cluster, a block's value and both its
+// generation records share a slot; a value is current until its key's or
+// its namespace's record is written anew, and stale after (whatever is
+// still stored under the key); a publish never overwrites another
+// writer's current value (two nodes whose kernels computed different
+// bytes), and replaces a stale one.
+func TestGenerations(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 8, 1)
+	ids, keys, vals := testBlocks(t, 2, 1000, nil)
+	sizes := sizesOf(vals)
+	for i, k := range keys {
+		slot, err := c.KeySlot(testCtx(t), k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, rec := range []string{GenKey(k), NamespaceGenKeyOf(k)} {
+			if s, err := c.KeySlot(testCtx(t), rec); err != nil || s != slot {
+				t.Fatalf("block %d: record %s in slot %d, its value in %d (%v)", i, rec, s, slot, err)
+			}
+		}
+	}
+	publish := func(i int, payload []byte) {
+		t.Helper()
+		if err := p.Publish(ids[i], len(payload), &memSource{payload: payload}); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	current := func(i int, want []byte) {
+		t.Helper()
+		got, errs := loadAll(t, r, ids[i:i+1], keys[i:i+1], sizes[i:i+1], nil)
+		if errs[0] != nil || !bytes.Equal(got[0], want) {
+			t.Fatalf("block %d: current %v (err %v), want the payload given", i, got[0] != nil, errs[0])
+		}
+	}
+	stale := func(i int) {
+		t.Helper()
+		if got, errs := loadAll(t, r, ids[i:i+1], keys[i:i+1], sizes[i:i+1], nil); got[0] != nil || !errors.Is(errs[0], ErrStale) {
+			t.Fatalf("block %d: served %v, err %v; want stale", i, got[0] != nil, errs[0])
+		}
+	}
+	first := vals[0][HeaderSize:]
+	other := bytes.Repeat([]byte{0x77}, len(first))
+	publish(0, first)
+	current(0, first)
+	publish(0, other) // another node's bytes for the same block
+	current(0, first)
+	if n := count(m, "exists"); n != 1 {
+		t.Fatalf("a second writer's publish: exists %d, want 1", n)
+	}
+	// The key's record written anew: what is stored is stale, and a
+	// publish replaces it.
+	if errs := r.SetGens(testCtx(t), []GenWrite{{Key: GenKey(keys[0]), Gen: NewGen()}}); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	stale(0)
+	publish(0, other)
+	current(0, other)
+	// The namespace's records written anew: every block of it is stale.
+	publish(1, vals[1][HeaderSize:])
+	current(1, vals[1][HeaderSize:])
+	var ws []GenWrite
+	for _, k := range NewKeyspace(nil).NamespaceGenKeys(ids[0].NS) {
+		ws = append(ws, GenWrite{Key: k, Gen: NewGen()})
+	}
+	for _, err := range r.SetGens(testCtx(t), ws) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	stale(0)
+	stale(1)
+}
+
+// scanCalls is how many SCANs node n has served.
+func scanCalls(t *testing.T, n *rediscluster.Node) int {
+	t.Helper()
+	cl := n.Client()
+	defer cl.Close()
+	info, err := cl.Info(testCtx(t), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_scan:calls="); ok {
+			v, _ := strconv.Atoi(rest[:strings.IndexByte(rest, ',')])
+			return v
+		}
+	}
+	return 0
+}
+
+// TestRedisSweepKeepsWhatARoundDid: a sweep with a master down fails, and
+// the next try (the master back, with its data) scans only that master:
+// the masters a round went through are not scanned again.
+func TestRedisSweepKeepsWhatARoundDid(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 500*time.Millisecond)
+	ids, keys, vals := testBlocks(t, 60, 100, nil)
+	setAll(t, r, keys, vals)
+	victim := c.Node(2)
+	if err := victim.Snapshot(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	victim.Kill()
+	t.Cleanup(func() {
+		victim.Restart(context.Background())
+		victim.DropSnapshot()
+	})
+	prefix := NewKeyspace(nil).NamespacePrefix(ids[0].NS)
+	var done Swept
+	if _, err := r.DeletePrefix(testCtx(t), prefix, &done); err == nil {
+		t.Fatal("a sweep with a master down succeeded")
+	}
+	if n := done.Len(); n != len(c.Nodes())-1 {
+		t.Fatalf("%d masters swept through, want the %d alive", n, len(c.Nodes())-1)
+	}
+	before := map[*rediscluster.Node]int{}
+	for _, n := range c.Nodes() {
+		if n != victim {
+			before[n] = scanCalls(t, n)
+		}
+	}
+	if err := victim.Restart(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() error { return r.Ping(testCtx(t)) })
+	if _, err := r.DeletePrefix(testCtx(t), prefix, &done); err != nil {
+		t.Fatal(err)
+	}
+	for n, calls := range before {
+		if got := scanCalls(t, n); got != calls {
+			t.Errorf("master %s scanned again (%d SCANs, %d before)", n.Addr(), got, calls)
+		}
+	}
+	have := make([]Presence, len(keys))
+	exists(testCtx(t), r, keys, have)
+	for i, p := range have {
+		if p != Absent {
+			t.Fatalf("key %d: %v after the sweep went through", i, p)
+		}
 	}
 }

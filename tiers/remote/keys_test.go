@@ -2,6 +2,7 @@ package remote
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,9 +12,25 @@ import (
 func TestKeyLayout(t *testing.T) {
 	id := testIdent(16)
 	got := NewKeyspace(nil).Key(id)
-	want := "kvo:1:open:01060b10151a1f24292e33383d42474c:3:a0a1a2a3a4a5a6a7a8a9aaabacadaeaf"
+	bucket := Bucket(id.Hash)
+	want := fmt.Sprintf("kvo:2:open:{01060b10151a1f24292e33383d42474c:%d}:3:a0a1a2a3a4a5a6a7a8a9aaabacadaeaf", bucket)
 	if got != want {
 		t.Fatalf("key\n got %s\nwant %s", got, want)
+	}
+	// The records beside it: the same hash tag, so the same slot.
+	if g := GenKey(got); g != want+":gen" {
+		t.Fatalf("generation record %s", g)
+	}
+	nsRec := fmt.Sprintf("kvo:2:open:{01060b10151a1f24292e33383d42474c:%d}:ns", bucket)
+	if g := NamespaceGenKeyOf(got); g != nsRec {
+		t.Fatalf("namespace record %s, want %s", g, nsRec)
+	}
+	all := NewKeyspace(nil).NamespaceGenKeys(id.NS)
+	if len(all) != NamespaceBuckets || all[bucket] != nsRec {
+		t.Fatalf("the namespace's records: %d, bucket %d is %s", len(all), bucket, all[bucket])
+	}
+	if p := NewKeyspace(nil).NamespacePrefix(id.NS); !strings.HasPrefix(got, p) || !strings.HasPrefix(nsRec, p) {
+		t.Fatalf("namespace prefix %s does not cover the key and the records", p)
 	}
 	mac := testMAC(t, 1)
 	keyed := NewKeyspace(mac).Key(id)

@@ -88,13 +88,6 @@ func (i instrumented) observe(op string, start time.Time, errs ...error) {
 	}
 }
 
-func (i instrumented) Exists(ctx context.Context, keys []string, out []Presence) error {
-	start := time.Now()
-	err := i.s.Exists(ctx, keys, out)
-	i.observe("exists", start, err)
-	return err
-}
-
 func (i instrumented) Get(ctx context.Context, fs []Fetch) error {
 	start := time.Now()
 	err := i.s.Get(ctx, fs)
@@ -109,6 +102,13 @@ func (i instrumented) Set(ctx context.Context, items []Item) []error {
 	return errs
 }
 
+func (i instrumented) SetGens(ctx context.Context, gs []GenWrite) []error {
+	start := time.Now()
+	errs := i.s.SetGens(ctx, gs)
+	i.observe("invalidate", start, errors.Join(errs...))
+	return errs
+}
+
 func (i instrumented) Delete(ctx context.Context, keys []string) []error {
 	start := time.Now()
 	errs := i.s.Delete(ctx, keys)
@@ -116,9 +116,9 @@ func (i instrumented) Delete(ctx context.Context, keys []string) []error {
 	return errs
 }
 
-func (i instrumented) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+func (i instrumented) DeletePrefix(ctx context.Context, prefix string, done *Swept) (int, error) {
 	start := time.Now()
-	n, err := i.s.DeletePrefix(ctx, prefix)
+	n, err := i.s.DeletePrefix(ctx, prefix, done)
 	i.observe("sweep", start, err)
 	return n, err
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"time"
 )
@@ -41,8 +42,20 @@ type PublisherConfig struct {
 
 // Publisher is the write-behind queue: Publish never waits, a full queue
 // drops (and counts), a block queued or in flight is not queued twice, and
-// a block the store already holds is not sent again (one EXISTS round trip
-// per batch before its SETs). Its workers run until Close.
+// a block the store already holds is not sent again. A batch costs two
+// round trips: a look at what the store holds (each block's header and
+// generation record, created if absent, and each namespace's record), then
+// the SETs (NX: another writer's value is never overwritten; one found
+// stale is replaced), each value stamped with the generations read in the
+// first. Its workers run until Close.
+//
+// Why the stamp is read by the publisher and not when the block was
+// stored: an item is cancelled (Cancel) before its invalidation's record
+// is written, and the publisher checks for that after it read the
+// records. So a record read that returns the invalidation's generation
+// comes after the Cancel, and the item is not sent; one that returns an
+// older generation stamps the value with it, and the invalidation makes it
+// stale wherever and whenever the SET lands.
 type Publisher struct {
 	cfg   PublisherConfig
 	queue chan pubItem
@@ -276,9 +289,10 @@ func (p *Publisher) worker() {
 	}
 }
 
-// publish sends one batch: an EXISTS round trip, then the SETs of the
-// blocks the store does not hold, each value assembled with one copy (the
-// block's payload read into place behind its header).
+// publish sends one batch: a look at what the store holds and at the
+// generation records, then the SETs of the blocks the store does not hold
+// (current), each value assembled with one copy (the block's payload read
+// into place behind its header) and stamped with the records read.
 func (p *Publisher) publish(batch []pubItem) {
 	m := p.cfg.Metrics
 	defer func() {
@@ -286,31 +300,36 @@ func (p *Publisher) publish(batch []pubItem) {
 			p.done(&batch[i])
 		}
 	}()
-	keys := make([]string, len(batch))
+	fs := make([]Fetch, len(batch))
+	heads := make([]byte, len(batch)*HeaderSize)
 	for i := range batch {
-		keys[i] = batch[i].key
+		fs[i] = Fetch{Key: batch[i].key, Head: heads[i*HeaderSize : (i+1)*HeaderSize], CreateGen: true}
 	}
-	have := make([]Presence, len(batch))
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout)
-	err := p.cfg.Store.Exists(ctx, keys, have)
+	err := p.cfg.Store.Get(ctx, fs)
 	cancel()
 	var items []Item
 	var sent []int
 	var bufs []*[]byte
 	for i := range batch {
 		it := &batch[i]
-		switch have[i] {
-		case Present:
+		id := it.id
+		id.Hash = it.hash[:len(id.Hash)]
+		found, stale, cerr := CheckHead(&fs[i], id, uint64(it.size), p.cfg.MAC)
+		switch {
+		case found:
 			m.Blocks.WithLabelValues("publish", "exists").Inc()
 			it.src.Release()
 			continue
-		case Failed:
-			// Not known whether the store holds it; not worth a
-			// blind SET of megabytes into a failing node.
+		case cerr != nil, fs[i].Gen == 0, fs[i].NSGen == 0:
+			// Not known what the store holds or which generation
+			// to stamp: not worth a blind SET of megabytes into a
+			// failing node.
 			m.Blocks.WithLabelValues("publish", "error").Inc()
 			it.src.Release()
 			continue
 		}
+		// Only after the records were read: see Publisher.
 		if p.cancelled(it) {
 			m.Blocks.WithLabelValues("publish", "cancelled").Inc()
 			it.src.Release()
@@ -324,20 +343,19 @@ func (p *Publisher) publish(batch []pubItem) {
 			m.Blocks.WithLabelValues("publish", "gone").Inc()
 			continue
 		}
-		id := it.id
-		id.Hash = it.hash[:len(id.Hash)]
-		if err := EncodeHeader(*buf, id, p.cfg.MAC); err != nil {
+		st := Stamp{Key: fs[i].Gen, NS: fs[i].NSGen, Write: rand.Uint64()}
+		if err := EncodeHeader(*buf, id, st, p.cfg.MAC); err != nil {
 			p.bufs.Put(buf)
 			m.Blocks.WithLabelValues("publish", "error").Inc()
 			p.cfg.Logger.Error("remote tier: a block could not be encoded", "err", err)
 			continue
 		}
-		items = append(items, Item{Key: it.key, Value: *buf})
+		items = append(items, Item{Key: it.key, Value: *buf, Replace: stale})
 		sent = append(sent, i)
 		bufs = append(bufs, buf)
 	}
 	if err != nil {
-		p.cfg.Logger.Debug("remote tier: publish: EXISTS failed for some blocks", "err", err)
+		p.cfg.Logger.Debug("remote tier: publish: the look at the store failed for some blocks", "err", err)
 	}
 	if len(items) == 0 {
 		return
@@ -347,13 +365,16 @@ func (p *Publisher) publish(batch []pubItem) {
 	cancel()
 	var first error
 	for j, i := range sent {
-		if errs[j] != nil {
+		switch {
+		case errs[j] != nil:
 			m.Blocks.WithLabelValues("publish", "error").Inc()
 			first = errors.Join(first, errs[j])
-			continue
+		case items[j].Kept:
+			m.Blocks.WithLabelValues("publish", "exists").Inc()
+		default:
+			m.Blocks.WithLabelValues("publish", "published").Inc()
+			m.Bytes.WithLabelValues("publish").Add(float64(batch[i].size))
 		}
-		m.Blocks.WithLabelValues("publish", "published").Inc()
-		m.Bytes.WithLabelValues("publish").Add(float64(batch[i].size))
 	}
 	for _, b := range bufs {
 		p.bufs.Put(b)

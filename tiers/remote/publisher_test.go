@@ -68,10 +68,10 @@ func TestPublisherPublishes(t *testing.T) {
 	if err := p.Flush(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}
-	got, errs := getAll(t, testCtx(t), r, keys, sizesOf(vals))
+	got, errs := loadAll(t, r, ids, keys, sizesOf(vals), mac)
 	for i := range keys {
-		if errs[i] != nil || !bytes.Equal(got[i], vals[i]) {
-			t.Fatalf("block %d: err %v, stored value equal %v", i, errs[i], bytes.Equal(got[i], vals[i]))
+		if errs[i] != nil || !bytes.Equal(got[i], vals[i][HeaderSize:]) {
+			t.Fatalf("block %d: err %v, stored payload equal %v", i, errs[i], bytes.Equal(got[i], vals[i][HeaderSize:]))
 		}
 		if n := srcs[i].released.Load(); n != 1 {
 			t.Fatalf("block %d released %d times", i, n)
@@ -146,7 +146,7 @@ func TestPublisherDedupAndDrop(t *testing.T) {
 		}
 	}
 	have := make([]Presence, len(keys))
-	r.Exists(testCtx(t), keys, have)
+	exists(testCtx(t), r, keys, have)
 	for i, h := range have {
 		if want := map[bool]Presence{true: Present, false: Absent}[i <= 2]; h != want {
 			t.Errorf("block %d in the store: %v, want %v", i, h, want)
@@ -233,9 +233,9 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 	if err := p.Flush(testCtx(t)); err != nil {
 		t.Fatal(err)
 	}
-	got, errs := getAll(t, testCtx(t), r, keys[1:], sizesOf(vals[1:]))
-	if errs[0] != nil || !bytes.Equal(got[0], vals[1]) {
-		t.Fatalf("the block published again after a cancel: err %v, stored value is the new one: %v", errs[0], bytes.Equal(got[0], vals[1]))
+	got, errs := loadAll(t, r, ids[1:], keys[1:], sizesOf(vals[1:]), nil)
+	if errs[0] != nil || !bytes.Equal(got[0], vals[1][HeaderSize:]) {
+		t.Fatalf("the block published again after a cancel: err %v, stored payload is the new one: %v", errs[0], bytes.Equal(got[0], vals[1][HeaderSize:]))
 	}
 	for result, want := range map[string]int{"published": 2, "cancelled": 1, "duplicate": 0} {
 		if n := count(m, result); n != want {

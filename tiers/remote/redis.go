@@ -1,12 +1,14 @@
 package remote
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -169,49 +171,44 @@ func backoffErr(addr string) error {
 	return fmt.Errorf("%w: %s: %w", ErrUnavailable, addr, ErrNodeBackoff)
 }
 
-// Exists implements Store.
-func (r *Redis) Exists(ctx context.Context, keys []string, out []Presence) error {
-	addrs, skip := r.route(ctx, keys)
-	cmds := make([]*redis.IntCmd, len(keys))
-	_, err := r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, k := range keys {
-			if !skip[i] {
-				cmds[i] = p.Exists(ctx, k)
-			}
-		}
-		return nil
-	})
-	var first error
-	for i, c := range cmds {
-		if skip[i] {
-			out[i] = Failed
-			first = cmp(first, backoffErr(addrs[i]))
-			continue
-		}
-		n, cerr := c.Result()
-		switch {
-		case cerr != nil:
-			out[i] = Failed
-			first = cmp(first, cerr)
-		case n > 0:
-			out[i] = Present
-		default:
-			out[i] = Absent
-		}
+// genText is how a generation is kept in the store: 16 hex digits.
+func genText(g Gen) string { return fmt.Sprintf("%016x", uint64(g)) }
+
+// readGen parses a generation record's GET: absent is 0; a record that is
+// not one of ours reads as a generation no value carries.
+func readGen(c *redis.StringCmd) (Gen, error) {
+	v, err := c.Result()
+	if errors.Is(err, redis.Nil) {
+		return 0, nil
 	}
-	r.settle(addrs, skip, func(i int) error { return cmds[i].Err() })
-	return unavailable(cmp(first, pipelineErr(err)))
+	if err != nil {
+		return 0, err
+	}
+	g, perr := strconv.ParseUint(v, 16, 64)
+	if perr != nil || len(v) != 16 {
+		return 0, nil
+	}
+	return Gen(g), nil
 }
 
-// Get implements Store. Each key costs three commands in the node's
-// pipeline: STRLEN (absent is 0), then GETRANGE of the header and GETRANGE
-// of the payload, each read by go-redis straight into the caller's buffer
-// (ZeroCopyStringCmd): past the reply's first read-buffer's worth, the
-// socket's bytes land in Body with no copy in user space.
+// Get implements Store. Each key costs, in its node's pipeline and in this
+// order: SET of its generation records NX (CreateGen), STRLEN (absent is
+// 0), GETRANGE of the header, and with a body GETRANGE of the payload and
+// GETRANGE of the header again, then GET of the block's and of the
+// namespace's generation records. The ranges are read by go-redis
+// straight into the caller's buffers (ZeroCopyStringCmd): past the reply's
+// first read-buffer's worth, the socket's bytes land in Body with no copy
+// in user space. The records are read last, on the same node (hash tag)
+// and connection: if they still say the generations the value is stamped
+// with, no invalidation of the key or namespace had reached the node when
+// the value was read. A header that differs between its two reads means
+// another write came in between: Torn.
 func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 	type cmds struct {
-		size       *redis.IntCmd
-		head, body *redis.ZeroCopyStringCmd
+		size              *redis.IntCmd
+		head, body, again *redis.ZeroCopyStringCmd
+		gen, nsGen        *redis.StringCmd
+		again2            []byte
 	}
 	keys := make([]string, len(fs))
 	for i := range fs {
@@ -226,6 +223,11 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 			}
 			f := &fs[i]
 			c := &cs[i]
+			gk, nk := GenKey(f.Key), NamespaceGenKeyOf(f.Key)
+			if f.CreateGen {
+				p.SetNX(ctx, gk, genText(NewGen()), 0)
+				p.SetNX(ctx, nk, genText(NewGen()), 0)
+			}
 			c.size = p.StrLen(ctx, f.Key)
 			if len(f.Head) > 0 {
 				c.head = redis.NewZeroCopyStringCmd(ctx, f.Head, "getrange", f.Key, 0, len(f.Head)-1)
@@ -234,14 +236,21 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 			if len(f.Body) > 0 {
 				c.body = redis.NewZeroCopyStringCmd(ctx, f.Body, "getrange", f.Key, len(f.Head), len(f.Head)+len(f.Body)-1)
 				p.Process(ctx, c.body)
+				if len(f.Head) > 0 {
+					c.again2 = make([]byte, len(f.Head))
+					c.again = redis.NewZeroCopyStringCmd(ctx, c.again2, "getrange", f.Key, 0, len(f.Head)-1)
+					p.Process(ctx, c.again)
+				}
 			}
+			c.gen = p.Get(ctx, gk)
+			c.nsGen = p.Get(ctx, nk)
 		}
 		return nil
 	})
 	var first error
 	for i := range fs {
 		f, c := &fs[i], &cs[i]
-		f.Size, f.HeadN, f.BodyN, f.Err = 0, 0, 0, nil
+		f.Size, f.HeadN, f.BodyN, f.Gen, f.NSGen, f.Torn, f.Err = 0, 0, 0, 0, 0, false, nil
 		if skip[i] {
 			f.Err = backoffErr(addrs[i])
 			first = cmp(first, f.Err)
@@ -254,12 +263,26 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 		if err == nil && c.body != nil {
 			f.BodyN, err = c.body.Result()
 		}
+		againN := 0
+		if err == nil && c.again != nil {
+			againN, err = c.again.Result()
+		}
+		var g, ng Gen
+		if err == nil {
+			g, err = readGen(c.gen)
+		}
+		if err == nil {
+			ng, err = readGen(c.nsGen)
+		}
 		if err != nil {
 			f.Err = unavailable(err)
 			first = cmp(first, err)
 			continue
 		}
-		f.Size = size
+		f.Size, f.Gen, f.NSGen = size, g, ng
+		if c.again != nil && (againN != f.HeadN || !bytes.Equal(c.again2[:againN], f.Head[:f.HeadN])) {
+			f.Torn = true
+		}
 	}
 	r.settle(addrs, skip, func(i int) error {
 		if skip[i] {
@@ -270,23 +293,64 @@ func (r *Redis) Get(ctx context.Context, fs []Fetch) error {
 	return unavailable(cmp(first, pipelineErr(err)))
 }
 
-// Set implements Store.
+// Set implements Store: SET NX, after an UNLINK for an item to Replace.
 func (r *Redis) Set(ctx context.Context, items []Item) []error {
 	keys := make([]string, len(items))
 	for i := range items {
 		keys[i] = items[i].Key
 	}
 	addrs, skip := r.route(ctx, keys)
-	cmds := make([]*redis.StatusCmd, len(items))
+	cmds := make([]*redis.BoolCmd, len(items))
 	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, it := range items {
 			if !skip[i] {
-				cmds[i] = p.Set(ctx, it.Key, it.Value, 0)
+				if it.Replace {
+					p.Unlink(ctx, it.Key)
+				}
+				cmds[i] = p.SetNX(ctx, it.Key, it.Value, 0)
 			}
 		}
 		return nil
 	})
 	errs := make([]error, len(items))
+	for i, c := range cmds {
+		items[i].Kept = false
+		if skip[i] {
+			errs[i] = backoffErr(addrs[i])
+			continue
+		}
+		set, err := c.Result()
+		if err != nil {
+			errs[i] = unavailable(err)
+			continue
+		}
+		items[i].Kept = !set
+	}
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
+	return errs
+}
+
+// SetGens implements Store: SET of each record, then UNLINK of the value
+// it makes stale, on the record's node (hash tag) in that order.
+func (r *Redis) SetGens(ctx context.Context, gs []GenWrite) []error {
+	keys := make([]string, len(gs))
+	for i := range gs {
+		keys[i] = gs[i].Key
+	}
+	addrs, skip := r.route(ctx, keys)
+	cmds := make([]*redis.StatusCmd, len(gs))
+	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, g := range gs {
+			if !skip[i] {
+				cmds[i] = p.Set(ctx, g.Key, genText(g.Gen), 0)
+				if g.Unlink != "" {
+					p.Unlink(ctx, g.Unlink)
+				}
+			}
+		}
+		return nil
+	})
+	errs := make([]error, len(gs))
 	for i, c := range cmds {
 		if skip[i] {
 			errs[i] = backoffErr(addrs[i])
@@ -328,12 +392,16 @@ func (r *Redis) Delete(ctx context.Context, keys []string) []error {
 // page of up to 1000 keys per round trip, each bounded by the timeout) and
 // each page's keys are unlinked in one pipeline, the masters in parallel.
 // A master that fails fails the sweep; what it holds remains until the
-// caller tries again.
-func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
+// caller tries again, and the masters swept through (done) are not
+// scanned again.
+func (r *Redis) DeletePrefix(ctx context.Context, prefix string, done *Swept) (int, error) {
 	var n atomic.Int64
 	match := globEscape(prefix) + "*"
 	err := r.cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 		addr := c.Options().Addr
+		if done.Has(addr) {
+			return nil
+		}
 		var cursor uint64
 		for {
 			keys, next, err := c.Scan(ctx, cursor, match, 1000).Result()
@@ -355,6 +423,7 @@ func (r *Redis) DeletePrefix(ctx context.Context, prefix string) (int, error) {
 				}
 			}
 			if next == 0 {
+				done.Add(addr)
 				return nil
 			}
 			cursor = next

@@ -144,7 +144,7 @@ func TestRedisBatchOneRoundTripPerNode(t *testing.T) {
 	setAll(t, r, keys, vals)
 	check("set")
 	have := make([]Presence, len(keys))
-	if err := r.Exists(ctx, keys, have); err != nil {
+	if err := exists(ctx, r, keys, have); err != nil {
 		t.Fatal(err)
 	}
 	check("exists")
@@ -164,7 +164,7 @@ func TestRedisBatchOneRoundTripPerNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	rt.reset()
-	if err := r.Exists(ctx, keys, have); err != nil {
+	if err := exists(ctx, r, keys, have); err != nil {
 		t.Fatal(err)
 	}
 	for i, h := range have {
@@ -212,7 +212,7 @@ func TestRedisKilledMaster(t *testing.T) {
 		}
 	}
 	have := make([]Presence, len(keys))
-	r.Exists(ctx, keys, have)
+	exists(ctx, r, keys, have)
 	for i := range keys {
 		if want := map[bool]Presence{true: Failed, false: Present}[onVictim[i]]; have[i] != want {
 			t.Errorf("exists key %d: %v, want %v", i, have[i], want)
@@ -425,7 +425,7 @@ func TestRedisDownAtStart(t *testing.T) {
 	}
 	_, keys, vals := testBlocks(t, 10, 100, nil)
 	have := make([]Presence, len(keys))
-	if err := r.Exists(ctx, keys, have); !errors.Is(err, ErrUnavailable) {
+	if err := exists(ctx, r, keys, have); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("exists with the cluster down: %v", err)
 	}
 	for i, h := range have {
@@ -435,7 +435,7 @@ func TestRedisDownAtStart(t *testing.T) {
 	}
 	// No node answered, not even for the slot map: the next batch does
 	// not try again until the back-off ends or a ping gets through.
-	if err := r.Exists(ctx, keys, have); !errors.Is(err, ErrNodeBackoff) {
+	if err := exists(ctx, r, keys, have); !errors.Is(err, ErrNodeBackoff) {
 		t.Fatalf("second exists with the cluster down: %v, want ErrNodeBackoff", err)
 	}
 	for _, n := range c.Nodes() {
@@ -470,4 +470,56 @@ func waitFor(t *testing.T, f func() error) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Presence is what exists learned about one key.
+type Presence uint8
+
+const (
+	Absent Presence = iota
+	Present
+	Failed // the store could not answer for this key
+)
+
+// exists asks the store whether it holds a value under each key (a Get of
+// no bytes: its length and generation record).
+func exists(ctx context.Context, s Store, keys []string, out []Presence) error {
+	fs := make([]Fetch, len(keys))
+	for i, k := range keys {
+		fs[i] = Fetch{Key: k}
+	}
+	err := s.Get(ctx, fs)
+	for i, f := range fs {
+		switch {
+		case f.Err != nil:
+			out[i] = Failed
+		case f.Size > 0:
+			out[i] = Present
+		default:
+			out[i] = Absent
+		}
+	}
+	return err
+}
+
+// loadAll reads blocks as a node's load does, with their generation
+// records and their namespace's, and returns each payload that verifies
+// and is current (nil: absent, stale or torn) and each error.
+func loadAll(t *testing.T, s Store, ids []Ident, keys []string, sizes []int, mac *MAC) ([][]byte, []error) {
+	t.Helper()
+	fs := make([]Fetch, len(keys))
+	for i := range fs {
+		fs[i] = Fetch{Key: keys[i], Head: make([]byte, HeaderSize), Body: make([]byte, sizes[i]-HeaderSize)}
+	}
+	s.Get(testCtx(t), fs)
+	out := make([][]byte, len(keys))
+	errs := make([]error, len(keys))
+	for i := range fs {
+		found, err := CheckFetch(&fs[i], ids[i], uint64(sizes[i]-HeaderSize), mac)
+		errs[i] = err
+		if found && err == nil {
+			out[i] = fs[i].Body
+		}
+	}
+	return out, errs
 }

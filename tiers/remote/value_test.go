@@ -27,14 +27,18 @@ func testIdent(hashLen int) Ident {
 	return id
 }
 
-// makeValue builds a value for id with a pseudo-random payload of n bytes.
+// testStamp is the generations test values are stamped with.
+var testStamp = Stamp{Key: 0x1111, NS: 0x2222, Write: 7}
+
+// makeValue builds a value for id with a pseudo-random payload of n bytes,
+// stamped testStamp.
 func makeValue(t testing.TB, id Ident, n int, mac *MAC) []byte {
 	t.Helper()
 	v := make([]byte, HeaderSize+n)
 	var seed [32]byte
 	seed[0], seed[1], seed[2] = byte(n), byte(n>>8), byte(n>>16)
 	rand.NewChaCha8(seed).Read(v[HeaderSize:])
-	if err := EncodeHeader(v, id, mac); err != nil {
+	if err := EncodeHeader(v, id, testStamp, mac); err != nil {
 		t.Fatal(err)
 	}
 	return v
@@ -62,7 +66,10 @@ func TestValueRoundTrip(t *testing.T) {
 
 // TestVerifyEveryHeaderBitFlip: every field of the header is compared with
 // what the reader expects or covered by the checksum or the MAC, so no
-// single flipped bit in it goes unnoticed.
+// single flipped bit in it goes unnoticed. Without a MAC, a flipped
+// generation makes the value stale instead (the reader compares it with
+// the store's records); the write id is covered by the MAC only (it is
+// random: a reader compares it with the same value's header read again).
 func TestVerifyEveryHeaderBitFlip(t *testing.T) {
 	for _, mac := range []*MAC{nil, testMAC(t, 2)} {
 		id := testIdent(16)
@@ -70,6 +77,12 @@ func TestVerifyEveryHeaderBitFlip(t *testing.T) {
 		for bit := 0; bit < HeaderSize*8; bit++ {
 			w := bytes.Clone(v)
 			w[bit/8] ^= 1 << (bit % 8)
+			if mac == nil && bit/8 >= offKeyGen && bit/8 < offReserved {
+				if bit/8 < offWriteID && StampOf(w).Current(testStamp.Key, testStamp.NS) {
+					t.Fatalf("flipping header bit %d: the value is still current", bit)
+				}
+				continue
+			}
 			if _, err := Verify(w, id, 4096, mac); !errors.Is(err, ErrCorrupt) {
 				t.Fatalf("mac=%v: flipping header bit %d: Verify = %v, want ErrCorrupt", mac != nil, bit, err)
 			}
@@ -138,7 +151,7 @@ func forge(t *testing.T, v []byte) []byte {
 	var mac [MACLen]byte
 	copy(mac[:], w[offMAC:])
 	id := testIdent(32)
-	if err := EncodeHeader(w, id, nil); err != nil {
+	if err := EncodeHeader(w, id, StampOf(w), nil); err != nil {
 		t.Fatal(err)
 	}
 	w[offMACAlg] = macBLAKE3
@@ -148,20 +161,20 @@ func forge(t *testing.T, v []byte) []byte {
 
 func TestEncodeHeaderRefuses(t *testing.T) {
 	id := testIdent(16)
-	if err := EncodeHeader(make([]byte, HeaderSize-1), id, nil); !errors.Is(err, ErrLength) {
+	if err := EncodeHeader(make([]byte, HeaderSize-1), id, testStamp, nil); !errors.Is(err, ErrLength) {
 		t.Fatalf("short buffer: %v", err)
 	}
 	for _, n := range []int{0, MaxHashLen + 1} {
 		bad := id
 		bad.Hash = make([]byte, n)
-		if err := EncodeHeader(make([]byte, HeaderSize+1), bad, nil); !errors.Is(err, ErrLength) {
+		if err := EncodeHeader(make([]byte, HeaderSize+1), bad, testStamp, nil); !errors.Is(err, ErrLength) {
 			t.Fatalf("hash of %d bytes: %v", n, err)
 		}
 	}
 }
 
 // FuzzVerify: Verify never panics, and whatever it accepts is exactly the
-// one encoding of its ident and payload (nothing else verifies).
+// one encoding of its ident, stamp and payload (nothing else verifies).
 func FuzzVerify(f *testing.F) {
 	key := testMAC(f, 9)
 	for _, mac := range []*MAC{nil, key} {
@@ -188,7 +201,7 @@ func FuzzVerify(f *testing.F) {
 		}
 		again := make([]byte, len(value))
 		copy(again[HeaderSize:], payload)
-		if err := EncodeHeader(again, id, mac); err != nil {
+		if err := EncodeHeader(again, id, StampOf(value), mac); err != nil {
 			t.Fatal(err)
 		}
 		if !bytes.Equal(again, value) {
@@ -201,9 +214,10 @@ func TestCheckFetch(t *testing.T) {
 	id := testIdent(16)
 	v := makeValue(t, id, 4096, nil)
 	fetch := func(size int64, headN, bodyN int, err error) *Fetch {
-		f := &Fetch{Head: bytes.Clone(v[:HeaderSize]), Body: bytes.Clone(v[HeaderSize:]), Size: size, HeadN: headN, BodyN: bodyN, Err: err}
+		f := &Fetch{Head: bytes.Clone(v[:HeaderSize]), Body: bytes.Clone(v[HeaderSize:]), Size: size, HeadN: headN, BodyN: bodyN, Gen: testStamp.Key, NSGen: testStamp.NS, Err: err}
 		return f
 	}
+	good := func(mut func(*Fetch)) *Fetch { f := fetch(int64(len(v)), HeaderSize, 4096, nil); mut(f); return f }
 	for _, tc := range []struct {
 		name  string
 		f     *Fetch
@@ -216,11 +230,26 @@ func TestCheckFetch(t *testing.T) {
 		{"longer value", fetch(int64(len(v)+1), HeaderSize, 4096, nil), true, ErrLength},
 		{"shorter value", fetch(int64(len(v)-1), HeaderSize, 4095, nil), true, ErrLength},
 		{"tiny value", fetch(10, 10, 0, nil), true, ErrLength},
+		{"torn", good(func(f *Fetch) { f.Torn = true }), false, nil},
+		{"key invalidated since", good(func(f *Fetch) { f.Gen++ }), true, ErrStale},
+		{"key record gone", good(func(f *Fetch) { f.Gen = 0 }), true, ErrStale},
+		{"namespace invalidated since", good(func(f *Fetch) { f.NSGen++ }), true, ErrStale},
+		{"namespace record gone", good(func(f *Fetch) { f.NSGen = 0 }), true, ErrStale},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			found, err := CheckFetch(tc.f, id, 4096, nil)
 			if found != tc.found || (tc.err == nil) != (err == nil) || (tc.err != nil && !errors.Is(err, tc.err)) {
 				t.Fatalf("CheckFetch = %v, %v; want %v, %v", found, err, tc.found, tc.err)
+			}
+			if errors.Is(err, ErrStale) && errors.Is(err, ErrCorrupt) {
+				t.Fatal("a stale value is reported corrupt (its value would be logged as an attack)")
+			}
+			// A header-only look agrees: current, stale or unknown.
+			f := *tc.f
+			f.Body, f.BodyN = nil, 0
+			hfound, stale, herr := CheckHead(&f, id, 4096, nil)
+			if tc.err == nil && !tc.f.Torn && hfound != tc.found || errors.Is(tc.err, ErrStale) && !stale || errors.Is(tc.err, ErrUnavailable) && herr == nil {
+				t.Fatalf("CheckHead = %v, %v, %v", hfound, stale, herr)
 			}
 		})
 	}
