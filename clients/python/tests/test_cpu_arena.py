@@ -14,7 +14,7 @@ from test_connector import Harness, prefill
 
 
 def test_recovered_cpu_blocks_are_hit_after_a_kill(fresh_daemon, shm, fingerprint):
-    arena = tempfile.mkdtemp(dir="/dev/shm", prefix="kvoffload-py-arena-")
+    arena = tempfile.mkdtemp(dir="/dev/shm", prefix="kvo-arena-py-")
     try:
         d = fresh_daemon("--cpu-arena-dir", arena)
         h = Harness(d, shm, fingerprint)
