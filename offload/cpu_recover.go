@@ -333,7 +333,17 @@ func (s *Service) unholdCPU(ch uint32) {
 // recoverCPUChunk verifies the blocks found in chunk ch and files them.
 func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	rec := &s.crec
-	slotBytes := found[0].ns.Layout.SlotBytes(found[0].Group)
+	// The chunk's slot size: every record in it names one (a slot's
+	// record is cleared before its chunk can change size); should they
+	// disagree, the size most of them name.
+	bySize := map[uint64]int{}
+	slotBytes := uint64(0)
+	for _, f := range found {
+		sz := f.ns.Layout.SlotBytes(f.Group)
+		if bySize[sz]++; bySize[sz] > bySize[slotBytes] {
+			slotBytes = sz
+		}
+	}
 	base := cpu.SlotID(uint64(ch) * s.cpu.ChunkBytes() / layout.SlotAlign)
 	step := cpu.SlotID(slotBytes / layout.SlotAlign)
 	good := found[:0]

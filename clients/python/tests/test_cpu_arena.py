@@ -10,11 +10,15 @@ import shutil
 import tempfile
 
 from helpers import KVCacheBlocks, Request, wait_for
+from test_client import fill, keys, kv_region
 from test_connector import Harness, prefill
+from test_events import K, Reader, view_equals_lookup
+
+import kvoffload as kv
 
 
 def test_recovered_cpu_blocks_are_hit_after_a_kill(fresh_daemon, shm, fingerprint):
-    arena = tempfile.mkdtemp(dir="/dev/shm", prefix="kvo-py-arena-")
+    arena = tempfile.mkdtemp(dir="/dev/shm", prefix="kvo-arena-py-")
     try:
         d = fresh_daemon("--cpu-arena-dir", arena)
         h = Harness(d, shm, fingerprint)
@@ -46,5 +50,40 @@ def test_recovered_cpu_blocks_are_hit_after_a_kill(fresh_daemon, shm, fingerprin
                 assert e.read(0, dst) == e.read(0, src)
         finally:
             h.close()
+    finally:
+        shutil.rmtree(arena, ignore_errors=True)
+
+
+def test_a_kill_is_a_reset_then_the_recovered_cpu_blocks(fresh_daemon, shm, fingerprint):
+    """A KV-aware router watching the events learns, after a kill -9 and a
+    restart on the same arena, a reset and then every recovered block, in
+    the CPU tier, as Lookup offers them (docs/events.md)."""
+    arena = tempfile.mkdtemp(dir="/dev/shm", prefix="kvo-arena-py-")
+    try:
+        d = fresh_daemon("--cpu-arena-dir", arena)
+        c = d.client()
+        r, layout, regions = kv_region(shm)
+        reg = c.register(fingerprint, layout, regions, client_name="pytest")
+        hs = keys(6, fingerprint)
+        for b in range(6):
+            fill(r, b, b)
+        assert c.store(reg.registration_id, [kv.Job(1, hs, list(range(6)))], wait=True)[0].ok
+        c.close()
+        d.proc.kill()
+        d.proc.wait()
+        d.restarts += 1
+        d._start()
+
+        c2 = d.client()
+        (ns,) = c2.resolve([fingerprint])
+        assert ns
+        rd = Reader(c2.watch_events([ns]))
+        try:
+            assert rd.next().kind == K.ALL_BLOCKS_CLEARED
+            rd.until(lambda e, _: len(rd.held) == 6)
+            assert set(rd.held.values()) == {kv.Tier.CPU}
+            view_equals_lookup(c2, rd, ns, hs)
+        finally:
+            rd.close()
     finally:
         shutil.rmtree(arena, ignore_errors=True)
