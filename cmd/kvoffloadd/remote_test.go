@@ -176,7 +176,7 @@ func TestRemoteFlagsEndToEnd(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, k := range ks {
-				if strings.HasSuffix(k, ":gen") || strings.HasSuffix(k, ":ns") {
+				if remote.IsRecordKey(k) {
 					continue // a generation record, not a value
 				}
 				*count++

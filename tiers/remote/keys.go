@@ -104,6 +104,13 @@ func Bucket(hash []byte) uint32 { return uint32(xxh3.Hash(hash) % NamespaceBucke
 // the key and ":gen", in the value's slot.
 func GenKey(key string) string { return key + ":gen" }
 
+// IsRecordKey reports whether key names a generation record (a block's or
+// a namespace's), not a value: what a tool listing the keyspace's values
+// skips.
+func IsRecordKey(key string) bool {
+	return strings.HasSuffix(key, ":gen") || strings.HasSuffix(key, "}:ns")
+}
+
 // NamespaceGenKeyOf is the copy of the namespace's generation record in
 // the slot of the value at key: kvo:2:<key id>:{<namespace>:<bucket>}:ns.
 func NamespaceGenKeyOf(key string) string {

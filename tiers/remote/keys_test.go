@@ -88,3 +88,17 @@ func TestLoadMAC(t *testing.T) {
 		t.Fatal("a missing key file was accepted")
 	}
 }
+
+func TestIsRecordKey(t *testing.T) {
+	ks := KeyspaceOf(KeyPrefix)
+	var ns [32]byte
+	v := ks.Key(Ident{NS: ns, Group: 1, Hash: []byte("0123456789abcdef")})
+	if IsRecordKey(v) {
+		t.Errorf("value key %q taken for a record", v)
+	}
+	for _, k := range []string{GenKey(v), NamespaceGenKeyOf(v), ks.NamespaceGenKeys(ns)[7]} {
+		if !IsRecordKey(k) {
+			t.Errorf("record key %q not recognised", k)
+		}
+	}
+}

@@ -202,14 +202,17 @@ func waitPublished(ctx context.Context, d *daemon.Daemon) error {
 	}
 }
 
-// clusterKeys lists every key of the cluster (kvbench's own: it started it).
+// clusterKeys lists the key of every value in the cluster (kvbench's own:
+// it started it), not the generation records beside them.
 func clusterKeys(ctx context.Context, c *rediscluster.Cluster) ([]string, error) {
 	var keys []string
 	for _, n := range c.Nodes() {
 		cl := n.Client()
 		it := cl.Scan(ctx, 0, remote.KeyPrefix+"*", 1000).Iterator()
 		for it.Next(ctx) {
-			keys = append(keys, it.Val())
+			if !remote.IsRecordKey(it.Val()) {
+				keys = append(keys, it.Val())
+			}
 		}
 		err := it.Err()
 		cl.Close()
