@@ -31,13 +31,15 @@ __all__ = [
     "default_socket",
     "hash_bytes_for",
     "namespace_fingerprint",
+    "derive_fingerprint",
     "FINGERPRINT_PREFIX",
     "CONNECTOR_LAYOUT_VERSION",
 ]
 
 # kv_connector_extra_config keys this connector understands.
 EXTRA_KEYS = ("socket", "timeout_s", "lookup_wait_ms", "lookup_deadline_ms", "lease_ms", "sync_stores",
-              "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks")
+              "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks",
+              "weights_version")
 
 # Version of how this connector lays keys and blocks out. Part of every
 # fingerprint: a change here must not hit blocks stored by the old code.
@@ -54,6 +56,14 @@ def namespace_fingerprint(fields: Mapping[str, Any]) -> bytes:
         {"connector_layout": CONNECTOR_LAYOUT_VERSION, **fields}, sort_keys=True, separators=(",", ":"), default=str
     )
     return FINGERPRINT_PREFIX + hashlib.sha256(canon.encode()).digest()
+
+
+def derive_fingerprint(base: bytes, token: bytes) -> bytes:
+    """The fingerprint of ``base`` under the identity a cache reset made
+    (``token``, fresh per reset); ``base`` itself for no token."""
+    if not token:
+        return bytes(base)
+    return FINGERPRINT_PREFIX + hashlib.sha256(b"reset:" + bytes(base) + b":" + bytes(token)).digest()
 
 
 def default_socket() -> str:
@@ -125,7 +135,7 @@ class ConnectorSettings:
     dcp_size: int = 1
     sync_stores: bool = False
     timeout_s: float = 1.0
-    lookup_wait_s: float = 0.0
+    lookup_wait_s: float = 0.001
     lookup_deadline_s: float = 0.2
     lease_ms: int = 0
     # Report what the daemon holds as vLLM KV cache events (default: whether
@@ -228,12 +238,24 @@ def settings_from_vllm(
     if (tp * pp * pcp) > 1 and not hasattr(par, "tensor_parallel_size"):
         unsupported = unsupported or "parallel sizes unreadable"
 
+    # The weights: the checkpoint (model and revision say which), or what
+    # the user declares. Dummy weights (load_format "dummy", as RL trainers
+    # start engines before sending them weights) are random per engine.
+    weights_version = extra.get("weights_version")
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    if weights_version is not None:
+        weights = f"declared:{weights_version}"
+    elif load_format == "dummy":
+        weights = f"dummy:{secrets.token_hex(8)}"
+    else:
+        weights = "checkpoint"
     cache_dtype = str(getattr(cache, "cache_dtype", "auto"))
     dynamic_scales = bool(getattr(cache, "calculate_kv_scales", False))
     identity = {
         "engine": "vllm",
         "model": str(getattr(model, "model", "")),
         "revision": str(getattr(model, "revision", None)),
+        "weights": weights,
         "dtype": str(getattr(model, "dtype", "")),
         "quantization": str(getattr(model, "quantization", None)),
         "hf_overrides": str(getattr(model, "hf_overrides", None)),
@@ -271,7 +293,7 @@ def settings_from_vllm(
         dcp_size=dcp,
         sync_stores=bool(extra.get("sync_stores", not full)),
         timeout_s=float(extra.get("timeout_s", 1.0)),
-        lookup_wait_s=float(extra.get("lookup_wait_ms", 0)) / 1000.0,
+        lookup_wait_s=float(extra.get("lookup_wait_ms", 1)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
         lease_ms=int(extra.get("lease_ms", 0)),
         kv_events=bool(extra.get("kv_events", getattr(getattr(vllm_config, "kv_events_config", None),

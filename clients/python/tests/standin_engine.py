@@ -237,6 +237,7 @@ class RankMemory:
 
     def __init__(self, shm_factory, cfg: Config, rank: int):
         self.cfg, self.rank = cfg, rank
+        self.weights = 0  # the model's weights version: a weight update changes every token's KV
         self.layers: list[tuple[int, int, str, int, tuple, tuple]] = []  # (group, layer, name, base, shape, strides)
         geo = []
         off = 0
@@ -303,7 +304,7 @@ class RankMemory:
         raise IndexError(g)
 
     def content(self, seq: Sequence, p: int, g: int, li: int) -> bytes:
-        tag = bytes([(self.rank * 31 + g * 7 + li * 3) & 0xFF])
+        tag = bytes([(self.rank * 31 + g * 7 + li * 3 + self.weights * 101) & 0xFF])
         d = seq.digest(p)
         raw = (d + tag * 8)
         return (raw * ((H * D * E) // len(raw) + 2))[: max(H * D * E, DM * E)]
@@ -560,9 +561,16 @@ class Engine:
             self.workers.append(w)
             self.memory.append(mem)
         sv.set_rank()
-        hs = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}  # keyed like vLLM: (pp, rank)
-        if any(h is not None for h in hs.values()):
-            self.sched_conn.set_xfer_handshake_metadata_pp_aware({k: v for k, v in hs.items() if v is not None})
+        # vLLM's gpu_worker returns {(pp_rank, tp_rank): metadata} and
+        # EngineCore merges the workers' dicts with dict.update: prefill
+        # context parallel ranks of one tp rank overwrite each other.
+        hs: dict = {}
+        for r, w in enumerate(self.workers):
+            md = w.get_handshake_metadata()
+            if md is not None:
+                hs.update({(0, r % cfg.tp): md})
+        if hs:
+            self.sched_conn.set_xfer_handshake_metadata_pp_aware(hs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.skipped: deque[Request] = deque()  # vLLM's skipped_waiting
@@ -574,6 +582,7 @@ class Engine:
         self.step_seq = 0
         self.processed_seq = 0
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+        self.reset_preempted: set[str] = set()  # preempted by reset_prefix_cache, told in the next step
         self.worker_tables: list[dict[str, list[list[int]]]] = [{} for _ in range(cfg.tp * cfg.pcp)]
         self.worker_seqs: dict[str, Sequence] = {}
         self.timing = timing
@@ -581,6 +590,7 @@ class Engine:
         self._sched_t = 0.0
         self.kv_events: list = []  # what the connector's take_events handed to vLLM's publisher, in order
         self.planned_keys: set[tuple[int, bytes]] = set()  # (group, key) of every store or load planned
+        self.admit_waits: list[tuple[bool, int, float]] = []  # (hit, steps, ms) from arrival to admission
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
@@ -603,6 +613,7 @@ class Engine:
         if len(prompt) + max_tokens > self.max_model_len():
             raise ValueError(f"{rid}: {len(prompt) + max_tokens} tokens exceed max_model_len {self.max_model_len()}")
         req = Request(rid, prompt, max_tokens, self.hasher, self.seed, **kw)
+        req.arrived = (self.step_seq, time.perf_counter())
         self.requests[rid] = req
         self.waiting.append(req)
         return req
@@ -746,6 +757,10 @@ class Engine:
                 if local_blocks is not None:
                     req.local_computed = local
                     self.counters["hit_tokens"] += ext
+                    if req.num_preemptions == 0 and getattr(req, "arrived", None) is not None:
+                        s0, t0 = req.arrived
+                        self.admit_waits.append((ext > 0, self.step_seq - 1 - s0, (time.perf_counter() - t0) * 1000))
+                        req.arrived = None
                 if load_async:
                     req.status = REMOTE
                     req.num_computed_tokens = computed
@@ -772,7 +787,8 @@ class Engine:
             else:
                 cached.new_block_ids.append(new_blocks[req.request_id].get_block_ids())
             cached.num_computed_tokens.append(req.num_computed_tokens)
-        out.preempted_req_ids = {r.request_id for r in preempted}
+        out.preempted_req_ids = {r.request_id for r in preempted} | self.reset_preempted
+        self.reset_preempted = set()
         out.finished_req_ids, self.finished_ids = self.finished_ids, set()
         out.kv_connector_metadata = self._timed(self.sched_conn.build_connector_meta, out)
         plan = getattr(out.kv_connector_metadata, "plan", None)
@@ -1028,6 +1044,35 @@ class Engine:
             res = self.execute(out)
         self.update_from_output(prev, res)
         self.step_conn_s.append(self._sched_t + res["worker_s"])
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = True) -> bool:
+        """vLLM's Scheduler.reset_prefix_cache (at 7cfb97e): preempts the
+        running requests if asked, resets the local prefix cache (only when
+        no request holds a block), then the connector's (``reset_cache``;
+        None counts as success)."""
+        if reset_running_requests:
+            while self.running:
+                victim = self.running.pop()
+                self._preempt(victim)
+                self.reset_preempted.add(victim.request_id)
+        ok = all(b.ref_cnt == 0 for b in self.kvm.pool[1:])
+        if ok:
+            self.kvm.uncache(list(self.kvm.cached.values()))
+        if reset_connector and hasattr(self.sched_conn, "reset_cache"):
+            ok = self.sched_conn.reset_cache() is not False and ok
+        return ok
+
+    def update_weights(self, drain: bool = True) -> bool:
+        """An RL trainer's weight update: pause (the steps in flight finish
+        when ``drain``), reset every cache with the running requests
+        preempted, load new weights (every token's KV changes from here)."""
+        if drain:
+            self.drain()
+        ok = self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        for m in self.memory:
+            m.weights += 1
+        self.counters["weight_updates"] = self.counters.get("weight_updates", 0) + 1
+        return ok
 
     def drain(self) -> None:
         while self.in_flight:

@@ -187,16 +187,19 @@ def test_finished_requests_keep_their_blocks_only_while_stores_run(daemon, shm):
 
         eng.sched_conn.request_finished_all_groups = spy
         try:
-            # 16 prompt tokens stored in the first step, then decode steps
-            # that fill no new block; once every worker acknowledged the
-            # stores, the request ends (an abort): nothing is in flight.
+            # 16 prompt tokens stored in the first step it runs, then decode
+            # steps that store nothing (the prompt only); once every worker
+            # acknowledged the stores, the request ends (an abort, long
+            # before its 100 tokens): nothing is in flight.
             sched = eng.sched_conn._scheduler
             for i in range(3):
                 rid = f"h{i}"
-                eng.add_request(rid, list(range(1000 * i, 1000 * i + 16)), 3)
+                eng.add_request(rid, list(range(1000 * i, 1000 * i + 16)), 100,
+                                kv_transfer_params={"kvoffload_store": "prompt"})
                 eng.step()
-                while not sched.stores_settled(rid):
+                while rid not in sched._reqs or not sched.stores_settled(rid):
                     eng.step()
+                assert eng.requests[rid].status == "RUNNING"
                 eng.abort(rid)
                 while not eng.idle():
                     eng.step()
