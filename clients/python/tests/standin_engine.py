@@ -1064,11 +1064,21 @@ class Engine:
 
     def update_weights(self, drain: bool = True) -> bool:
         """An RL trainer's weight update: pause (the steps in flight finish
-        when ``drain``), reset every cache with the running requests
-        preempted, load new weights (every token's KV changes from here)."""
+        when ``drain``; requests waiting for their KV are aborted, as vLLM
+        refuses a reset while they hold blocks), reset every cache with the
+        running requests preempted (the local prefix cache is emptied as the
+        trainer's retried resets would), load new weights (every token's KV
+        changes from here)."""
         if drain:
             self.drain()
+        for req in [r for r in self.requests.values() if r.status == REMOTE]:
+            self._finish(req, "abort")
         ok = self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        self.kvm.uncache(list(self.kvm.cached.values()))
+        for req in self.requests.values():
+            # Finished requests whose blocks wait for their stores hold the
+            # old weights' KV: nothing to check them against any more.
+            req.done_tokens = 0
         for m in self.memory:
             m.weights += 1
         self.counters["weight_updates"] = self.counters.get("weight_updates", 0) + 1

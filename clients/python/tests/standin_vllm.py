@@ -152,6 +152,11 @@ class KVConnectorBase_V1(ABC):
     def take_events(self):
         return ()
 
+    def reset_cache(self):
+        # vLLM's default (base.py at 7cfb97e): not implemented, None, which
+        # vLLM's scheduler counts as a successful reset.
+        return None
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
         if cls is KVConnectorBase_V1:

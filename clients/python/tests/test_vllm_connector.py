@@ -10,6 +10,7 @@ offloading would. ``make soak-connector`` runs the same for as long as asked.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import zlib
@@ -53,6 +54,22 @@ def test_random_workload(daemon, shm, name, cfg, switches):
     assert s["errored"] == 0 and s["finished"] > 20, s
     assert s["hit_tokens"] > 0, f"{name}: no external hit in the whole run: {s}"
     assert s["positions_checked"] > 0
+
+
+@pytest.mark.parametrize("name,cfg,switches", [CONFIGS[0], CONFIGS[1], CONFIGS[7]], ids=["plain", "async-tp2", "pcp2"])
+def test_random_workload_across_weight_updates_and_engine_restarts(daemon, shm, name, cfg, switches):
+    """Two weight updates (the KV of every token changes: a block stored
+    before one and loaded after fails the check) and an engine restart with
+    one block more (the same weights: the new engine hits what the old one
+    stored)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model = f"wl-reset-{name}"
+    cfg.extra = {**cfg.extra, "lookup_deadline_ms": 2000}
+    rep = run(cfg, daemon, shm, seed=zlib.crc32(name.encode()) % 1000 + 7, steps=160, switches=switches,
+              weight_updates=(30, 110), engine_restarts={70: 1})
+    s = rep.summary()
+    assert s["errored"] == 0 and s["weight_updates"] == 2 and s["engine_restarts"] == 1, s
+    assert s["hit_tokens"] > 0 and s["positions_checked"] > 0, s
 
 
 @pytest.mark.parametrize("name,cfg,switches", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]])
