@@ -7,9 +7,10 @@ Cycles through every configuration of test_vllm_connector.CONFIGS and three
 daemons whose disks fail 1%, 5% and 10% of reads (``read-eio`` at that rate,
 plus ``bitflip`` at half of it: the checksum catches those), each run with a
 daemon restart mid-run (blocks come back from disk after it) and the daemon
-stopped (SIGSTOP) for a second later on, two weight updates (every cache
-reset, every token's KV different afterwards) and an engine restart with one
-block more or fewer (the same weights: its blocks are found again). Any block whose KV differs from a
+stopped (SIGSTOP) for a second later on, an engine restart with one block more
+or fewer (the checkpoint's weights: the new engine finds the old one's
+blocks) and two weight updates (every cache reset, every token's KV
+different afterwards). Any block whose KV differs from a
 run without offloading, any exception in the stand-in's scheduler or workers
 and any request that never finishes stops the soak with the seed that
 failed. Prints one JSON line per run and a summary with the connector's
@@ -83,8 +84,8 @@ def main() -> int:
                     rep = run(cfg, d, shm, seed=seed, steps=args.steps, switches=sw,
                               events={args.steps * 2 // 5: lambda eng, d=d: d.restart()},
                               hang=(args.steps * 3 // 4, args.hang_s),
-                              weight_updates=(args.steps // 5, args.steps * 7 // 10),
-                              engine_restarts={args.steps // 2: 1 if seed % 2 else -1})
+                              weight_updates=(args.steps // 2, args.steps * 17 // 20),
+                              engine_restarts={args.steps // 5: 1 if seed % 2 else -1})
                 except Exception as e:
                     kind = "wrong_kv" if type(e).__name__ == "WrongKV" else "exceptions"
                     totals[kind] += 1

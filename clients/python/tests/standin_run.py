@@ -67,7 +67,8 @@ def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workl
     different from then on). ``engine_restarts`` maps a step to a change of
     ``num_blocks``: before that step the engine finishes its requests and
     shuts down, and a new one starts with that many more (or fewer) blocks
-    and the same weights, over the same daemon."""
+    over the same daemon, with the checkpoint's weights (what a restarted
+    vLLM loads: a weight update before it is gone)."""
     rep = Report()
     t_start = time.monotonic()
     resumed = threading.Event()
@@ -90,15 +91,12 @@ def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workl
                     eng.update_weights()
                 if engine_restarts and i in engine_restarts:
                     _settle(eng, wl, drain_steps)
-                    weights = eng.memory[0].weights
                     for k, v in eng.counters.items():
                         counters[k] = counters.get(k, 0) + v
                     eng.close()
                     cfg = copy.copy(cfg)
                     cfg.num_blocks += engine_restarts[i]
                     eng = Engine(cfg, mod, daemon.socket, shm, seed=engine_seed)
-                    for m in eng.memory:
-                        m.weights = weights
                     counters["engine_restarts"] = counters.get("engine_restarts", 0) + 1
                 if hang and i == hang[0]:
                     daemon.pause()

@@ -58,15 +58,15 @@ def test_random_workload(daemon, shm, name, cfg, switches):
 
 @pytest.mark.parametrize("name,cfg,switches", [CONFIGS[0], CONFIGS[1], CONFIGS[7]], ids=["plain", "async-tp2", "pcp2"])
 def test_random_workload_across_weight_updates_and_engine_restarts(daemon, shm, name, cfg, switches):
-    """Two weight updates (the KV of every token changes: a block stored
-    before one and loaded after fails the check) and an engine restart with
-    one block more (the same weights: the new engine hits what the old one
-    stored)."""
+    """An engine restart with one block more (the checkpoint's weights: the
+    new engine may hit what the old one stored), then two weight updates
+    (the KV of every token changes: a block stored before one and loaded
+    after fails the check)."""
     cfg = copy.deepcopy(cfg)
     cfg.model = f"wl-reset-{name}"
     cfg.extra = {**cfg.extra, "lookup_deadline_ms": 2000}
     rep = run(cfg, daemon, shm, seed=zlib.crc32(name.encode()) % 1000 + 7, steps=160, switches=switches,
-              weight_updates=(30, 110), engine_restarts={70: 1})
+              weight_updates=(70, 120), engine_restarts={30: 1})
     s = rep.summary()
     assert s["errored"] == 0 and s["weight_updates"] == 2 and s["engine_restarts"] == 1, s
     assert s["hit_tokens"] > 0 and s["positions_checked"] > 0, s
