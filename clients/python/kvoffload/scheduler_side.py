@@ -115,6 +115,8 @@ class SchedulerSide:
             are kept for those events.
         kv_events_max_queued: how many daemon events may wait for
             ``take_kv_events`` before the stream starts over.
+        eagle_groups: per KV cache group, whether it holds EAGLE/MTP draft
+            layers (vLLM's ``is_eagle_group``).
     """
 
     def __init__(
@@ -140,8 +142,14 @@ class SchedulerSide:
         kv_events: bool = False,
         kv_events_max_blocks: int = 65536,
         kv_events_max_queued: int = 65536,
+        eagle_groups: Sequence[bool] = (),
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes)
+        # EAGLE/MTP draft groups: while a request decodes, the KV of its last
+        # block is the draft's and is computed again (vLLM's offloading
+        # connector leaves it out too): the last unit is not stored yet.
+        self._eagle = any(eagle_groups)
+        self._hit_tiers: dict[str, list] = {}  # request -> tier of each offered block of group 0
         self.num_ranks = int(num_ranks)
         self.hash_bytes = hash_bytes
         self.offer_hits = offer_hits
@@ -471,9 +479,32 @@ class SchedulerSide:
                 self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
+            self._hit_tiers.pop(rid, None)
             return 0, False
         self._matched[rid] = rec
+        self._hit_tiers[rid] = list(rec.tiers)[: self.keys.blocks_per_unit[0] * rec.hit_units]
         return rec.hit_units * U, True
+
+    def hit_sources(self, rid: str, num_external_tokens: int) -> dict[str, int]:
+        """The tokens of a request's external hit by the tier they come
+        from (``cpu``, ``disk``, ``remote``), as the lookup that offered them
+        said (by group 0's blocks)."""
+        tiers = self._hit_tiers.get(rid)
+        if not tiers or num_external_tokens <= 0:
+            return {}
+        bs = self.keys.block_sizes[0]
+        out: dict[str, int] = {}
+        left = int(num_external_tokens)
+        for t in tiers:
+            if left <= 0:
+                break
+            n = min(bs, left)
+            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "remote" if t == Tier.REMOTE else "disk"
+            out[name] = out.get(name, 0) + n
+            left -= n
+        if left > 0:  # more than the lookup offered: not ours to name
+            out["remote"] = out.get("remote", 0) + left
+        return out
 
     def _tier_tokens(self, tiers: Sequence[Any], hit_units: int) -> dict[str, int]:
         """Hit tokens by the tier group 0's blocks came from."""
@@ -668,6 +699,8 @@ class SchedulerSide:
             if not hashes:
                 continue
             end = self.keys.units_in(len(hashes), done_tokens)
+            if self._eagle and done_tokens > int(getattr(req, "num_prompt_tokens", done_tokens)):
+                end -= 1
             for g in range(self.keys.num_groups):
                 end = min(end, len(st.block_ids[g]) // self.keys.blocks_per_unit[g])
             if end <= st.next_store_unit:
@@ -685,6 +718,7 @@ class SchedulerSide:
         offered hits again: a block that failed may fail again), and, where
         vLLM carries worker metadata, which ranks are registered and the
         acknowledgements of drained stores."""
+        # A set of request ids, or (newer vLLM) a dict of them to typed failures.
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         bad_blocks = set(getattr(connector_output, "invalid_block_ids", None) or ())
         # vLLM recomputes a failed load: from its first failed block
@@ -748,6 +782,7 @@ class SchedulerSide:
         self._no_hits.discard(rid)
         self._load_blocks.pop(rid, None)
         self._load_units.pop(rid, None)
+        self._hit_tiers.pop(rid, None)
         # A load still planned or in flight is not ours to wait for: vLLM
         # keeps the blocks of a request finished while waiting for remote KV
         # until a worker reports it finished receiving (which it will).

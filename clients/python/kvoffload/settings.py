@@ -86,25 +86,59 @@ def _spec_kind(spec: Any) -> str:
     return type(spec).__name__
 
 
-def _is_attention(spec: Any) -> bool:
+# Kinds of vLLM's get_kv_cache_spec_kind (vllm/v1/kv_cache_interface.py).
+_ATTENTION_KINDS = {"FULL_ATTENTION", "MLA_ATTENTION", "SINK_FULL_ATTENTION", "SLIDING_WINDOW", "SLIDING_WINDOW_MLA",
+                    "CHUNKED_LOCAL_ATTENTION"}
+_FULL_KINDS = {"FULL_ATTENTION", "MLA_ATTENTION", "SINK_FULL_ATTENTION"}
+# Attributes of specs whose groups vLLM frees blocks of while the request
+# runs (sliding windows, chunked local attention, R-SWA's decode gap).
+_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size", "rswa_window")
+
+
+def _kind_of(spec: Any, spec_kind: Callable[[Any], Any] | None) -> str | None:
+    """vLLM's kind of a spec (``get_kv_cache_spec_kind``) where that vLLM has
+    it, else None (then class names decide)."""
+    if spec_kind is None:
+        return None
+    try:
+        k = spec_kind(spec)
+    except Exception:
+        return None
+    name = getattr(k, "name", None) or str(k)
+    return None if name == "UNKNOWN" else name
+
+
+def _is_mamba(spec: Any, kind: str | None) -> bool:
+    return kind == "MAMBA" if kind is not None else "Mamba" in _spec_kind(spec)
+
+
+def _is_attention(spec: Any, kind: str | None = None) -> bool:
+    if kind is not None:
+        return kind in _ATTENTION_KINDS
     names = [c.__name__ for c in type(spec).__mro__]
     return any("Attention" in n or "SlidingWindow" in n for n in names) and not any("Mamba" in n for n in names)
 
 
-def _full_attention(spec: Any) -> bool:
+def _full_attention(spec: Any, kind: str | None = None) -> bool:
+    """Whether vLLM keeps every block of the group while the request runs.
+    A FullAttentionSpec subclass with a window (RSWASpec) does not."""
+    if any(getattr(spec, f, None) for f in _WINDOW_FIELDS):
+        return False
+    if kind is not None:
+        return kind in _FULL_KINDS
     name = _spec_kind(spec)
     if "Mamba" in name:
         return False
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        return False
-    return not any(w in name for w in ("Sliding", "Chunked", "Local"))
+    return not any(w in name for w in ("Sliding", "Chunked", "Local", "RSWA"))
 
 
-def _spec_identity(spec: Any) -> dict:
+def _spec_identity(spec: Any, kind: str | None = None) -> dict:
     """The fields of a KV cache spec that shape a block's bytes."""
     out = {"kind": _spec_kind(spec)}
+    if kind is not None:
+        out["spec_kind"] = kind
     for k in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
-              "attention_chunk_size", "use_mla", "cache_dtype_str", "page_size_padded", "storage_block_size"):
+              "attention_chunk_size", "rswa_window", "use_mla", "cache_dtype_str", "page_size_padded", "storage_block_size"):
         v = getattr(spec, k, None)
         if v is not None:
             out[k] = str(v)
@@ -148,6 +182,7 @@ class ConnectorSettings:
     unsupported: str | None = None
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    eagle_groups: tuple[bool, ...] = ()  # groups of EAGLE/MTP draft layers (KVCacheGroupSpec.is_eagle_group)
 
     @property
     def hash_block_size(self) -> int:
@@ -176,10 +211,13 @@ def settings_from_vllm(
     *,
     vllm_block_sizes: Callable[[], tuple[int, int]] | None = None,
     kv_layout: str | None = None,
+    spec_kind: Callable[[Any], Any] | None = None,
 ) -> ConnectorSettings:
     """Reads everything the connector needs. ``vllm_block_sizes`` is vLLM's
     own ``resolve_kv_cache_block_sizes`` bound to the configs, where the
     installed vLLM has it; it wins over this module's copy of the rule.
+    ``spec_kind`` is vLLM's ``get_kv_cache_spec_kind`` where it has it: it
+    names each group's kind (else class names do).
     Raises ValueError only for a malformed ``kv_connector_extra_config``."""
     env = os.environ if env is None else env
     model = getattr(vllm_config, "model_config", None)
@@ -203,14 +241,16 @@ def settings_from_vllm(
     algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256") or "sha256")
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     specs = [g.kv_cache_spec for g in groups]
+    kinds = [_kind_of(s, spec_kind) for s in specs]
     layers = tuple(tuple(g.layer_names) for g in groups) or ((),)
-    for g, spec in zip(groups, specs):
-        if "Mamba" in _spec_kind(spec):
+    eagle = tuple(bool(getattr(g, "is_eagle_group", False)) for g in groups)
+    for g, spec, kind in zip(groups, specs, kinds):
+        if _is_mamba(spec, kind):
             unsupported = (f"KV cache group of {_spec_kind(spec)} (layers {list(g.layer_names)[:2]}...) holds "
                            "per-request state, not per-block KV; models with state-space layers are not supported")
-    shapes = [GroupShape(int(s.block_size), attention=_is_attention(s),
+    shapes = [GroupShape(int(s.block_size), attention=_is_attention(s, k),
                          mamba_align=getattr(s, "mamba_cache_mode", "align") == "align",
-                         prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s in specs]
+                         prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s, k in zip(specs, kinds)]
     rank_sizes = tuple(int(s.block_size) for s in specs) or (cache_bs,)
     hashing = bool(getattr(cache, "enable_prefix_caching", True)) or ktc is not None
     try:
@@ -268,7 +308,7 @@ def settings_from_vllm(
         "kv_scales": f"dynamic:{secrets.token_hex(8)}" if dynamic_scales else "checkpoint",
         "hash_block_size": sizes.hash,
         "scheduler_block_size": sizes.scheduler,
-        "groups": [_spec_identity(s) for s in specs],
+        "groups": [_spec_identity(s, k) for s, k in zip(specs, kinds)],
         "hash_algo": algo,
         # vLLM seeds its chained hashes from PYTHONHASHSEED; unset, the seed is
         # random per engine and no other engine can hit its blocks anyway.
@@ -277,7 +317,7 @@ def settings_from_vllm(
     }
     hb = int(extra.get("hash_bytes", hash_bytes_for(algo)))
     rlf = extra.get("request_level_failures")
-    full = all(_full_attention(s) for s in specs)
+    full = all(_full_attention(s, k) for s, k in zip(specs, kinds))
     return ConnectorSettings(
         socket=str(extra.get("socket") or env.get("KVOFFLOADD_SOCKET") or default_socket()),
         block_sizes=sizes,
@@ -305,4 +345,5 @@ def settings_from_vllm(
         unsupported=unsupported,
         notes=notes,
         extra=extra,
+        eagle_groups=eagle,
     )

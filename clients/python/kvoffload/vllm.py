@@ -68,6 +68,19 @@ try:
 except ImportError:
     maybe_convert_block_hash = None  # type: ignore[assignment]
 
+try:  # the kind of a KV cache group (RSWASpec is a FullAttentionSpec subclass: class names mislead)
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+except ImportError:
+    get_kv_cache_spec_kind = None  # type: ignore[assignment]
+
+try:  # where an external hit's tokens come from (vLLM's prefix cache metrics by source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    try:
+        from vllm.v1.cache_hit_source import CacheHitSource  # type: ignore[no-redef]
+    except ImportError:
+        CacheHitSource = None  # type: ignore[assignment,misc]
+
 from . import stats as _stats
 from .kv_events import VLLMEventTypes, default_convert
 from .plan import StepPlan
@@ -277,6 +290,17 @@ class _ReadyEvents:
             self._pool.release(held)
 
 
+def _hit_source(tier: str) -> Any:
+    """vLLM's CacheHitSource member for a daemon tier (the members' names
+    differ between vLLM versions)."""
+    names = {"cpu": ("HOST", "CPU"), "disk": ("DISK",), "remote": ("EXTERNAL_UNSPECIFIED", "EXTERNAL")}[tier]
+    for n in names:
+        m = getattr(CacheHitSource, n, None)
+        if m is not None:
+            return m
+    return None
+
+
 _BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHMA is not None else ())
 
 
@@ -298,7 +322,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             def resolver():
                 return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.settings = s = settings_from_vllm(vllm_config, kv_cache_config, vllm_block_sizes=resolver,
-                                               kv_layout=type(self).get_required_kvcache_layout(vllm_config))
+                                               kv_layout=type(self).get_required_kvcache_layout(vllm_config),
+                                               spec_kind=get_kv_cache_spec_kind)
         for note in s.notes:
             log.warning("kvoffload: %s", note)
         num_groups = len(s.group_block_sizes)
@@ -348,6 +373,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
+                eagle_groups=s.eagle_groups,
             )
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
@@ -585,6 +611,21 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    if CacheHitSource is not None:
+
+        def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+            """The external hit's tokens by the daemon tier they come from:
+            the CPU tier is HOST (CPU in some vLLM versions), the disk tier
+            DISK, the remote tier EXTERNAL_UNSPECIFIED (EXTERNAL)."""
+            if self._scheduler is None:
+                return {}
+            out: dict = {}
+            for tier, n in self._scheduler.hit_sources(request.request_id, num_external_tokens).items():
+                src = _hit_source(tier)
+                if src is not None and n > 0:
+                    out[src] = out.get(src, 0) + n
+            return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None

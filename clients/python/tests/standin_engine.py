@@ -158,6 +158,7 @@ class Group:
     block_size: int = 4  # tokens per block on one rank
     layers: int = 2
     window: int = 0  # sliding window in tokens ("swa")
+    eagle: bool = False  # EAGLE/MTP draft layers (vLLM's KVCacheGroupSpec.is_eagle_group)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Config:
     hash_algo: str = "sha256"
     model: str = "standin/model"
     transfer_results: bool = True  # vLLM with request-level load failures
+    failed_as_dict: bool = False  # failed_recving as {request id: failure} (newer vLLM's typed failures)
     worker_meta: bool = True
     old_preemptions: bool = False  # handle_preemptions(preempted_req_ids)
     # The GPU's share of a step: vLLM's engine loop waits on the device (and
@@ -221,7 +223,8 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
 def kv_cache_config(cfg: Config) -> SimpleNamespace:
     return SimpleNamespace(
         num_blocks=cfg.num_blocks,
-        kv_cache_groups=[SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(grp.layers)], kv_cache_spec=spec)
+        kv_cache_groups=[SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(grp.layers)], kv_cache_spec=spec,
+                                         is_eagle_group=grp.eagle)
                          for g, (grp, spec) in enumerate(zip(cfg.groups, cfg.specs()))],
     )
 
@@ -757,6 +760,11 @@ class Engine:
                 if local_blocks is not None:
                     req.local_computed = local
                     self.counters["hit_tokens"] += ext
+                    if ext and hasattr(self.sched_conn, "get_external_cache_hit_sources"):
+                        # vLLM's prefix cache stats by source
+                        for src, n in self.sched_conn.get_external_cache_hit_sources(req, ext).items():
+                            key = f"hit_{src.value}"
+                            self.counters[key] = self.counters.get(key, 0) + n
                     if req.num_preemptions == 0 and getattr(req, "arrived", None) is not None:
                         s0, t0 = req.arrived
                         self.admit_waits.append((ext > 0, self.step_seq - 1 - s0, (time.perf_counter() - t0) * 1000))
@@ -1023,6 +1031,8 @@ class Engine:
                     agg.kv_connector_worker_meta.aggregate(m)
         agg.failed_recving = self._failed_pending & agg.finished_recving
         self._failed_pending -= agg.failed_recving
+        if self.cfg.failed_as_dict:
+            agg.failed_recving = {rid: "LOAD_FAILED" for rid in agg.failed_recving}
         return agg
 
     # -- one engine step --------------------------------------------------------
@@ -1064,14 +1074,19 @@ class Engine:
 
     def update_weights(self, drain: bool = True) -> bool:
         """An RL trainer's weight update: pause (the steps in flight finish
-        when ``drain``; requests waiting for their KV are aborted, as vLLM
-        refuses a reset while they hold blocks), reset every cache with the
+        when ``drain``; requests waiting for their KV or loaded and not yet
+        scheduled are aborted, as vLLM refuses a reset while they hold
+        blocks), reset every cache with the
         running requests preempted (the local prefix cache is emptied as the
         trainer's retried resets would), load new weights (every token's KV
         changes from here)."""
         if drain:
             self.drain()
-        for req in [r for r in self.requests.values() if r.status == REMOTE]:
+        for req in [r for r in self.requests.values()
+                    if r.status == REMOTE or (r.status in (WAITING, PREEMPTED) and r.request_id in self.kvm.tables)]:
+            # Waiting for their KV, or loaded and not yet scheduled: they
+            # hold blocks (of the old weights) that a preemption would not
+            # free, and vLLM refuses the reset.
             self._finish(req, "abort")
         ok = self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
         self.kvm.uncache(list(self.kvm.cached.values()))

@@ -449,3 +449,60 @@ def test_a_new_request_is_answered_in_its_first_step(engine):
     misses = [w for w in eng.admit_waits if not w[0]]
     assert hits and misses
     assert all(steps == 0 for _, steps, _ in eng.admit_waits), eng.admit_waits
+
+
+# -- 8. vLLM's current interfaces ------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["set", "dict"])
+def test_request_level_failures_as_a_set_or_a_dict_are_repaired(engine, daemon, as_dict):
+    cfg = Config(groups=[Group("full", 4, 2), Group("full", 8, 1)], num_blocks=96, model=f"m14-{as_dict}",
+                 failed_as_dict=as_dict)
+    eng = engine(cfg)
+    sc = eng.sched_conn
+    real = sc.update_state_after_alloc
+    a = toks(40, 2000)
+    serve(eng, a, prefix="a")
+    _invalidate_after_alloc(eng, daemon)
+    serve(eng, a[:32] + [5, 5], prefix="b")  # b's load fails: reported per request, recomputed in full
+    assert eng.counters["load_failures"] >= 1
+    sc.update_state_after_alloc = real
+    hit = eng.counters["hit_tokens"]
+    serve(eng, a[:32] + [6, 6], prefix="c")  # what b recomputed was stored again
+    assert eng.counters["hit_tokens"] - hit == 32
+
+
+def test_external_hits_are_reported_by_the_tier_they_come_from(engine, fresh_daemon):
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--write-through")
+    eng = engine(Config(model="m12-sources"), socket=d.socket)
+    a = toks(30, 1800)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [5, 5], prefix="b")
+    assert eng.counters.get("hit_host") == 24 and eng.counters["hit_tokens"] == 24
+    d.restart()
+    d.wait_recovered()  # only the disk tier holds them now
+    serve(eng, a[:24] + [6, 6], prefix="c")
+    assert eng.counters.get("hit_disk") == 24 and eng.counters["hit_tokens"] == 48
+
+
+def test_group_kinds_come_from_vllm_not_class_names(daemon):
+    cfg = Config(model="m12-rswa")
+    kcc = kv_cache_config(cfg)
+    # R-SWA frees its decode gap blocks while the request runs, as a sliding
+    # window does, though its spec is a FullAttentionSpec subclass: the
+    # step's stores must drain before vLLM may reuse them.
+    kcc.kv_cache_groups[0].kv_cache_spec = sv.RSWASpec(4, 8, num_kv_heads=2, head_size=4)
+    with connector_module() as mod:
+        c = mod.KVOffloadConnector(vllm_config(cfg, daemon.socket), sv.KVConnectorRole.SCHEDULER, kcc)
+        try:
+            assert c.settings.sync_stores
+            assert c.settings.identity["groups"][0].get("spec_kind") == "FULL_ATTENTION"  # vLLM's kind
+        finally:
+            c.shutdown()
+
+
+def test_the_last_block_of_an_eagle_group_is_not_stored_while_decoding(engine, daemon):
+    eng = engine(Config(groups=[Group("full", 4, 1), Group("full", 4, 1, eagle=True)], num_blocks=96, model="m13-eagle"))
+    serve(eng, toks(16, 1900), max_tokens=9, prefix="a")  # 24 tokens computed: 6 blocks of each group
+    fps = _sched(eng)._fingerprints.values()
+    assert _blocks_of(daemon, fps) == 2 * 5  # the draft's last block is volatile: left out
