@@ -586,6 +586,7 @@ class Engine:
         self.processed_seq = 0
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self.reset_preempted: set[str] = set()  # preempted by reset_prefix_cache, told in the next step
+        self.paused = False  # vLLM's pause_generation: no waiting request is admitted
         self.worker_tables: list[dict[str, list[list[int]]]] = [{} for _ in range(cfg.tp * cfg.pcp)]
         self.worker_seqs: dict[str, Sequence] = {}
         self.timing = timing
@@ -708,7 +709,7 @@ class Engine:
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted and not self.paused:
             # vLLM's two queues (FCFS): blocked or deferred requests
             # (skipped_waiting) go first, then the waiting queue.
             step_skipped: list[Request] = []
@@ -943,8 +944,14 @@ class Engine:
             tables = self.worker_tables[r]
             t = 0.0
             t0 = time.perf_counter()
-            if out.preempted_req_ids:
-                w.handle_preemptions(set(out.preempted_req_ids) if self.cfg.old_preemptions else meta)
+            # vLLM at 7cfb97e calls handle_preemptions(metadata) every step
+            # before the forward (gpu_model_runner.py:4316-4319); older
+            # vLLM called it with the ids, on preemptions only.
+            if self.cfg.old_preemptions:
+                if out.preempted_req_ids:
+                    w.handle_preemptions(set(out.preempted_req_ids))
+            else:
+                w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             t += time.perf_counter() - t0
@@ -1066,6 +1073,12 @@ class Engine:
                 self._preempt(victim)
                 self.reset_preempted.add(victim.request_id)
         ok = all(b.ref_cnt == 0 for b in self.kvm.pool[1:])
+        # (The stand-in's deferred frees of async scheduling are freed in
+        # vLLM at preemption; blocks a request still holds are not.)
+        if reset_running_requests and any(any(g) for g in self.kvm.tables.values()):
+            held = [(rid, getattr(self.requests.get(rid), "status", None)) for rid, t in self.kvm.tables.items() if any(t)]
+            raise EngineCrash("Failed to reset KV cache even when all the running requests are preempted and moved "
+                              f"to the waiting queue (vLLM's scheduler.py:2574-2580): blocks held by {held[:6]}")
         if ok:
             self.kvm.uncache(list(self.kvm.cached.values()))
         if reset_connector and hasattr(self.sched_conn, "reset_cache"):
@@ -1080,6 +1093,7 @@ class Engine:
         running requests preempted (the local prefix cache is emptied as the
         trainer's retried resets would), load new weights (every token's KV
         changes from here)."""
+        self.paused = True
         if drain:
             self.drain()
         for req in [r for r in self.requests.values()
@@ -1088,6 +1102,20 @@ class Engine:
             # hold blocks (of the old weights) that a preemption would not
             # free, and vLLM refuses the reset.
             self._finish(req, "abort")
+        # Finished requests keep their blocks while a load or a store of
+        # theirs is in flight; vLLM's reset raises meanwhile
+        # (scheduler.py:2574-2580): the trainer waits (docs/vllm.md, Limits).
+        for _ in range(20000):
+            if drain:
+                self.drain()
+            held = [rid for rid, t in self.kvm.tables.items()
+                    if any(t) and self.requests.get(rid) is not None and self.requests[rid].status == FINISHED]
+            if not held:
+                break
+            self.step()
+            if not self.running:
+                time.sleep(0.0005)
+        self.paused = False
         ok = self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
         self.kvm.uncache(list(self.kvm.cached.values()))
         for req in self.requests.values():
@@ -1129,8 +1157,12 @@ class Engine:
 
     def idle(self) -> bool:
         """No request holds anything (a step still in flight only holds
-        finished requests' tokens; ``drain`` processes it)."""
-        return not self.requests
+        finished requests' tokens; ``drain`` processes it), and no worker
+        has a store or load in flight (a finished request's blocks go back
+        to vLLM at once; its stores may still be landing)."""
+        if self.requests:
+            return False
+        return not any(getattr(w, "_worker", None) is not None and w._worker.pending() for w in self.workers)
 
     # -- the check ----------------------------------------------------------------
 

@@ -135,7 +135,7 @@ def _settle(eng: Engine, wl: Workload, drain_steps: int) -> int:
         n += 1
         if n > drain_steps:
             raise AssertionError(f"requests never finished after {drain_steps} steps: {eng.describe()}")
-        if not eng.running and not eng.in_flight and eng.requests:
+        if not eng.running and not eng.in_flight:
             time.sleep(0.001)  # only loads or stores in flight: let the daemon work
     eng.drain()
     return n
