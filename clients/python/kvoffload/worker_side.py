@@ -634,7 +634,11 @@ class WorkerSide:
             if need_reg:
                 if not self._register():
                     with self._cv:
-                        self._cv.wait(self._rereg_after)
+                        # (A registration a cache reset overtook is made
+                        # again at once: _next_rereg has not moved.)
+                        left = self._next_rereg - self._clock()
+                        if left > 0:
+                            self._cv.wait(left)
                 continue
             if probe:
                 # Nothing in flight to poll: ask the daemon's health until it answers.
