@@ -773,7 +773,12 @@ class SchedulerSide:
         """True when stores of this request may still be in flight: vLLM then
         keeps its blocks until every worker reports it finished sending."""
         rid = request.request_id
-        settled = self.stores_settled(rid)
+        # A request finished while its load is in flight: vLLM keeps its
+        # blocks until the workers report it finished receiving, and frees
+        # them then; True as well would free them twice (scheduler.py
+        # _update_from_kv_xfer_finished asserts the request is still there).
+        # The workers hold that report back until its stores drained too.
+        settled = self.stores_settled(rid) or rid in self._load_blocks
         self._reqs.pop(rid, None)
         self._settled.pop(rid, None)
         self._matched.pop(rid, None)

@@ -830,6 +830,12 @@ class WorkerSide:
             for rid in finished_req_ids or ():
                 self._finished_seen[rid] = self._calls
             recving, self._recv_done = self._recv_done, set()
+            # A finished request's blocks go back to vLLM with its finished
+            # receive: not while a store of it may still read them.
+            held = {r for r in recving if r in self._finished_seen and self._pending_stores.get(r)}
+            if held:
+                recving -= held
+                self._recv_done |= held
             self._failed_done |= self._failed_reqs & recving
             self._failed_reqs -= recving
             # Failed blocks go out no later than their request's finished
@@ -840,7 +846,8 @@ class WorkerSide:
             self._await_send -= sending
             for r in sending:
                 self._finished_seen.pop(r, None)
-            stale = [r for r, n in self._finished_seen.items() if r not in self._await_send and self._calls - n > 64]
+            stale = [r for r, n in self._finished_seen.items()
+                     if r not in self._await_send and not self._pending_stores.get(r) and self._calls - n > 64]
             for r in stale:
                 del self._finished_seen[r]
                 self._store_seen.pop(r, None)

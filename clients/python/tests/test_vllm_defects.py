@@ -506,3 +506,58 @@ def test_the_last_block_of_an_eagle_group_is_not_stored_while_decoding(engine, d
     serve(eng, toks(16, 1900), max_tokens=9, prefix="a")  # 24 tokens computed: 6 blocks of each group
     fps = _sched(eng)._fingerprints.values()
     assert _blocks_of(daemon, fps) == 2 * 5  # the draft's last block is volatile: left out
+
+
+def test_a_request_finished_while_loading_with_stores_in_flight_is_freed_once(shm):
+    # vLLM keeps a request finished in WAITING_FOR_REMOTE_KVS until it is
+    # reported finished receiving, then frees it; if request_finished also
+    # said True, finished_sending frees it a second time (scheduler.py
+    # _update_from_kv_xfer_finished asserts it is still there). And the
+    # blocks must not go back while a store of the request still reads them.
+    fake = FakeDaemon()
+    try:
+        cfg = Config(model="m16")
+        with connector_module() as mod:
+            vcfg, kcc = vllm_config(cfg, fake.socket), kv_cache_config(cfg)
+            sched = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
+            worker = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
+            mem = RankMemory(shm, cfg, 0)
+            worker.register_kv_caches(mem.kv_caches)
+            hs = worker.get_handshake_metadata()
+            if hs is not None:
+                sched.set_xfer_handshake_metadata({0: hs})
+            req = Request("a", toks(17, 1), 4, Hasher(4, 32, "0"), b"s" * 8)
+            blocks = sv.ns(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+            sched.update_state_after_alloc(req, blocks, 0)
+            out = SchedulerOutput(seq=1, scheduled_new_reqs=[NewRequestData("a", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
+                                  num_scheduled_tokens={"a": 17})
+            worker.bind_connector_metadata(sched.build_connector_meta(out))
+            worker.start_load_kv(None)
+            worker.wait_for_save()  # the daemon accepts the store and keeps reading
+            worker.get_finished(set())
+            worker.clear_connector_metadata()
+            assert wait_for(lambda: fake.pending())
+            req.num_computed_tokens = 17
+            # Preempted, then waiting for a load of 8 tokens (vLLM holds its
+            # blocks until the load is reported), then aborted.
+            sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
+            req.num_computed_tokens = 0
+            sched.update_state_after_alloc(req, sv.ns(get_block_ids=lambda: ([6, 7, 8, 9, 10],)), 8)
+            worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput(seq=3)))
+            worker.start_load_kv(None)
+            worker.clear_connector_metadata()
+            delay, _ = sched.request_finished(req, ([6, 7, 8, 9, 10],))
+            assert delay is False, "vLLM already keeps a loading request's blocks until it is finished receiving"
+            worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput(seq=4, finished_req_ids={"a"})))
+            worker.start_load_kv(None)
+            _, recving = worker.get_finished({"a"})
+            worker.clear_connector_metadata()
+            assert not recving, "finished receiving (its blocks freed) while a store of it may still read them"
+            fake.finish()
+            assert wait_for(lambda: not worker._worker.pending())
+            _, recving = worker.get_finished(set())
+            assert recving == {"a"}
+            worker.shutdown()
+            sched.shutdown()
+    finally:
+        fake.stop()
