@@ -236,7 +236,8 @@ def _invalidate_after_alloc(eng: Engine, daemon) -> None:
         real(request, blocks, n)
         if n:
             ids = [ns.namespace_id for ns in c.stats().namespaces]
-            c.invalidate(ids)
+            for i in range(0, len(ids), 64):  # the daemon takes 64 namespaces a call
+                c.invalidate(ids[i:i + 64])
 
     sc.update_state_after_alloc = wrapped
 
