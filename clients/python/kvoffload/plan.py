@@ -36,6 +36,9 @@ class StepPlan:
       stores must drain or be dropped first.
     - ``delay_free``: requests for which ``request_finished`` returned True:
       workers report them finished sending once their stores drained.
+    - ``identity``: (generation, token) of the engine's identity: a worker
+      that sees a newer generation moves to the fingerprints derived from
+      the token before it loads or stores anything of this plan.
     """
 
     seq: int = 0
@@ -43,6 +46,7 @@ class StepPlan:
     stores: dict[str, list[GroupJob]] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     delay_free: set[str] = field(default_factory=set)
+    identity: tuple[int, bytes] = (0, b"")
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.preempted or self.delay_free)

@@ -155,6 +155,36 @@ def split_block_tensor(
     return out
 
 
+def block_order(shape: Sequence[int], strides: Sequence[int], num_blocks: int, *,
+                block_size: int | None = None) -> tuple:
+    """What orders the bytes inside one block of a tensor, and nothing that
+    depends on how many blocks there are: the block dimension's position and
+    how many kernel blocks make an engine block, the kernel block stride,
+    and for every other dimension its size, with its stride when that is
+    inside a block (outer dimensions, like K/V planes, are ``None``: their
+    stride is a multiple of the block count). Call after split_block_tensor
+    accepted the tensor."""
+    shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+    bd, ratio = _block_dim(shape, num_blocks, block_size)
+    dims = []
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if d == bd:
+            dims.append(("blocks", ratio))
+        else:
+            dims.append((n, st if n > 1 and st < strides[bd] else None))
+    return (bd, strides[bd], tuple(dims))
+
+
+def _block_dim(shape: tuple[int, ...], num_blocks: int, block_size: int | None) -> tuple[int, int]:
+    exact = [d for d, s in enumerate(shape) if s == num_blocks]
+    if exact:
+        return exact[0], 1
+    split = [d for d, s in enumerate(shape) if num_blocks > 0 and s > num_blocks and s % num_blocks == 0]
+    if block_size:
+        split = [d for d in split if block_size % (shape[d] // num_blocks) == 0]
+    return split[0], shape[split[0]] // num_blocks
+
+
 def _blocks_overlap(d: int, nbytes: int, bstride: int, num_blocks: int) -> bool:
     """Whether block i of a region at offset 0 and block j of one at offset d
     overlap for some i, j < num_blocks: |d + (j-i)*bstride| < nbytes."""
@@ -188,10 +218,14 @@ class KVRegistration:
     num_blocks: int
     device: str  # "cpu" or "cuda"
     # How the bytes of a block are ordered, as the tensors say: per tensor its
-    # group, shape, strides, element size and dtype. Two engines whose
-    # tensors differ here (another attention backend, NHD vs HND, another
-    # kernel block size) hold different bytes for the same tokens, so this
-    # goes into the namespace fingerprint.
+    # group, dtype, element size and block_order (which dimension indexes
+    # blocks, kernel blocks per engine block, every other dimension's size
+    # and, within a block, its stride; the kernel block stride). Two engines
+    # whose tensors differ here (another attention backend, NHD vs HND,
+    # another kernel block size) hold different bytes for the same tokens,
+    # so this goes into the namespace fingerprint. How many blocks there are
+    # (and so the strides between K and V planes) is left out: it moves
+    # between restarts with memory profiling.
     geometry: tuple = ()
 
 
@@ -261,7 +295,8 @@ def regions_from_kv_caches(
                 raise LayoutError(f"{label} is on {kind}, earlier layers on {device_kind}: all KV tensors must share a device kind")
             base = int(t.data_ptr())
             bs = None if group_block_sizes is None or g >= len(group_block_sizes) else int(group_block_sizes[g])
-            geometry.append((g, shape, strides, esize, str(getattr(t, "dtype", ""))))
+            geometry.append((g, str(getattr(t, "dtype", "")), esize,
+                             block_order(shape, strides, num_blocks, block_size=bs)))
             for geo in split_block_tensor(shape, strides, esize, num_blocks, name=label, block_size=bs):
                 addr = base + geo.offset
                 key = (g, kind, addr, geo.nbytes, geo.block_stride)

@@ -20,6 +20,7 @@ nor ever when a worker could not register.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
 from .kv_events import BlockInfoMap, EventFeed, VLLMEventTypes, remember, translate
 from .plan import GroupJob, StepPlan, as_groups, iter_scheduled
+from .settings import derive_fingerprint
 from .stats import StatsRecorder
 from .types import Tier
 
@@ -74,6 +76,7 @@ class _Lookup:
     tiers: list = field(default_factory=list)
     took: float = 0.0
     answered_at: float = 0.0
+    task: Any = None  # the background call that answers it, once sent
 
 
 @dataclass
@@ -83,6 +86,7 @@ class _ReqState:
     next_store_unit: int = 0
     store_seq: int = 0  # last step whose plan stored blocks of this request
     controls: RequestControls = field(default_factory=RequestControls)
+    gen: int = 0  # the identity (reset generation) its KV was computed under; stores only while current
 
 
 class SchedulerSide:
@@ -97,8 +101,9 @@ class SchedulerSide:
         hash_bytes: length of vLLM's block hashes (32 for sha256, 16 xxhash).
         offer_hits: False to never offer external hits (stores still go).
         null_block_id: vLLM's null block (block 0 of the pool), never moved.
-        lookup_wait_s: how long the scheduling loop may wait for a lookup
-            (0: never; the request is deferred a step instead).
+        lookup_wait_s: how long the scheduling loop may wait, in total per
+            step, for lookups it sends at once (0: never; each new request
+            is deferred a step and its lookup batched with the step's).
         lookup_deadline_s: after this long unanswered, a lookup is a miss.
         lease_ms: how long a Lookup's lease holds the blocks it offered
             (0: no lease). Off by default: the daemon honours a lease only
@@ -110,6 +115,8 @@ class SchedulerSide:
             are kept for those events.
         kv_events_max_queued: how many daemon events may wait for
             ``take_kv_events`` before the stream starts over.
+        eagle_groups: per KV cache group, whether it holds EAGLE/MTP draft
+            layers (vLLM's ``is_eagle_group``).
     """
 
     def __init__(
@@ -135,8 +142,14 @@ class SchedulerSide:
         kv_events: bool = False,
         kv_events_max_blocks: int = 65536,
         kv_events_max_queued: int = 65536,
+        eagle_groups: Sequence[bool] = (),
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes)
+        # EAGLE/MTP draft groups: while a request decodes, the KV of its last
+        # block is the draft's and is computed again (vLLM's offloading
+        # connector leaves it out too): the last unit is not stored yet.
+        self._eagle = any(eagle_groups)
+        self._hit_tiers: dict[str, list] = {}  # request -> tier of each offered block of group 0
         self.num_ranks = int(num_ranks)
         self.hash_bytes = hash_bytes
         self.offer_hits = offer_hits
@@ -146,6 +159,7 @@ class SchedulerSide:
         self._clock = clock
         self._io = Background(self._client, "kvoffload-scheduler", slow_after_s=lookup_deadline_s, clock=clock)
         self._wait = lookup_wait_s
+        self._step_wait_left = lookup_wait_s
         self._deadline = lookup_deadline_s
         self._lease_ms = int(lease_ms)
         self._miss_ttl = miss_ttl_s
@@ -154,7 +168,14 @@ class SchedulerSide:
         self.stats = stats or StatsRecorder()
         self.disabled: str | None = None
         self.stores_off = False  # no worker can store: plan none
-        self._fingerprints: dict[tuple, bytes] | None = None
+        self._fingerprints: dict[tuple, bytes] | None = None  # of the current identity
+        self._base_fps: dict[tuple, bytes] | None = None  # as the workers registered them at start
+        # The engine's identity: generation 0 is the workers' own
+        # fingerprints; each reset_cache makes a new one (a fresh token every
+        # fingerprint is derived from), sent to the workers in every plan.
+        self._gen = 0
+        self._token = b""
+        self._resetting = False  # namespaces of a new identity not resolved yet
         self._ns_ids: list[int] | None = None
         self._ns_task: Any = None
         self._ns_next = 0.0
@@ -165,6 +186,7 @@ class SchedulerSide:
         self._loads: dict[str, list[GroupJob]] = {}
         self._batch: list[_Lookup] = []
         self._load_blocks: dict[str, set[int]] = {}  # request -> engine blocks of its load in flight
+        self._load_units: dict[str, tuple[int, dict[int, int]]] = {}  # request -> (first unit, block -> unit)
         self._no_hits: set[str] = set()  # requests whose load failed: computed, not loaded again
         self._unregistered: set = set()  # ranks whose worker reports no registration
         self._delay_free: set[str] = set()
@@ -212,7 +234,8 @@ class SchedulerSide:
             self.disable(f"workers {sorted(failed, key=str)} could not register their KV caches with the daemon")
             self.stores_off = True
             return
-        self._fingerprints = {r: bytes(fp) for r, fp in by_rank.items()}
+        self._base_fps = {r: bytes(fp) for r, fp in by_rank.items()}
+        self._fingerprints = self._derive(self._base_fps)
         self._ns_ids, self._ns_next = None, 0.0
         if self._infos is not None:
             # One report per engine, from here: the first rank's namespace
@@ -241,13 +264,73 @@ class SchedulerSide:
             ids = t.result if t.error is None else None
             if ids and all(ids):
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                self._resetting = False
             else:
-                self._ns_ids, self._ns_next = None, now + self._ns_retry
+                # After a reset the workers register the new identity within
+                # a step or two: look again soon.
+                # (Counted from the answer: one that came while nobody asked
+                # is not waited on again.)
+                self._ns_ids = None
+                self._ns_next = (t.finished_at or now) + (min(0.02, self._ns_retry) if self._resetting
+                                                          else self._ns_retry)
         if self._ns_task is None and now >= self._ns_next and self._io.healthy():
             fps = [self._fingerprints[r] for r in sorted(self._fingerprints)]
             timeout = self._rpc_timeout
             self._ns_task = self._io.submit(lambda c: c.resolve(fps, timeout=timeout))
         return self._ns_ids
+
+    def _derive(self, base: Mapping[tuple, bytes]) -> dict[tuple, bytes]:
+        """Every rank's fingerprint under the current identity."""
+        return {r: derive_fingerprint(fp, self._token) for r, fp in base.items()}
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_cache`` (a weight update, ``reset_prefix_cache``):
+        from now on this engine neither loads nor stores anything under its
+        old identity. A new identity (a fresh token that every rank's
+        fingerprint is derived from; no other engine can derive the same)
+        goes to the workers in the next plan, before they load or store
+        anything under it; lookups and loads not yet made are dropped, the
+        loads the workers have in flight are reported failed (vLLM
+        recomputes them), and the requests the engine holds never store
+        again unless vLLM recomputes them from scratch (a preemption).
+        The old identity's blocks are invalidated in the daemon, so they do
+        not hold its capacity (an engine still running the old weights under
+        it loses them too). True when the daemon confirmed that
+        invalidation; False when it could not be reached (the new identity
+        holds all the same)."""
+        old_fps = list(self._fingerprints.values()) if self._fingerprints else []
+        self._gen += 1
+        self._token = secrets.token_bytes(16)
+        if self._base_fps is not None:
+            self._fingerprints = self._derive(self._base_fps)
+            if self._infos is not None:
+                self._events_fp = self._fingerprints[min(self._fingerprints, key=str)]
+        self._ns_ids, self._ns_task, self._ns_next = None, None, 0.0
+        self._resetting = True
+        self._lookups.clear()
+        self._matched.clear()
+        self._batch = []
+        for rid, jobs in self._loads.items():
+            # Planned under the old identity and not yet sent: fail them.
+            self._loads[rid] = [GroupJob(j.group, [], j.block_ids) for j in jobs]
+        for st in self._reqs.values():
+            # Their KV so far was computed with the old weights.
+            st.next_store_unit = 0
+        log.warning("kvoffload: cache reset: this engine's identity is now generation %d; nothing stored before "
+                    "is loaded again", self._gen)
+        try:
+            ids = [i for i in (self._client.resolve(old_fps, timeout=self._rpc_timeout) if old_fps else []) if i]
+            if ids:
+                removed = self._client.invalidate(ids)
+                log.info("kvoffload: cache reset: %d blocks of the old identity invalidated in %d namespaces",
+                         removed, len(ids))
+            elif not self._client.healthy(timeout=self._rpc_timeout):
+                raise KVOffloadError(None, "the daemon is not serving", from_daemon=False)
+        except KVOffloadError as e:
+            log.warning("kvoffload: cache reset: the daemon could not invalidate the old identity's blocks (%s); "
+                        "reporting the reset failed (the new identity holds: nothing old is loaded)", e)
+            return False
+        return True
 
     def _hashes(self, request: Any, publishable: bool = False) -> list[bytes] | None:
         hashes = getattr(request, "block_hashes", None)
@@ -271,7 +354,8 @@ class SchedulerSide:
     def _state(self, request: Any) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request, [[] for _ in range(self.keys.num_groups)], controls=request_controls(request))
+            st = _ReqState(request, [[] for _ in range(self.keys.num_groups)], controls=request_controls(request),
+                           gen=self._gen)
             self._reqs[request.request_id] = st
         else:
             st.request = request
@@ -313,9 +397,10 @@ class SchedulerSide:
         if not batch:
             return
         now = self._clock()
+        task = self._io.submit(self._batch_fn(batch))
         for rec in batch:
             rec.submitted = now
-        self._io.submit(self._batch_fn(batch))
+            rec.task = task
 
     def _batch_fn(self, batch: list[_Lookup]):
         """What the background thread runs: every lookup of the batch in one
@@ -380,9 +465,32 @@ class SchedulerSide:
                 self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
+            self._hit_tiers.pop(rid, None)
             return 0, False
         self._matched[rid] = rec
+        self._hit_tiers[rid] = list(rec.tiers)[: self.keys.blocks_per_unit[0] * rec.hit_units]
         return rec.hit_units * U, True
+
+    def hit_sources(self, rid: str, num_external_tokens: int) -> dict[str, int]:
+        """The tokens of a request's external hit by the tier they come
+        from (``cpu``, ``disk``, ``remote``), as the lookup that offered them
+        said (by group 0's blocks)."""
+        tiers = self._hit_tiers.get(rid)
+        if not tiers or num_external_tokens <= 0:
+            return {}
+        bs = self.keys.block_sizes[0]
+        out: dict[str, int] = {}
+        left = int(num_external_tokens)
+        for t in tiers:
+            if left <= 0:
+                break
+            n = min(bs, left)
+            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "remote" if t == Tier.REMOTE else "disk"
+            out[name] = out.get(name, 0) + n
+            left -= n
+        if left > 0:  # more than the lookup offered: not ours to name
+            out["remote"] = out.get("remote", 0) + left
+        return out
 
     def _tier_tokens(self, tiers: Sequence[Any], hit_units: int) -> dict[str, int]:
         """Hit tokens by the tier group 0's blocks came from."""
@@ -433,6 +541,11 @@ class SchedulerSide:
         if end <= start:
             return 0, False
         ns = self.namespace_ids()
+        if not ns and self._ns_task is not None and self._wait > 0 and self._step_wait_left > 0 and self._io.healthy():
+            t0 = time.monotonic()
+            self._ns_task.done.wait(self._step_wait_left)
+            self._step_wait_left -= time.monotonic() - t0
+            ns = self.namespace_ids()
         if not ns:
             # Being resolved (just started, or after a daemon restart): ask again.
             return (None, False) if self._ns_task is not None and self._io.healthy() else (0, False)
@@ -459,13 +572,16 @@ class SchedulerSide:
         return self._await(rid, rec)
 
     def _await(self, rid: str, rec: _Lookup) -> tuple[int | None, bool]:
-        """Asks again next step (None), unless ``lookup_wait_s`` lets the loop
-        wait that long for the answer now."""
-        if self._wait > 0:
+        """Sends the lookup now and waits for its answer while this step's
+        ``lookup_wait_s`` lasts (a daemon that answers within it costs the
+        request no step); otherwise asks again next step (None), the lookup
+        going out with the step's batch."""
+        if self._wait > 0 and self._step_wait_left > 0 and self._io.healthy():
             self._flush()
-            end = time.monotonic() + self._wait
-            while not rec.done and time.monotonic() < end:
-                time.sleep(0.0002)
+            t0 = time.monotonic()
+            if rec.task is not None:
+                rec.task.done.wait(self._step_wait_left)
+            self._step_wait_left -= time.monotonic() - t0
             if rec.done:
                 return self._answer(rid, rec)
         return None, False
@@ -508,6 +624,13 @@ class SchedulerSide:
                 jobs.append(GroupJob(g, [], ids))
         self._loads[rid] = jobs
         self._load_blocks[rid] = {b for j in jobs for b in j.block_ids}
+        units: dict[int, int] = {}
+        for g in range(self.keys.num_groups):
+            bpu = self.keys.blocks_per_unit[g]
+            for i in self.keys.block_range(g, start, end):
+                if i < len(groups[g]) and groups[g][i] is not None and groups[g][i] != self.null_block_id:
+                    units.setdefault(int(groups[g][i]), i // bpu)
+        self._load_units[rid] = (start, units)
         if holds_prefix:
             st.next_store_unit = max(st.next_store_unit, end)
 
@@ -525,9 +648,11 @@ class SchedulerSide:
         every full unit the step completes, the preempted requests, and the
         requests whose blocks vLLM keeps until their stores drain."""
         self._flush()
+        self._step_wait_left = self._wait
         self._seq += 1
         plan = StepPlan(seq=self._seq, loads=self._loads,
-                        preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+                        preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                        identity=(self._gen, self._token))
         self._loads = {}
         for rid in plan.preempted:
             st = self._reqs.get(rid)
@@ -535,6 +660,10 @@ class SchedulerSide:
                 # Workers drain or drop this request's stores before vLLM
                 # reuses its blocks; the resumed request brings new block ids.
                 st.block_ids = [[] for _ in range(self.keys.num_groups)]
+                if st.gen != self._gen:
+                    # Recomputed from scratch after a reset: its KV is the
+                    # new weights' from here.
+                    st.gen, st.next_store_unit = self._gen, 0
         num_sched = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         for rid, new_ids, replace in iter_scheduled(scheduler_output):
             st = self._reqs.get(rid)
@@ -546,7 +675,7 @@ class SchedulerSide:
             else:
                 for g, ids in enumerate(new_groups):
                     st.block_ids[g].extend(ids)
-            if st.controls.store == "none" or self.stores_off:
+            if st.controls.store == "none" or self.stores_off or st.gen != self._gen:
                 continue
             req = st.request
             done_tokens = min(int(req.num_computed_tokens) + int(num_sched.get(rid, 0)), int(req.num_tokens))
@@ -556,6 +685,8 @@ class SchedulerSide:
             if not hashes:
                 continue
             end = self.keys.units_in(len(hashes), done_tokens)
+            if self._eagle and done_tokens > int(getattr(req, "num_prompt_tokens", done_tokens)):
+                end -= 1
             for g in range(self.keys.num_groups):
                 end = min(end, len(st.block_ids[g]) // self.keys.blocks_per_unit[g])
             if end <= st.next_store_unit:
@@ -573,15 +704,32 @@ class SchedulerSide:
         offered hits again: a block that failed may fail again), and, where
         vLLM carries worker metadata, which ranks are registered and the
         acknowledgements of drained stores."""
+        # A set of request ids, or (newer vLLM) a dict of them to typed failures.
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         bad_blocks = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        if bad_blocks:
-            failed |= {rid for rid, blocks in self._load_blocks.items() if blocks & bad_blocks}
+        # vLLM recomputes a failed load: from its first failed block
+        # (block-level), or the whole loaded prefix (request-level). Those
+        # blocks are stored again as vLLM computes them.
+        first_bad: dict[str, int] = {}
         for rid in failed:
-            if rid in self._reqs:
+            if rid in self._load_units:
+                first_bad[rid] = self._load_units[rid][0]
+        if bad_blocks:
+            for rid, blocks in self._load_blocks.items():
+                hit = blocks & bad_blocks
+                if hit:
+                    failed.add(rid)
+                    start, units = self._load_units.get(rid, (0, {}))
+                    u = min((units[b] for b in hit if b in units), default=start)
+                    first_bad[rid] = min(first_bad.get(rid, u), u)
+        for rid in failed:
+            st = self._reqs.get(rid)
+            if st is not None:
                 self._no_hits.add(rid)
+                st.next_store_unit = min(st.next_store_unit, first_bad.get(rid, 0))
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._load_blocks.pop(rid, None)
+            self._load_units.pop(rid, None)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rank, ok in (getattr(meta, "registered", None) or {}).items():
             if ok:
@@ -611,7 +759,12 @@ class SchedulerSide:
         """True when stores of this request may still be in flight: vLLM then
         keeps its blocks until every worker reports it finished sending."""
         rid = request.request_id
-        settled = self.stores_settled(rid)
+        # A request finished while its load is in flight: vLLM keeps its
+        # blocks until the workers report it finished receiving, and frees
+        # them then; True as well would free them twice (scheduler.py
+        # _update_from_kv_xfer_finished asserts the request is still there).
+        # The workers hold that report back until its stores drained too.
+        settled = self.stores_settled(rid) or rid in self._load_blocks
         self._reqs.pop(rid, None)
         self._settled.pop(rid, None)
         self._matched.pop(rid, None)
@@ -619,6 +772,8 @@ class SchedulerSide:
         self._looked_up.discard(rid)
         self._no_hits.discard(rid)
         self._load_blocks.pop(rid, None)
+        self._load_units.pop(rid, None)
+        self._hit_tiers.pop(rid, None)
         # A load still planned or in flight is not ours to wait for: vLLM
         # keeps the blocks of a request finished while waiting for remote KV
         # until a worker reports it finished receiving (which it will).

@@ -31,13 +31,15 @@ __all__ = [
     "default_socket",
     "hash_bytes_for",
     "namespace_fingerprint",
+    "derive_fingerprint",
     "FINGERPRINT_PREFIX",
     "CONNECTOR_LAYOUT_VERSION",
 ]
 
 # kv_connector_extra_config keys this connector understands.
 EXTRA_KEYS = ("socket", "timeout_s", "lookup_wait_ms", "lookup_deadline_ms", "lease_ms", "sync_stores",
-              "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks")
+              "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks",
+              "weights_version")
 
 # Version of how this connector lays keys and blocks out. Part of every
 # fingerprint: a change here must not hit blocks stored by the old code.
@@ -54,6 +56,14 @@ def namespace_fingerprint(fields: Mapping[str, Any]) -> bytes:
         {"connector_layout": CONNECTOR_LAYOUT_VERSION, **fields}, sort_keys=True, separators=(",", ":"), default=str
     )
     return FINGERPRINT_PREFIX + hashlib.sha256(canon.encode()).digest()
+
+
+def derive_fingerprint(base: bytes, token: bytes) -> bytes:
+    """The fingerprint of ``base`` under the identity a cache reset made
+    (``token``, fresh per reset); ``base`` itself for no token."""
+    if not token:
+        return bytes(base)
+    return FINGERPRINT_PREFIX + hashlib.sha256(b"reset:" + bytes(base) + b":" + bytes(token)).digest()
 
 
 def default_socket() -> str:
@@ -76,25 +86,59 @@ def _spec_kind(spec: Any) -> str:
     return type(spec).__name__
 
 
-def _is_attention(spec: Any) -> bool:
+# Kinds of vLLM's get_kv_cache_spec_kind (vllm/v1/kv_cache_interface.py).
+_ATTENTION_KINDS = {"FULL_ATTENTION", "MLA_ATTENTION", "SINK_FULL_ATTENTION", "SLIDING_WINDOW", "SLIDING_WINDOW_MLA",
+                    "CHUNKED_LOCAL_ATTENTION"}
+_FULL_KINDS = {"FULL_ATTENTION", "MLA_ATTENTION", "SINK_FULL_ATTENTION"}
+# Attributes of specs whose groups vLLM frees blocks of while the request
+# runs (sliding windows, chunked local attention, R-SWA's decode gap).
+_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size", "rswa_window")
+
+
+def _kind_of(spec: Any, spec_kind: Callable[[Any], Any] | None) -> str | None:
+    """vLLM's kind of a spec (``get_kv_cache_spec_kind``) where that vLLM has
+    it, else None (then class names decide)."""
+    if spec_kind is None:
+        return None
+    try:
+        k = spec_kind(spec)
+    except Exception:
+        return None
+    name = getattr(k, "name", None) or str(k)
+    return None if name == "UNKNOWN" else name
+
+
+def _is_mamba(spec: Any, kind: str | None) -> bool:
+    return kind == "MAMBA" if kind is not None else "Mamba" in _spec_kind(spec)
+
+
+def _is_attention(spec: Any, kind: str | None = None) -> bool:
+    if kind is not None:
+        return kind in _ATTENTION_KINDS
     names = [c.__name__ for c in type(spec).__mro__]
     return any("Attention" in n or "SlidingWindow" in n for n in names) and not any("Mamba" in n for n in names)
 
 
-def _full_attention(spec: Any) -> bool:
+def _full_attention(spec: Any, kind: str | None = None) -> bool:
+    """Whether vLLM keeps every block of the group while the request runs.
+    A FullAttentionSpec subclass with a window (RSWASpec) does not."""
+    if any(getattr(spec, f, None) for f in _WINDOW_FIELDS):
+        return False
+    if kind is not None:
+        return kind in _FULL_KINDS
     name = _spec_kind(spec)
     if "Mamba" in name:
         return False
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        return False
-    return not any(w in name for w in ("Sliding", "Chunked", "Local"))
+    return not any(w in name for w in ("Sliding", "Chunked", "Local", "RSWA"))
 
 
-def _spec_identity(spec: Any) -> dict:
+def _spec_identity(spec: Any, kind: str | None = None) -> dict:
     """The fields of a KV cache spec that shape a block's bytes."""
     out = {"kind": _spec_kind(spec)}
+    if kind is not None:
+        out["spec_kind"] = kind
     for k in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
-              "attention_chunk_size", "use_mla", "cache_dtype_str", "page_size_padded", "storage_block_size"):
+              "attention_chunk_size", "rswa_window", "use_mla", "cache_dtype_str", "page_size_padded", "storage_block_size"):
         v = getattr(spec, k, None)
         if v is not None:
             out[k] = str(v)
@@ -125,7 +169,7 @@ class ConnectorSettings:
     dcp_size: int = 1
     sync_stores: bool = False
     timeout_s: float = 1.0
-    lookup_wait_s: float = 0.0
+    lookup_wait_s: float = 0.001
     lookup_deadline_s: float = 0.2
     lease_ms: int = 0
     # Report what the daemon holds as vLLM KV cache events (default: whether
@@ -138,6 +182,7 @@ class ConnectorSettings:
     unsupported: str | None = None
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    eagle_groups: tuple[bool, ...] = ()  # groups of EAGLE/MTP draft layers (KVCacheGroupSpec.is_eagle_group)
 
     @property
     def hash_block_size(self) -> int:
@@ -166,10 +211,13 @@ def settings_from_vllm(
     *,
     vllm_block_sizes: Callable[[], tuple[int, int]] | None = None,
     kv_layout: str | None = None,
+    spec_kind: Callable[[Any], Any] | None = None,
 ) -> ConnectorSettings:
     """Reads everything the connector needs. ``vllm_block_sizes`` is vLLM's
     own ``resolve_kv_cache_block_sizes`` bound to the configs, where the
     installed vLLM has it; it wins over this module's copy of the rule.
+    ``spec_kind`` is vLLM's ``get_kv_cache_spec_kind`` where it has it: it
+    names each group's kind (else class names do).
     Raises ValueError only for a malformed ``kv_connector_extra_config``."""
     env = os.environ if env is None else env
     model = getattr(vllm_config, "model_config", None)
@@ -193,14 +241,16 @@ def settings_from_vllm(
     algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256") or "sha256")
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     specs = [g.kv_cache_spec for g in groups]
+    kinds = [_kind_of(s, spec_kind) for s in specs]
     layers = tuple(tuple(g.layer_names) for g in groups) or ((),)
-    for g, spec in zip(groups, specs):
-        if "Mamba" in _spec_kind(spec):
+    eagle = tuple(bool(getattr(g, "is_eagle_group", False)) for g in groups)
+    for g, spec, kind in zip(groups, specs, kinds):
+        if _is_mamba(spec, kind):
             unsupported = (f"KV cache group of {_spec_kind(spec)} (layers {list(g.layer_names)[:2]}...) holds "
                            "per-request state, not per-block KV; models with state-space layers are not supported")
-    shapes = [GroupShape(int(s.block_size), attention=_is_attention(s),
+    shapes = [GroupShape(int(s.block_size), attention=_is_attention(s, k),
                          mamba_align=getattr(s, "mamba_cache_mode", "align") == "align",
-                         prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s in specs]
+                         prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s, k in zip(specs, kinds)]
     rank_sizes = tuple(int(s.block_size) for s in specs) or (cache_bs,)
     hashing = bool(getattr(cache, "enable_prefix_caching", True)) or ktc is not None
     try:
@@ -228,12 +278,24 @@ def settings_from_vllm(
     if (tp * pp * pcp) > 1 and not hasattr(par, "tensor_parallel_size"):
         unsupported = unsupported or "parallel sizes unreadable"
 
+    # The weights: the checkpoint (model and revision say which), or what
+    # the user declares. Dummy weights (load_format "dummy", as RL trainers
+    # start engines before sending them weights) are random per engine.
+    weights_version = extra.get("weights_version")
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    if weights_version is not None:
+        weights = f"declared:{weights_version}"
+    elif load_format == "dummy":
+        weights = f"dummy:{secrets.token_hex(8)}"
+    else:
+        weights = "checkpoint"
     cache_dtype = str(getattr(cache, "cache_dtype", "auto"))
     dynamic_scales = bool(getattr(cache, "calculate_kv_scales", False))
     identity = {
         "engine": "vllm",
         "model": str(getattr(model, "model", "")),
         "revision": str(getattr(model, "revision", None)),
+        "weights": weights,
         "dtype": str(getattr(model, "dtype", "")),
         "quantization": str(getattr(model, "quantization", None)),
         "hf_overrides": str(getattr(model, "hf_overrides", None)),
@@ -246,7 +308,7 @@ def settings_from_vllm(
         "kv_scales": f"dynamic:{secrets.token_hex(8)}" if dynamic_scales else "checkpoint",
         "hash_block_size": sizes.hash,
         "scheduler_block_size": sizes.scheduler,
-        "groups": [_spec_identity(s) for s in specs],
+        "groups": [_spec_identity(s, k) for s, k in zip(specs, kinds)],
         "hash_algo": algo,
         # vLLM seeds its chained hashes from PYTHONHASHSEED; unset, the seed is
         # random per engine and no other engine can hit its blocks anyway.
@@ -255,7 +317,7 @@ def settings_from_vllm(
     }
     hb = int(extra.get("hash_bytes", hash_bytes_for(algo)))
     rlf = extra.get("request_level_failures")
-    full = all(_full_attention(s) for s in specs)
+    full = all(_full_attention(s, k) for s, k in zip(specs, kinds))
     return ConnectorSettings(
         socket=str(extra.get("socket") or env.get("KVOFFLOADD_SOCKET") or default_socket()),
         block_sizes=sizes,
@@ -271,7 +333,7 @@ def settings_from_vllm(
         dcp_size=dcp,
         sync_stores=bool(extra.get("sync_stores", not full)),
         timeout_s=float(extra.get("timeout_s", 1.0)),
-        lookup_wait_s=float(extra.get("lookup_wait_ms", 0)) / 1000.0,
+        lookup_wait_s=float(extra.get("lookup_wait_ms", 1)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
         lease_ms=int(extra.get("lease_ms", 0)),
         kv_events=bool(extra.get("kv_events", getattr(getattr(vllm_config, "kv_events_config", None),
@@ -283,4 +345,5 @@ def settings_from_vllm(
         unsupported=unsupported,
         notes=notes,
         extra=extra,
+        eagle_groups=eagle,
     )

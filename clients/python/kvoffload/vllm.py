@@ -68,12 +68,25 @@ try:
 except ImportError:
     maybe_convert_block_hash = None  # type: ignore[assignment]
 
+try:  # the kind of a KV cache group (RSWASpec is a FullAttentionSpec subclass: class names mislead)
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+except ImportError:
+    get_kv_cache_spec_kind = None  # type: ignore[assignment]
+
+try:  # where an external hit's tokens come from (vLLM's prefix cache metrics by source)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    try:
+        from vllm.v1.cache_hit_source import CacheHitSource  # type: ignore[no-redef]
+    except ImportError:
+        CacheHitSource = None  # type: ignore[assignment,misc]
+
 from . import stats as _stats
 from .kv_events import VLLMEventTypes, default_convert, event_group_specs
 from .plan import StepPlan
 from .regions import regions_from_kv_caches
 from .scheduler_side import SchedulerSide
-from .settings import settings_from_vllm
+from .settings import derive_fingerprint, namespace_fingerprint, settings_from_vllm
 from .worker_side import WorkerSide
 
 __all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata", "KVOffloadHandshake"]
@@ -97,6 +110,12 @@ class KVOffloadHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     rank: dict = field(default_factory=dict)
     fingerprint: bytes | None = None
     reason: str = ""
+    # What the fingerprint was made of (the engine's identity and the KV
+    # tensors' byte order): vLLM keys handshakes by (pp, tp) rank, so of the
+    # prefill context parallel ranks of one (pp, tp) only one handshake
+    # arrives; the scheduler derives the others' fingerprints from it.
+    identity: dict | None = None
+    geometry: tuple = ()
 
 
 if KVConnectorWorkerMetadata is not None:
@@ -271,6 +290,17 @@ class _ReadyEvents:
             self._pool.release(held)
 
 
+def _hit_source(tier: str) -> Any:
+    """vLLM's CacheHitSource member for a daemon tier (the members' names
+    differ between vLLM versions)."""
+    names = {"cpu": ("HOST", "CPU"), "disk": ("DISK",), "remote": ("EXTERNAL_UNSPECIFIED", "EXTERNAL")}[tier]
+    for n in names:
+        m = getattr(CacheHitSource, n, None)
+        if m is not None:
+            return m
+    return None
+
+
 _BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHMA is not None else ())
 
 
@@ -292,19 +322,30 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             def resolver():
                 return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.settings = s = settings_from_vllm(vllm_config, kv_cache_config, vllm_block_sizes=resolver,
-                                               kv_layout=type(self).get_required_kvcache_layout(vllm_config))
+                                               kv_layout=type(self).get_required_kvcache_layout(vllm_config),
+                                               spec_kind=get_kv_cache_spec_kind)
         for note in s.notes:
             log.warning("kvoffload: %s", note)
         num_groups = len(s.group_block_sizes)
         rlf = s.request_level_failures
         if rlf is None:
             rlf = num_groups > 1 and KVConnectorTransferResults is not None
+        elif rlf and KVConnectorTransferResults is None:
+            # That vLLM reads failed loads only as block ids: honouring the
+            # setting would report none at all.
+            log.error("kvoffload: kv_connector_extra_config.request_level_failures is true, but this vLLM has no "
+                      "request-level load failures (KVConnectorTransferResults): ignored, failed loads are "
+                      "reported per block")
+            rlf = False
         self._request_level = rlf
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._worker_off: str | None = s.unsupported
         self._rank: dict | None = None
         self._fingerprint: bytes | None = None
+        self._base_fp: bytes | None = None  # the fingerprint of generation 0 (before any cache reset)
+        self._geometry: tuple = ()
+        self._gen = 0  # the identity generation the worker runs under
         self._events = _ReadyEvents()
         self._cuda = False
         self._stats = _stats.StatsRecorder()
@@ -333,6 +374,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
+                eagle_groups=s.eagle_groups,
             )
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
@@ -388,6 +430,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             return
         self._cuda = kv.device == "cuda"
         fp = s.fingerprint(self._rank, kv.geometry)
+        self._base_fp, self._geometry = fp, kv.geometry
         r = self._rank
         self._worker = WorkerSide(
             s.socket, fp, len(s.group_block_sizes), rank=(r["pp"], r["pcp"], r["tp"]),
@@ -405,19 +448,34 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         if self._scheduler is not None:
             return None
         return KVOffloadHandshake(rank=dict(self._rank or {}), fingerprint=self._fingerprint,
-                                  reason=self._worker_off or "")
+                                  reason=self._worker_off or "", identity=dict(self.settings.identity),
+                                  geometry=self._geometry)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
-        return meta.plan if isinstance(meta, KVOffloadConnectorMetadata) else None
+        if not isinstance(meta, KVOffloadConnectorMetadata):
+            return None
+        self._follow_identity(meta.plan)
+        return meta.plan
+
+    def _follow_identity(self, plan: StepPlan) -> None:
+        """A plan of a newer identity (the scheduler's reset_cache) moves
+        this worker to it before anything of the plan is loaded or stored."""
+        gen, token = getattr(plan, "identity", (0, b""))
+        if gen <= self._gen:
+            return
+        self._gen = gen
+        if self._worker is not None and self._base_fp is not None and self._worker_off is None:
+            self._worker.switch_identity(derive_fingerprint(self._base_fp, token))
 
     def handle_preemptions(self, preempted: Any) -> None:
         """Current vLLM passes the step's metadata; older passes the ids."""
         if self._worker is None:
             return
         if isinstance(preempted, KVOffloadConnectorMetadata):
+            self._follow_identity(preempted.plan)
             ids = preempted.plan.preempted
         elif isinstance(preempted, (set, frozenset, list, tuple)):
             ids = set(preempted)
@@ -511,17 +569,64 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
     def _take_handshakes(self, metadata: dict) -> None:
         if self._scheduler is None:
             return
-        by_rank = {}
+        by_rank: dict = {}
+        derived: dict = {}
+        pcp = self.settings.pcp_size
         for m in (metadata or {}).values():
-            if isinstance(m, KVOffloadHandshake):
-                by_rank[tuple(sorted(m.rank.items())) or ("?", id(m))] = m.fingerprint
-                if m.fingerprint is None:
-                    log.error("kvoffload: worker %s: %s", m.rank, m.reason or "not registered")
+            if not isinstance(m, KVOffloadHandshake):
+                continue
+            by_rank[tuple(sorted(m.rank.items())) or ("?", id(m))] = m.fingerprint
+            if m.fingerprint is None:
+                log.error("kvoffload: worker %s: %s", m.rank, m.reason or "not registered")
+            elif pcp > 1 and m.identity is not None and m.rank:
+                # vLLM keys handshakes by (pp, tp): the prefill context
+                # parallel ranks of one (pp, tp) overwrite each other. Their
+                # fingerprints differ only by the rank (same model shard,
+                # same tensors): derived from the one that arrived, checked
+                # by deriving its own. A rank whose tensors differed would
+                # have registered another fingerprint: Resolve finds none
+                # for the derived one, and nothing is offered (never a
+                # wrong load).
+                fields = {**m.identity, "rank": dict(m.rank), "geometry": m.geometry}
+                if namespace_fingerprint(fields) != m.fingerprint:
+                    log.error("kvoffload: worker %s: its fingerprint cannot be derived from what it reported; "
+                              "the other prefill context parallel ranks are unknown", m.rank)
+                    continue
+                for r in range(pcp):
+                    rank = {**m.rank, "pcp": r}
+                    derived[tuple(sorted(rank.items()))] = namespace_fingerprint({**fields, "rank": rank})
+        for k, fp in derived.items():
+            by_rank.setdefault(k, fp)
         self._scheduler.set_worker_fingerprints(by_rank)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's cache reset (``reset_prefix_cache(reset_connector=True)``,
+        a weight update): after True, nothing stored before is loaded into
+        this engine, and what it stores from now on is under an identity of
+        its own (kvoffload.scheduler_side.SchedulerSide.reset). False when
+        the daemon could not confirm (vLLM reports the reset failed)."""
+        if self._scheduler is None:
+            return None
+        return self._scheduler.reset()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    if CacheHitSource is not None:
+
+        def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+            """The external hit's tokens by the daemon tier they come from:
+            the CPU tier is HOST (CPU in some vLLM versions), the disk tier
+            DISK, the remote tier EXTERNAL_UNSPECIFIED (EXTERNAL)."""
+            if self._scheduler is None:
+                return {}
+            out: dict = {}
+            for tier, n in self._scheduler.hit_sources(request.request_id, num_external_tokens).items():
+                src = _hit_source(tier)
+                if src is not None and n > 0:
+                    out[src] = out.get(src, 0) + n
+            return out
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None

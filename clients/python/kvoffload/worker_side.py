@@ -82,6 +82,7 @@ class _Job:
     reg: int = 0  # the registration it was sent on (0: not sent)
     queued_at: float = 0.0
     sent_at: float = 0.0  # when the call that carried it returned (answered or not)
+    stale: bool = False  # a load of an identity a cache reset retired: reported failed whatever it brings
 
 
 @dataclass
@@ -104,6 +105,7 @@ class _Reg:
     loads: int = 0  # load jobs among ``jobs``
     more: bool = False  # the last reply that read results left some queued
     read_at: float = 0.0  # when a reply last read this registration's results
+    retired: bool = False  # of an identity a cache reset left: unregistered once its jobs are done
 
 
 class WorkerSide:
@@ -205,6 +207,9 @@ class WorkerSide:
         self._failed_done: set[str] = set()
         self._await_send: set[str] = set()
         self._finished_seen: dict[str, int] = {}
+        self._retired: list[int] = []  # registrations to Unregister (their jobs are done)
+        self._retire_after = 0.0
+        self._switching = False  # registering under a new identity: jobs wait in the queue, unsent
         self._calls = 0
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -227,24 +232,93 @@ class WorkerSide:
                 self._threads.append(t)
         return ok
 
+    def switch_identity(self, fingerprint: bytes) -> None:
+        """A cache reset: from now on everything goes under ``fingerprint``.
+        What is queued and not sent is dropped (stores) or failed (loads);
+        loads in flight are reported failed when they settle, whatever they
+        bring (their blocks are the old identity's); stores in flight land
+        in the old namespace. The current registration is retired
+        (unregistered once its jobs are done) and a new one is made under
+        the new fingerprint on the poller thread: never on vLLM's loop.
+        Until it is, the step's jobs wait in the queue, unsent (the
+        scheduler offers no hits until every rank registered it)."""
+        with self._cv:
+            fp = bytes(fingerprint)
+            if fp == self.fingerprint:
+                return
+            self.fingerprint = fp
+            n = self._drop_queued(lambda j: True)
+            stale = 0
+            for j in self._jobs.values():
+                if j.op == Op.LOAD and not j.stale:
+                    j.stale = True
+                    stale += 1
+            old = self.registration_id
+            if old is not None and old in self._regs:
+                self._regs[old].retired = True
+            self.registration_id = None
+            self._switching = self._kv is not None and self.refused is None
+            self._next_rereg = self._clock()
+            self._cv.notify_all()
+        log.info("kvoffload: cache reset: registering under the new identity (%d queued jobs dropped, %d loads in "
+                 "flight will be reported failed)", n, stale)
+
+    def _end_switch_locked(self, registered: bool) -> None:
+        """The registration under a new identity is made (the queued jobs
+        go), or failed (they are dropped, as with a daemon that is down)."""
+        if not self._switching:
+            return
+        self._switching = False
+        if not registered:
+            self._drop_unsent_locked()
+        self._cv.notify_all()
+
+    def _unregister_retired(self) -> None:
+        """Unregisters the retired registrations whose jobs are all done
+        (the poller thread; a failure is retried on its next pass, and the
+        connection closing at exit ends them anyway)."""
+        with self._cv:
+            for r in [r for r in self._regs.values() if r.retired and not r.jobs]:
+                r.daemon.close()
+                del self._regs[r.id]
+                self._retired.append(r.id)
+            todo, self._retired = self._retired, []
+        keep = []
+        for rid in todo:
+            try:
+                self._client.unregister(rid, timeout=self._register_timeout)
+            except NotFound:
+                pass
+            except KVOffloadError as e:
+                log.info("kvoffload: Unregister of retired registration %d: %s", rid, e)
+                keep.append(rid)
+        if keep:
+            with self._cv:
+                self._retired.extend(keep)
+
     def _register(self) -> bool:
         kv = self._kv
         if kv is None or self.refused is not None:
             return False
+        with self._cv:
+            fingerprint = self.fingerprint
         for _ in range(3):
             pid = self._pid_probe(self._socket)
             try:
-                reg = self._client.register(self.fingerprint, kv.layout, kv.regions, self.client_name,
+                reg = self._client.register(fingerprint, kv.layout, kv.regions, self.client_name,
                                             timeout=self._register_timeout)
             except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
                 self.refused = str(e)
                 log.error("kvoffload: the daemon refused this worker's KV caches (%s); offloading is off for this "
                           "engine", e)
+                with self._cv:
+                    self._end_switch_locked(False)
                 return False
             except KVOffloadError as e:
                 log.warning("kvoffload: Register failed (%s); retrying in the background", e)
                 with self._cv:
                     self._next_rereg = self._clock() + self._rereg_after
+                    self._end_switch_locked(False)
                 return False
             if self._pid_probe(self._socket) == pid:
                 break
@@ -252,9 +326,16 @@ class WorkerSide:
             # registration may belong to either; make another.
             log.info("kvoffload: the daemon restarted during Register; registering again")
         with self._cv:
+            if fingerprint != self.fingerprint:
+                # A cache reset moved the identity on during the call: this
+                # registration is of the old one.
+                self._retired.append(reg.registration_id)
+                self._cv.notify_all()
+                return False
             self.registration_id, self.namespace_id = reg.registration_id, reg.namespace_id
             self._regs[reg.registration_id] = _Reg(reg.registration_id, reg.namespace_id, DaemonProcess(pid))
             self._down_since = None
+            self._end_switch_locked(True)
             self._cv.notify_all()
         log.info("kvoffload: registered %d regions (%s) as registration %d in namespace %d%s (daemon pid %s)",
                  len(kv.regions), kv.device, reg.registration_id, reg.namespace_id,
@@ -289,7 +370,8 @@ class WorkerSide:
                     r.loads -= 1
         took = self._clock() - j.queued_at
         if j.op == Op.LOAD:
-            failed = list(j.block_ids) if failed_all or dropped or result is None else result.failed_block_ids
+            failed = (list(j.block_ids) if failed_all or dropped or result is None or j.stale
+                      else result.failed_block_ids)
             if failed:
                 self._failed_reqs.add(j.rid)
                 self._failed_blocks.update(failed)
@@ -368,7 +450,7 @@ class WorkerSide:
     def _send_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._queue:
+                while not self._stop and (not self._queue or self._switching):
                     self._cv.wait()
                 if self._stop:
                     return
@@ -520,9 +602,21 @@ class WorkerSide:
             with self._cv:
                 if self._stop:
                     return
-                for r in [r for r in self._regs.values() if not r.jobs and r.id != self.registration_id]:
+                for r in [r for r in self._regs.values()
+                          if not r.jobs and r.id != self.registration_id and not r.retired]:
                     r.daemon.close()  # an old registration with nothing left in flight
                     del self._regs[r.id]
+                retire = self._clock() >= self._retire_after and (
+                    bool(self._retired) or any(r.retired and not r.jobs for r in self._regs.values()))
+            if retire:
+                self._unregister_retired()
+                with self._cv:
+                    if self._retired:
+                        self._retire_after = self._clock() + 1.0
+                continue
+            with self._cv:
+                if self._stop:
+                    return
                 regs, wake = self._due_locked(self._clock())
                 need_reg = (self.registration_id is None and self._kv is not None and self.refused is None
                             and self._clock() >= self._next_rereg)
@@ -540,7 +634,11 @@ class WorkerSide:
             if need_reg:
                 if not self._register():
                     with self._cv:
-                        self._cv.wait(self._rereg_after)
+                        # (A registration a cache reset overtook is made
+                        # again at once: _next_rereg has not moved.)
+                        left = self._next_rereg - self._clock()
+                        if left > 0:
+                            self._cv.wait(left)
                 continue
             if probe:
                 # Nothing in flight to poll: ask the daemon's health until it answers.
@@ -678,7 +776,7 @@ class WorkerSide:
                 jids.extend(self._new_job(rid, Op.LOAD, gj) for gj in real)
             if not jids:
                 return []
-            if self.registration_id is None or self._suspect():
+            if (self.registration_id is None and not self._switching) or self._suspect():
                 for jid in jids:
                     self._settle(jid, dropped=True)
                 return []
@@ -696,7 +794,7 @@ class WorkerSide:
             jids = [self._new_job(rid, Op.STORE, gj, plan.seq) for rid, gjobs in plan.stores.items() for gj in gjobs]
             for rid in plan.stores:
                 self._store_seen[rid] = max(self._store_seen.get(rid, 0), plan.seq)
-            if self.registration_id is None or self._suspect():
+            if (self.registration_id is None and not self._switching) or self._suspect():
                 for jid in jids:
                     self._settle(jid, dropped=True)
                 return []
@@ -732,6 +830,12 @@ class WorkerSide:
             for rid in finished_req_ids or ():
                 self._finished_seen[rid] = self._calls
             recving, self._recv_done = self._recv_done, set()
+            # A finished request's blocks go back to vLLM with its finished
+            # receive: not while a store of it may still read them.
+            held = {r for r in recving if r in self._finished_seen and self._pending_stores.get(r)}
+            if held:
+                recving -= held
+                self._recv_done |= held
             self._failed_done |= self._failed_reqs & recving
             self._failed_reqs -= recving
             # Failed blocks go out no later than their request's finished
@@ -742,7 +846,8 @@ class WorkerSide:
             self._await_send -= sending
             for r in sending:
                 self._finished_seen.pop(r, None)
-            stale = [r for r, n in self._finished_seen.items() if r not in self._await_send and self._calls - n > 64]
+            stale = [r for r, n in self._finished_seen.items()
+                     if r not in self._await_send and not self._pending_stores.get(r) and self._calls - n > 64]
             for r in stale:
                 del self._finished_seen[r]
                 self._store_seen.pop(r, None)

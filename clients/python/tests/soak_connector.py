@@ -7,7 +7,10 @@ Cycles through every configuration of test_vllm_connector.CONFIGS and three
 daemons whose disks fail 1%, 5% and 10% of reads (``read-eio`` at that rate,
 plus ``bitflip`` at half of it: the checksum catches those), each run with a
 daemon restart mid-run (blocks come back from disk after it) and the daemon
-stopped (SIGSTOP) for a second later on. Any block whose KV differs from a
+stopped (SIGSTOP) for a second later on, an engine restart with one block more
+or fewer (the checkpoint's weights: the new engine finds the old one's
+blocks) and two weight updates (every cache reset, every token's KV
+different afterwards). Any block whose KV differs from a
 run without offloading, any exception in the stand-in's scheduler or workers
 and any request that never finishes stops the soak with the seed that
 failed. Prints one JSON line per run and a summary with the connector's
@@ -63,7 +66,7 @@ def main() -> int:
 
     totals = {"runs": 0, "steps": 0, "requests": 0, "finished": 0, "errored": 0, "aborted": 0, "preempted": 0,
               "hit_tokens": 0, "loads_finished": 0, "load_failures": 0, "positions_checked": 0, "restarts": 0,
-              "hangs": 0, "wrong_kv": 0, "exceptions": 0}
+              "hangs": 0, "wrong_kv": 0, "exceptions": 0, "weight_updates": 0, "engine_restarts": 0}
     live, hung = [], []
     end = time.monotonic() + args.minutes * 60
     seed = args.seed
@@ -80,7 +83,9 @@ def main() -> int:
                 try:
                     rep = run(cfg, d, shm, seed=seed, steps=args.steps, switches=sw,
                               events={args.steps * 2 // 5: lambda eng, d=d: d.restart()},
-                              hang=(args.steps * 3 // 4, args.hang_s))
+                              hang=(args.steps * 3 // 4, args.hang_s),
+                              weight_updates=(args.steps // 2, args.steps * 17 // 20),
+                              engine_restarts={args.steps // 5: 1 if seed % 2 else -1})
                 except Exception as e:
                     kind = "wrong_kv" if type(e).__name__ == "WrongKV" else "exceptions"
                     totals[kind] += 1
@@ -97,7 +102,8 @@ def main() -> int:
                 totals["restarts"] += 1
                 totals["hangs"] += 1
                 for k in ("steps", "requests", "finished", "errored", "aborted", "preempted", "hit_tokens",
-                          "loads_finished", "load_failures", "positions_checked"):
+                          "loads_finished", "load_failures", "positions_checked", "weight_updates",
+                          "engine_restarts"):
                     totals[k] += s.get(k, 0)
                 live.extend(rep.step_ms)
                 hung.extend(rep.hang_step_ms)

@@ -158,6 +158,7 @@ class Group:
     block_size: int = 4  # tokens per block on one rank
     layers: int = 2
     window: int = 0  # sliding window in tokens ("swa")
+    eagle: bool = False  # EAGLE/MTP draft layers (vLLM's KVCacheGroupSpec.is_eagle_group)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class Config:
     hash_algo: str = "sha256"
     model: str = "standin/model"
     transfer_results: bool = True  # vLLM with request-level load failures
+    failed_as_dict: bool = False  # failed_recving as {request id: failure} (newer vLLM's typed failures)
     worker_meta: bool = True
     old_preemptions: bool = False  # handle_preemptions(preempted_req_ids)
     # The GPU's share of a step: vLLM's engine loop waits on the device (and
@@ -221,7 +223,8 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
 def kv_cache_config(cfg: Config) -> SimpleNamespace:
     return SimpleNamespace(
         num_blocks=cfg.num_blocks,
-        kv_cache_groups=[SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(grp.layers)], kv_cache_spec=spec)
+        kv_cache_groups=[SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(grp.layers)], kv_cache_spec=spec,
+                                         is_eagle_group=grp.eagle)
                          for g, (grp, spec) in enumerate(zip(cfg.groups, cfg.specs()))],
     )
 
@@ -237,6 +240,7 @@ class RankMemory:
 
     def __init__(self, shm_factory, cfg: Config, rank: int):
         self.cfg, self.rank = cfg, rank
+        self.weights = 0  # the model's weights version: a weight update changes every token's KV
         self.layers: list[tuple[int, int, str, int, tuple, tuple]] = []  # (group, layer, name, base, shape, strides)
         geo = []
         off = 0
@@ -303,7 +307,7 @@ class RankMemory:
         raise IndexError(g)
 
     def content(self, seq: Sequence, p: int, g: int, li: int) -> bytes:
-        tag = bytes([(self.rank * 31 + g * 7 + li * 3) & 0xFF])
+        tag = bytes([(self.rank * 31 + g * 7 + li * 3 + self.weights * 101) & 0xFF])
         d = seq.digest(p)
         raw = (d + tag * 8)
         return (raw * ((H * D * E) // len(raw) + 2))[: max(H * D * E, DM * E)]
@@ -560,9 +564,16 @@ class Engine:
             self.workers.append(w)
             self.memory.append(mem)
         sv.set_rank()
-        hs = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}  # keyed like vLLM: (pp, rank)
-        if any(h is not None for h in hs.values()):
-            self.sched_conn.set_xfer_handshake_metadata_pp_aware({k: v for k, v in hs.items() if v is not None})
+        # vLLM's gpu_worker returns {(pp_rank, tp_rank): metadata} and
+        # EngineCore merges the workers' dicts with dict.update: prefill
+        # context parallel ranks of one tp rank overwrite each other.
+        hs: dict = {}
+        for r, w in enumerate(self.workers):
+            md = w.get_handshake_metadata()
+            if md is not None:
+                hs.update({(0, r % cfg.tp): md})
+        if hs:
+            self.sched_conn.set_xfer_handshake_metadata_pp_aware(hs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.skipped: deque[Request] = deque()  # vLLM's skipped_waiting
@@ -574,6 +585,8 @@ class Engine:
         self.step_seq = 0
         self.processed_seq = 0
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+        self.reset_preempted: set[str] = set()  # preempted by reset_prefix_cache, told in the next step
+        self.paused = False  # vLLM's pause_generation: no waiting request is admitted
         self.worker_tables: list[dict[str, list[list[int]]]] = [{} for _ in range(cfg.tp * cfg.pcp)]
         self.worker_seqs: dict[str, Sequence] = {}
         self.timing = timing
@@ -581,6 +594,7 @@ class Engine:
         self._sched_t = 0.0
         self.kv_events: list = []  # what the connector's take_events handed to vLLM's publisher, in order
         self.planned_keys: set[tuple[int, bytes]] = set()  # (group, key) of every store or load planned
+        self.admit_waits: list[tuple[bool, int, float]] = []  # (hit, steps, ms) from arrival to admission
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
@@ -603,6 +617,7 @@ class Engine:
         if len(prompt) + max_tokens > self.max_model_len():
             raise ValueError(f"{rid}: {len(prompt) + max_tokens} tokens exceed max_model_len {self.max_model_len()}")
         req = Request(rid, prompt, max_tokens, self.hasher, self.seed, **kw)
+        req.arrived = (self.step_seq, time.perf_counter())
         self.requests[rid] = req
         self.waiting.append(req)
         return req
@@ -694,7 +709,7 @@ class Engine:
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
             i += 1
-        if not preempted:
+        if not preempted and not self.paused:
             # vLLM's two queues (FCFS): blocked or deferred requests
             # (skipped_waiting) go first, then the waiting queue.
             step_skipped: list[Request] = []
@@ -746,6 +761,15 @@ class Engine:
                 if local_blocks is not None:
                     req.local_computed = local
                     self.counters["hit_tokens"] += ext
+                    if ext and hasattr(self.sched_conn, "get_external_cache_hit_sources"):
+                        # vLLM's prefix cache stats by source
+                        for src, n in self.sched_conn.get_external_cache_hit_sources(req, ext).items():
+                            key = f"hit_{src.value}"
+                            self.counters[key] = self.counters.get(key, 0) + n
+                    if req.num_preemptions == 0 and getattr(req, "arrived", None) is not None:
+                        s0, t0 = req.arrived
+                        self.admit_waits.append((ext > 0, self.step_seq - 1 - s0, (time.perf_counter() - t0) * 1000))
+                        req.arrived = None
                 if load_async:
                     req.status = REMOTE
                     req.num_computed_tokens = computed
@@ -772,7 +796,8 @@ class Engine:
             else:
                 cached.new_block_ids.append(new_blocks[req.request_id].get_block_ids())
             cached.num_computed_tokens.append(req.num_computed_tokens)
-        out.preempted_req_ids = {r.request_id for r in preempted}
+        out.preempted_req_ids = {r.request_id for r in preempted} | self.reset_preempted
+        self.reset_preempted = set()
         out.finished_req_ids, self.finished_ids = self.finished_ids, set()
         out.kv_connector_metadata = self._timed(self.sched_conn.build_connector_meta, out)
         plan = getattr(out.kv_connector_metadata, "plan", None)
@@ -919,8 +944,14 @@ class Engine:
             tables = self.worker_tables[r]
             t = 0.0
             t0 = time.perf_counter()
-            if out.preempted_req_ids:
-                w.handle_preemptions(set(out.preempted_req_ids) if self.cfg.old_preemptions else meta)
+            # vLLM at 7cfb97e calls handle_preemptions(metadata) every step
+            # before the forward (gpu_model_runner.py:4316-4319); older
+            # vLLM called it with the ids, on preemptions only.
+            if self.cfg.old_preemptions:
+                if out.preempted_req_ids:
+                    w.handle_preemptions(set(out.preempted_req_ids))
+            else:
+                w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             t += time.perf_counter() - t0
@@ -1007,6 +1038,8 @@ class Engine:
                     agg.kv_connector_worker_meta.aggregate(m)
         agg.failed_recving = self._failed_pending & agg.finished_recving
         self._failed_pending -= agg.failed_recving
+        if self.cfg.failed_as_dict:
+            agg.failed_recving = {rid: "LOAD_FAILED" for rid in agg.failed_recving}
         return agg
 
     # -- one engine step --------------------------------------------------------
@@ -1028,6 +1061,71 @@ class Engine:
             res = self.execute(out)
         self.update_from_output(prev, res)
         self.step_conn_s.append(self._sched_t + res["worker_s"])
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = True) -> bool:
+        """vLLM's Scheduler.reset_prefix_cache (at 7cfb97e): preempts the
+        running requests if asked, resets the local prefix cache (only when
+        no request holds a block), then the connector's (``reset_cache``;
+        None counts as success)."""
+        if reset_running_requests:
+            while self.running:
+                victim = self.running.pop()
+                self._preempt(victim)
+                self.reset_preempted.add(victim.request_id)
+        ok = all(b.ref_cnt == 0 for b in self.kvm.pool[1:])
+        # (The stand-in's deferred frees of async scheduling are freed in
+        # vLLM at preemption; blocks a request still holds are not.)
+        if reset_running_requests and any(any(g) for g in self.kvm.tables.values()):
+            held = [(rid, getattr(self.requests.get(rid), "status", None)) for rid, t in self.kvm.tables.items() if any(t)]
+            raise EngineCrash("Failed to reset KV cache even when all the running requests are preempted and moved "
+                              f"to the waiting queue (vLLM's scheduler.py:2574-2580): blocks held by {held[:6]}")
+        if ok:
+            self.kvm.uncache(list(self.kvm.cached.values()))
+        if reset_connector and hasattr(self.sched_conn, "reset_cache"):
+            ok = self.sched_conn.reset_cache() is not False and ok
+        return ok
+
+    def update_weights(self, drain: bool = True) -> bool:
+        """An RL trainer's weight update: pause (the steps in flight finish
+        when ``drain``; requests waiting for their KV or loaded and not yet
+        scheduled are aborted, as vLLM refuses a reset while they hold
+        blocks), reset every cache with the
+        running requests preempted (the local prefix cache is emptied as the
+        trainer's retried resets would), load new weights (every token's KV
+        changes from here)."""
+        self.paused = True
+        if drain:
+            self.drain()
+        for req in [r for r in self.requests.values()
+                    if r.status == REMOTE or (r.status in (WAITING, PREEMPTED) and r.request_id in self.kvm.tables)]:
+            # Waiting for their KV, or loaded and not yet scheduled: they
+            # hold blocks (of the old weights) that a preemption would not
+            # free, and vLLM refuses the reset.
+            self._finish(req, "abort")
+        # Finished requests keep their blocks while a load or a store of
+        # theirs is in flight; vLLM's reset raises meanwhile
+        # (scheduler.py:2574-2580): the trainer waits (docs/vllm.md, Limits).
+        for _ in range(20000):
+            if drain:
+                self.drain()
+            held = [rid for rid, t in self.kvm.tables.items()
+                    if any(t) and self.requests.get(rid) is not None and self.requests[rid].status == FINISHED]
+            if not held:
+                break
+            self.step()
+            if not self.running:
+                time.sleep(0.0005)
+        self.paused = False
+        ok = self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        self.kvm.uncache(list(self.kvm.cached.values()))
+        for req in self.requests.values():
+            # Finished requests whose blocks wait for their stores hold the
+            # old weights' KV: nothing to check them against any more.
+            req.done_tokens = 0
+        for m in self.memory:
+            m.weights += 1
+        self.counters["weight_updates"] = self.counters.get("weight_updates", 0) + 1
+        return ok
 
     def drain(self) -> None:
         while self.in_flight:
@@ -1059,8 +1157,12 @@ class Engine:
 
     def idle(self) -> bool:
         """No request holds anything (a step still in flight only holds
-        finished requests' tokens; ``drain`` processes it)."""
-        return not self.requests
+        finished requests' tokens; ``drain`` processes it), and no worker
+        has a store or load in flight (a finished request's blocks go back
+        to vLLM at once; its stores may still be landing)."""
+        if self.requests:
+            return False
+        return not any(getattr(w, "_worker", None) is not None and w._worker.pending() for w in self.workers)
 
     # -- the check ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ offloading, or a request that never finishes fails the run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,18 +55,27 @@ class Report:
 def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workload: dict | None = None,
         events: dict[int, Callable[[Engine], None]] | None = None, hang: tuple[int, int] | None = None,
         drain_steps: int = 4000, switches: dict | None = None, engine_seed: str = "0",
-        deadline_s: float | None = None) -> Report:
+        deadline_s: float | None = None, weight_updates: tuple[int, ...] = (),
+        engine_restarts: dict[int, int] | None = None) -> Report:
     """``events`` maps a step number to a callable run before that step;
     ``hang=(step, seconds)`` stops the daemon (SIGSTOP) before that step and
     lets it continue (SIGCONT) that many seconds later, whatever the engine
     does meanwhile: a step may wait for a store the stopped daemon accepted
-    (a preempted request's blocks), and only the daemon's return ends that."""
+    (a preempted request's blocks), and only the daemon's return ends that.
+    ``weight_updates``: steps before which the engine's weights change
+    (``Engine.update_weights``: every cache reset, every token's KV
+    different from then on). ``engine_restarts`` maps a step to a change of
+    ``num_blocks``: before that step the engine finishes its requests and
+    shuts down, and a new one starts with that many more (or fewer) blocks
+    over the same daemon, with the checkpoint's weights (what a restarted
+    vLLM loads: a weight update before it is gone)."""
     rep = Report()
     t_start = time.monotonic()
     resumed = threading.Event()
     timer: threading.Timer | None = None
     with connector_module(**(switches or {})) as mod:
         eng = Engine(cfg, mod, daemon.socket, shm, seed=engine_seed)
+        counters: dict = {}
         try:
             wl = Workload(seed, eng.block_size, **(workload or {}))
             i = 0
@@ -77,6 +87,17 @@ def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workl
                     break
                 if events and i in events:
                     events[i](eng)
+                if i in weight_updates:
+                    eng.update_weights()
+                if engine_restarts and i in engine_restarts:
+                    _settle(eng, wl, drain_steps)
+                    for k, v in eng.counters.items():
+                        counters[k] = counters.get(k, 0) + v
+                    eng.close()
+                    cfg = copy.copy(cfg)
+                    cfg.num_blocks += engine_restarts[i]
+                    eng = Engine(cfg, mod, daemon.socket, shm, seed=engine_seed)
+                    counters["engine_restarts"] = counters.get("engine_restarts", 0) + 1
                 if hang and i == hang[0]:
                     daemon.pause()
                     timer = threading.Timer(hang[1], lambda: (daemon.resume(), resumed.set()))
@@ -89,20 +110,13 @@ def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workl
             if timer is not None:
                 timer.cancel()
                 daemon.resume()
-            n = 0
-            while not eng.idle():
-                wl.tick(eng, stop_arrivals=True)
-                eng.step()
-                n += 1
-                if n > drain_steps:
-                    raise AssertionError(f"requests never finished after {drain_steps} steps: {eng.describe()}")
-                if not eng.running and not eng.in_flight and eng.requests:
-                    time.sleep(0.001)  # only loads or stores in flight: let the daemon work
-            eng.drain()
+            n = _settle(eng, wl, drain_steps)
             rep.steps = i + n
             rep.hang_steps_done = len(rep.hang_step_ms)
             rep.requests = wl.n
-            rep.counters = dict(eng.counters)
+            for k, v in eng.counters.items():
+                counters[k] = counters.get(k, 0) + v
+            rep.counters = counters
         finally:
             if timer is not None:
                 timer.cancel()
@@ -110,3 +124,18 @@ def run(cfg: Config, daemon: Any, shm: Callable, *, seed: int, steps: int, workl
             eng.close()
     rep.wall_s = time.monotonic() - t_start
     return rep
+
+
+def _settle(eng: Engine, wl: Workload, drain_steps: int) -> int:
+    """Stops arrivals until every request finished; returns the steps it took."""
+    n = 0
+    while not eng.idle():
+        wl.tick(eng, stop_arrivals=True)
+        eng.step()
+        n += 1
+        if n > drain_steps:
+            raise AssertionError(f"requests never finished after {drain_steps} steps: {eng.describe()}")
+        if not eng.running and not eng.in_flight:
+            time.sleep(0.001)  # only loads or stores in flight: let the daemon work
+    eng.drain()
+    return n

@@ -34,6 +34,9 @@ MODULES = [
     "vllm.v1.core",
     "vllm.v1.core.kv_cache_utils",
     "vllm.distributed.kv_events",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.metrics",
+    "vllm.v1.metrics.cache_hit_source",
 ]
 
 
@@ -151,6 +154,11 @@ class KVConnectorBase_V1(ABC):
 
     def take_events(self):
         return ()
+
+    def reset_cache(self):
+        # vLLM's default (base.py at 7cfb97e): not implemented, None, which
+        # vLLM's scheduler counts as a successful reset.
+        return None
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
@@ -297,6 +305,48 @@ class SlidingWindowSpec(AttentionSpec):
         self.sliding_window = sliding_window
 
 
+class RSWASpec(FullAttentionSpec):
+    """vLLM's Reference Sliding Window Attention spec (kv_cache_interface.py
+    at 7cfb97e): a FullAttentionSpec subclass whose decode gap blocks are
+    freed while the request runs."""
+
+    def __init__(self, block_size, rswa_window, **kw):
+        super().__init__(block_size, **kw)
+        self.rswa_window = rswa_window
+
+
+class KVCacheSpecKind(enum.Enum):
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    MAMBA = "mamba"
+    UNKNOWN = "unknown"
+
+
+def get_kv_cache_spec_kind(spec):
+    """vLLM's (kv_cache_interface.py:875 at 7cfb97e): subclasses first, then
+    bases, by isinstance; an RSWASpec is FULL_ATTENTION."""
+    if isinstance(spec, MLAAttentionSpec):
+        return KVCacheSpecKind.MLA_ATTENTION
+    if isinstance(spec, FullAttentionSpec):
+        return KVCacheSpecKind.FULL_ATTENTION
+    if isinstance(spec, SlidingWindowSpec):
+        return KVCacheSpecKind.SLIDING_WINDOW
+    if isinstance(spec, MambaSpec):
+        return KVCacheSpecKind.MAMBA
+    return KVCacheSpecKind.UNKNOWN
+
+
+class CacheHitSource(str, enum.Enum):
+    """vLLM's vllm/v1/metrics/cache_hit_source.py (read through excerpts)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    P2P = "p2p"
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+
 class MambaSpec:
     def __init__(self, block_size, mamba_cache_mode="align"):
         self.block_size, self.mamba_cache_mode = block_size, mamba_cache_mode
@@ -417,7 +467,8 @@ def _group(g):
 
 
 def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics: bool = True,
-            resolver: bool = True, kv_events: str | None = "main") -> types.SimpleNamespace:
+            resolver: bool = True, kv_events: str | None = "main", spec_kinds: bool = True,
+            hit_sources: bool = True) -> types.SimpleNamespace:
     """Puts the modules in sys.modules (and drops a cached kvoffload.vllm)."""
     saved = {m: sys.modules.get(m) for m in MODULES + ["kvoffload.vllm"]}
     for m in MODULES:
@@ -439,6 +490,13 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
         del sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.metrics"]
     if resolver:
         sys.modules["vllm.v1.core.kv_cache_utils"].resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
+    if spec_kinds:
+        kci = sys.modules["vllm.v1.kv_cache_interface"]
+        kci.get_kv_cache_spec_kind, kci.KVCacheSpecKind = get_kv_cache_spec_kind, KVCacheSpecKind
+    if hit_sources:
+        sys.modules["vllm.v1.metrics.cache_hit_source"].CacheHitSource = CacheHitSource
+    else:
+        del sys.modules["vllm.v1.metrics.cache_hit_source"]
     if kv_events is None:
         del sys.modules["vllm.distributed.kv_events"]
     else:

@@ -10,6 +10,7 @@ offloading would. ``make soak-connector`` runs the same for as long as asked.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import zlib
@@ -53,6 +54,22 @@ def test_random_workload(daemon, shm, name, cfg, switches):
     assert s["errored"] == 0 and s["finished"] > 20, s
     assert s["hit_tokens"] > 0, f"{name}: no external hit in the whole run: {s}"
     assert s["positions_checked"] > 0
+
+
+@pytest.mark.parametrize("name,cfg,switches", [CONFIGS[0], CONFIGS[1], CONFIGS[7]], ids=["plain", "async-tp2", "pcp2"])
+def test_random_workload_across_weight_updates_and_engine_restarts(daemon, shm, name, cfg, switches):
+    """An engine restart with one block more (the checkpoint's weights: the
+    new engine may hit what the old one stored), then two weight updates
+    (the KV of every token changes: a block stored before one and loaded
+    after fails the check)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model = f"wl-reset-{name}"
+    cfg.extra = {**cfg.extra, "lookup_deadline_ms": 2000}
+    rep = run(cfg, daemon, shm, seed=zlib.crc32(name.encode()) % 1000 + 7, steps=160, switches=switches,
+              weight_updates=(70, 120), engine_restarts={30: 1})
+    s = rep.summary()
+    assert s["errored"] == 0 and s["weight_updates"] == 2 and s["engine_restarts"] == 1, s
+    assert s["hit_tokens"] > 0 and s["positions_checked"] > 0, s
 
 
 @pytest.mark.parametrize("name,cfg,switches", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]])
@@ -187,16 +204,19 @@ def test_finished_requests_keep_their_blocks_only_while_stores_run(daemon, shm):
 
         eng.sched_conn.request_finished_all_groups = spy
         try:
-            # 16 prompt tokens stored in the first step, then decode steps
-            # that fill no new block; once every worker acknowledged the
-            # stores, the request ends (an abort): nothing is in flight.
+            # 16 prompt tokens stored in the first step it runs, then decode
+            # steps that store nothing (the prompt only); once every worker
+            # acknowledged the stores, the request ends (an abort, long
+            # before its 100 tokens): nothing is in flight.
             sched = eng.sched_conn._scheduler
             for i in range(3):
                 rid = f"h{i}"
-                eng.add_request(rid, list(range(1000 * i, 1000 * i + 16)), 3)
+                eng.add_request(rid, list(range(1000 * i, 1000 * i + 16)), 100,
+                                kv_transfer_params={"kvoffload_store": "prompt"})
                 eng.step()
-                while not sched.stores_settled(rid):
+                while rid not in sched._reqs or not sched.stores_settled(rid):
                     eng.step()
+                assert eng.requests[rid].status == "RUNNING"
                 eng.abort(rid)
                 while not eng.idle():
                     eng.step()

@@ -236,7 +236,8 @@ def _invalidate_after_alloc(eng: Engine, daemon) -> None:
         real(request, blocks, n)
         if n:
             ids = [ns.namespace_id for ns in c.stats().namespaces]
-            c.invalidate(ids)
+            for i in range(0, len(ids), 64):  # the daemon takes 64 namespaces a call
+                c.invalidate(ids[i:i + 64])
 
     sc.update_state_after_alloc = wrapped
 
@@ -312,3 +313,252 @@ def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
         fake.stop()
     assert not returned_early, "handle_preemptions returned while the daemon could still read the blocks"
 
+
+
+# -- 7. issue 21: a weight update, restarts with another block count, repairs ------------
+
+
+def _blocks_of(daemon, fingerprints) -> int:
+    """Blocks the daemon holds in the namespaces of these fingerprints."""
+    fps = {bytes(f) for f in fingerprints}
+    c = daemon.client()
+    return sum(ns.blocks for ns in c.stats().namespaces if bytes(ns.fingerprint) in fps)
+
+
+def _sched(eng: Engine):
+    return eng.sched_conn._scheduler
+
+
+def test_a_weight_update_never_serves_kv_of_the_old_weights(engine, daemon):
+    eng = engine(Config(model="m7-reset"))
+    a = toks(30, 1000)
+    serve(eng, a, prefix="a")
+    old = list(_sched(eng)._fingerprints.values())
+    assert _blocks_of(daemon, old) > 0
+    # The trainer's update: every cache reset, new weights (every token's KV
+    # changes). Nothing stored before may be loaded: the stand-in checks
+    # every block against the new weights.
+    assert eng.update_weights() is True
+    assert _blocks_of(daemon, old) == 0  # the old identity's blocks hold no capacity
+    serve(eng, a[:24] + [5, 5], prefix="b")
+    assert eng.counters["hit_tokens"] == 0
+    # What the engine stores under the new weights is served again.
+    serve(eng, a[:24] + [6, 6], prefix="c")
+    assert eng.counters["hit_tokens"] == 24
+
+
+def test_stores_planned_or_in_flight_at_a_reset_stay_in_the_old_identity(engine):
+    eng = engine(Config(model="m7-inflight", async_scheduling=True, max_batched_tokens=8))
+    a = toks(40, 1100)
+    req = eng.add_request("a0", a, 4)
+    for _ in range(200):
+        if req.num_computed_tokens >= 16:
+            break
+        eng.step()  # until a's prefill is under way, a step with its stores scheduled and not run
+    assert req.num_computed_tokens >= 16 and eng.in_flight
+    assert eng.update_weights(drain=False) in (True, False)  # vLLM's own reset fails while blocks are held
+    eng.abort("a0")  # nothing of a is computed under the new weights
+    settle(eng)
+    serve(eng, a[:32] + [5, 5], prefix="b")
+    assert eng.counters["hit_tokens"] == 0, "a store planned before the reset landed in the new identity"
+
+
+def test_a_reset_the_daemon_cannot_confirm_answers_false(engine, daemon):
+    eng = engine(Config(model="m7-down", extra={"timeout_s": 0.3}))
+    a = toks(30, 1200)
+    serve(eng, a, prefix="a")
+    daemon.pause()
+    try:
+        ok = eng.update_weights()
+    finally:
+        daemon.resume()
+    assert ok is False
+    serve(eng, a[:24] + [5, 5], prefix="b")  # nothing old loaded all the same (the check would fail)
+    assert eng.counters["hit_tokens"] == 0
+
+
+def test_engines_share_blocks_only_under_one_declared_weights_version(engine):
+    a = toks(30, 1300)
+    e1 = engine(Config(model="m7-ver", extra={"weights_version": "step-7"}))
+    serve(e1, a, prefix="a")
+    e1.close()
+    e2 = engine(Config(model="m7-ver", extra={"weights_version": "step-8"}))
+    for m in e2.memory:
+        m.weights = 1  # other weights: a hit would fail the check
+    serve(e2, a[:24] + [5, 5], prefix="b")
+    assert e2.counters["hit_tokens"] == 0
+    e2.close()
+    e3 = engine(Config(model="m7-ver", extra={"weights_version": "step-7"}))
+    serve(e3, a[:24] + [6, 6], prefix="c")
+    assert e3.counters["hit_tokens"] == 24
+
+
+def test_request_level_failures_on_a_vllm_without_them_still_reports_failed_blocks(engine, daemon, caplog):
+    cfg = Config(model="m8-rlf", transfer_results=False, extra={"request_level_failures": True})
+    with caplog.at_level(logging.ERROR, logger="kvoffload"):
+        eng = engine(cfg, transfer_results=False)
+    a = toks(30, 1400)
+    serve(eng, a, prefix="a")
+    _invalidate_after_alloc(eng, daemon)
+    serve(eng, a[:24] + [5, 5], prefix="b")  # the load fails: vLLM must hear of it, or it reads unloaded blocks
+    assert eng.counters["load_failures"] >= 1
+    assert any("request_level_failures" in m and "ignored" in m for m in caplog.messages)
+
+
+def test_an_engine_restarted_with_another_block_count_hits_the_cache(engine):
+    a = toks(30, 1500)
+    e1 = engine(Config(model="m9-blocks", num_blocks=64))
+    serve(e1, a, prefix="a")
+    e1.close()
+    e2 = engine(Config(model="m9-blocks", num_blocks=65))  # memory profiling found room for one more
+    serve(e2, a[:24] + [5, 5], prefix="b")
+    assert e2.counters["hit_tokens"] == 24
+    e2.close()
+    e3 = engine(Config(model="m9-blocks", num_blocks=65, kernel_block_size=2))  # another byte order
+    serve(e3, a[:24] + [6, 6], prefix="c")
+    assert e3.counters["hit_tokens"] == 0
+
+
+def test_a_failed_load_is_stored_again_and_served_to_repeats(engine, daemon):
+    eng = engine(Config(model="m10-repair"))
+    a = toks(30, 1600)
+    serve(eng, a, prefix="a")
+    sc = eng.sched_conn
+    real = sc.update_state_after_alloc
+    _invalidate_after_alloc(eng, daemon)  # b's load fails: every block MISSING, vLLM recomputes them
+    serve(eng, a[:24] + [5, 5], prefix="b")
+    assert eng.counters["load_failures"] >= 1
+    sc.update_state_after_alloc = real
+    hit = eng.counters["hit_tokens"]
+    serve(eng, a[:24] + [6, 6], prefix="c")  # b stored what it recomputed
+    assert eng.counters["hit_tokens"] - hit == 24
+
+
+def test_a_new_request_is_answered_in_its_first_step(engine):
+    from kvoffload.settings import settings_from_vllm
+
+    # By default the loop waits a little for a lookup sent at once.
+    s = settings_from_vllm(vllm_config(Config(), "/x.sock"), kv_cache_config(Config()), env={})
+    assert s.lookup_wait_s > 0
+    # How long it waits is the machine's; with room to wait, no request
+    # (hit or miss) is deferred a step.
+    eng = engine(Config(model="m11-first", extra={"lookup_wait_ms": 5000}))
+    a = toks(30, 1700)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [5, 5], toks(20, 9100), prefix="b")
+    hits = [w for w in eng.admit_waits if w[0]]
+    misses = [w for w in eng.admit_waits if not w[0]]
+    assert hits and misses
+    assert all(steps == 0 for _, steps, _ in eng.admit_waits), eng.admit_waits
+
+
+# -- 8. vLLM's current interfaces ------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["set", "dict"])
+def test_request_level_failures_as_a_set_or_a_dict_are_repaired(engine, daemon, as_dict):
+    cfg = Config(groups=[Group("full", 4, 2), Group("full", 8, 1)], num_blocks=96, model=f"m14-{as_dict}",
+                 failed_as_dict=as_dict)
+    eng = engine(cfg)
+    sc = eng.sched_conn
+    real = sc.update_state_after_alloc
+    a = toks(40, 2000)
+    serve(eng, a, prefix="a")
+    _invalidate_after_alloc(eng, daemon)
+    serve(eng, a[:32] + [5, 5], prefix="b")  # b's load fails: reported per request, recomputed in full
+    assert eng.counters["load_failures"] >= 1
+    sc.update_state_after_alloc = real
+    hit = eng.counters["hit_tokens"]
+    serve(eng, a[:32] + [6, 6], prefix="c")  # what b recomputed was stored again
+    assert eng.counters["hit_tokens"] - hit == 32
+
+
+def test_external_hits_are_reported_by_the_tier_they_come_from(engine, fresh_daemon):
+    d = fresh_daemon("--disk-dir", "{dir}/disk", "--write-through")
+    eng = engine(Config(model="m12-sources"), socket=d.socket)
+    a = toks(30, 1800)
+    serve(eng, a, prefix="a")
+    serve(eng, a[:24] + [5, 5], prefix="b")
+    assert eng.counters.get("hit_host") == 24 and eng.counters["hit_tokens"] == 24
+    d.restart()
+    d.wait_recovered()  # only the disk tier holds them now
+    serve(eng, a[:24] + [6, 6], prefix="c")
+    assert eng.counters.get("hit_disk") == 24 and eng.counters["hit_tokens"] == 48
+
+
+def test_group_kinds_come_from_vllm_not_class_names(daemon):
+    cfg = Config(model="m12-rswa")
+    kcc = kv_cache_config(cfg)
+    # R-SWA frees its decode gap blocks while the request runs, as a sliding
+    # window does, though its spec is a FullAttentionSpec subclass: the
+    # step's stores must drain before vLLM may reuse them.
+    kcc.kv_cache_groups[0].kv_cache_spec = sv.RSWASpec(4, 8, num_kv_heads=2, head_size=4)
+    with connector_module() as mod:
+        c = mod.KVOffloadConnector(vllm_config(cfg, daemon.socket), sv.KVConnectorRole.SCHEDULER, kcc)
+        try:
+            assert c.settings.sync_stores
+            assert c.settings.identity["groups"][0].get("spec_kind") == "FULL_ATTENTION"  # vLLM's kind
+        finally:
+            c.shutdown()
+
+
+def test_the_last_block_of_an_eagle_group_is_not_stored_while_decoding(engine, daemon):
+    eng = engine(Config(groups=[Group("full", 4, 1), Group("full", 4, 1, eagle=True)], num_blocks=96, model="m13-eagle"))
+    serve(eng, toks(16, 1900), max_tokens=9, prefix="a")  # 24 tokens computed: 6 blocks of each group
+    fps = _sched(eng)._fingerprints.values()
+    assert _blocks_of(daemon, fps) == 2 * 5  # the draft's last block is volatile: left out
+
+
+def test_a_request_finished_while_loading_with_stores_in_flight_is_freed_once(shm):
+    # vLLM keeps a request finished in WAITING_FOR_REMOTE_KVS until it is
+    # reported finished receiving, then frees it; if request_finished also
+    # said True, finished_sending frees it a second time (scheduler.py
+    # _update_from_kv_xfer_finished asserts it is still there). And the
+    # blocks must not go back while a store of the request still reads them.
+    fake = FakeDaemon()
+    try:
+        cfg = Config(model="m16")
+        with connector_module() as mod:
+            vcfg, kcc = vllm_config(cfg, fake.socket), kv_cache_config(cfg)
+            sched = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.SCHEDULER, kcc)
+            worker = mod.KVOffloadConnector(vcfg, sv.KVConnectorRole.WORKER, kcc)
+            mem = RankMemory(shm, cfg, 0)
+            worker.register_kv_caches(mem.kv_caches)
+            hs = worker.get_handshake_metadata()
+            if hs is not None:
+                sched.set_xfer_handshake_metadata({0: hs})
+            req = Request("a", toks(17, 1), 4, Hasher(4, 32, "0"), b"s" * 8)
+            blocks = sv.ns(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+            sched.update_state_after_alloc(req, blocks, 0)
+            out = SchedulerOutput(seq=1, scheduled_new_reqs=[NewRequestData("a", req.prompt_token_ids, ([1, 2, 3, 4, 5],), 0)],
+                                  num_scheduled_tokens={"a": 17})
+            worker.bind_connector_metadata(sched.build_connector_meta(out))
+            worker.start_load_kv(None)
+            worker.wait_for_save()  # the daemon accepts the store and keeps reading
+            worker.get_finished(set())
+            worker.clear_connector_metadata()
+            assert wait_for(lambda: fake.pending())
+            req.num_computed_tokens = 17
+            # Preempted, then waiting for a load of 8 tokens (vLLM holds its
+            # blocks until the load is reported), then aborted.
+            sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
+            req.num_computed_tokens = 0
+            sched.update_state_after_alloc(req, sv.ns(get_block_ids=lambda: ([6, 7, 8, 9, 10],)), 8)
+            worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput(seq=3)))
+            worker.start_load_kv(None)
+            worker.clear_connector_metadata()
+            delay, _ = sched.request_finished(req, ([6, 7, 8, 9, 10],))
+            assert delay is False, "vLLM already keeps a loading request's blocks until it is finished receiving"
+            worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput(seq=4, finished_req_ids={"a"})))
+            worker.start_load_kv(None)
+            _, recving = worker.get_finished({"a"})
+            worker.clear_connector_metadata()
+            assert not recving, "finished receiving (its blocks freed) while a store of it may still read them"
+            fake.finish()
+            assert wait_for(lambda: not worker._worker.pending())
+            _, recving = worker.get_finished(set())
+            assert recving == {"a"}
+            worker.shutdown()
+            sched.shutdown()
+    finally:
+        fake.stop()
