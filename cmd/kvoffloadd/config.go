@@ -187,7 +187,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	}
 	fs := flag.NewFlagSet("kvoffloadd", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.socket, "socket", defaultSocket(), "unix socket to serve the API on. Its directory is created with mode 0700 and must be owned by the daemon's user; a stale socket is removed only after a dial finds nobody listening.")
+	fs.StringVar(&c.socket, "socket", defaultSocket(), "unix socket to serve the API on. Its directory is created with mode 0700 and must be owned by the daemon's user; a stale socket is removed only after a dial finds nobody listening. Beside it, <socket>.life is locked for the daemon's whole life, so a connector that cannot see the daemon's pid knows when it has exited.")
 	fs.StringVar(&c.socketMode, "socket-mode", c.socketMode, "permission bits of the socket: 0600 (only this user) or 0660 (also this user's group).")
 	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
 	fs.StringVar(&c.cpuPolicy, "cpu-policy", c.cpuPolicy, "which blocks the CPU tier keeps when it is full: slru (a segmented LRU: new blocks on probation, blocks used again protected; one-off prompts churn only the probation part) or tinylfu (ristretto's frequency-based admission and eviction). docs/benchmarks.md has both against LRU on kvbench's traces.")

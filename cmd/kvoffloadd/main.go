@@ -64,7 +64,7 @@ func main() {
 // run starts the daemon and serves until ctx ends, then shuts down in order:
 // health goes NOT_SERVING, new work is refused, in-flight jobs drain, the
 // gRPC server stops, registrations unmap, the arena is released.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result error) {
 	cfg, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
@@ -163,6 +163,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer os.Remove(cfg.socket)
+	// The life file's lock says "exited" to connectors that cannot see
+	// this process (life.go): released after everything else, and not at
+	// all when the shutdown left copies running (the exit releases it).
+	releaseLife, err := holdLife(cfg.socket, mode)
+	if err != nil {
+		lis.Close()
+		closeAll()
+		return err
+	}
+	defer func() {
+		if !errors.Is(result, errAbandoned) {
+			releaseLife()
+		}
+	}()
 
 	var metricsSrv *http.Server
 	metricsErr := make(chan error, 1)

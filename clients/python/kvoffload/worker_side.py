@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .client import Client
-from .daemon_process import DaemonProcess, daemon_pid
+from .daemon_process import DaemonProcess, daemon_pid, open_life, same_life as _same_life
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -125,9 +126,10 @@ class WorkerSide:
             (None: none; the call ends when the daemon answers or the
             connection breaks, so its outcome is never in doubt while the
             daemon runs).
-        unknown_daemon_grace_s: when the daemon's pid is not visible (another
-            pid namespace), how long it must be unreachable before its jobs
-            are taken as dead.
+        unknown_daemon_grace_s: when neither the daemon's pid (another pid
+            namespace) nor its life file (``<socket>.life``, a daemon older
+            than it) is visible, how long it must be unreachable before its
+            jobs are taken as dead.
         poll_wait_ms: how long a Completions call waits for a result, and
             how long the poller leaves results to the sender's calls before
             reading Completions itself.
@@ -302,12 +304,18 @@ class WorkerSide:
             return False
         with self._cv:
             fingerprint = self.fingerprint
+        life = None
         for _ in range(3):
+            if life is not None:
+                os.close(life)
             pid = self._pid_probe(self._socket)
+            life = open_life(self._socket)
             try:
                 reg = self._client.register(fingerprint, kv.layout, kv.regions, self.client_name,
                                             timeout=self._register_timeout)
             except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
+                if life is not None:
+                    os.close(life)
                 self.refused = str(e)
                 log.error("kvoffload: the daemon refused this worker's KV caches (%s); offloading is off for this "
                           "engine", e)
@@ -315,12 +323,14 @@ class WorkerSide:
                     self._end_switch_locked(False)
                 return False
             except KVOffloadError as e:
+                if life is not None:
+                    os.close(life)
                 log.warning("kvoffload: Register failed (%s); retrying in the background", e)
                 with self._cv:
                     self._next_rereg = self._clock() + self._rereg_after
                     self._end_switch_locked(False)
                 return False
-            if self._pid_probe(self._socket) == pid:
+            if self._pid_probe(self._socket) == pid and _same_life(life, self._socket):
                 break
             # The daemon restarted between the probe and the call: the
             # registration may belong to either; make another.
@@ -329,11 +339,14 @@ class WorkerSide:
             if fingerprint != self.fingerprint:
                 # A cache reset moved the identity on during the call: this
                 # registration is of the old one.
+                if life is not None:
+                    os.close(life)
                 self._retired.append(reg.registration_id)
                 self._cv.notify_all()
                 return False
             self.registration_id, self.namespace_id = reg.registration_id, reg.namespace_id
-            self._regs[reg.registration_id] = _Reg(reg.registration_id, reg.namespace_id, DaemonProcess(pid))
+            self._regs[reg.registration_id] = _Reg(reg.registration_id, reg.namespace_id, DaemonProcess(pid, life))
+            life = None
             self._down_since = None
             self._end_switch_locked(True)
             self._cv.notify_all()
@@ -593,7 +606,9 @@ class WorkerSide:
     def _same_daemon(self, reg: _Reg) -> bool:
         """Whether the daemon answering on the socket is the process that
         holds the registration (its NOT_FOUND then means drained)."""
-        return reg.daemon.pid is not None and self._pid_probe(self._socket) == reg.daemon.pid
+        if reg.daemon.pid is not None:
+            return self._pid_probe(self._socket) == reg.daemon.pid
+        return reg.daemon.serves(self._socket)
 
     # -- the poller thread ---------------------------------------------------------
 
