@@ -13,8 +13,13 @@ import tmpdirs
 
 HERE = Path(__file__).resolve().parent
 
+# The owner turns SIGINT into KeyboardInterrupt itself: Python does so only
+# when it starts with SIGINT not ignored, and a test session started in the
+# background of a non-interactive shell passes SIG_IGN on (then the SIGINT
+# case waited 30 s for an owner that ignored it).
 OWNER = r"""
-import subprocess, sys, time
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 import tmpdirs
 d = tmpdirs.make("t-")
