@@ -225,8 +225,13 @@ class Client:
             ("grpc.use_local_subchannel_pool", 1),
             # A local daemon restarts in well under a second: retry the
             # socket quickly instead of gRPC's default 1 s..120 s backoff.
+            # gRPC takes min_reconnect_backoff_ms as the least time an attempt
+            # has to finish its handshake, floored at 100 ms: at 50 a daemon
+            # that took longer to answer a new connection (a loaded machine)
+            # failed every call on it UNAVAILABLE at once. 20 s is gRPC's own
+            # default; each call's deadline still bounds it.
             ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 20000),
             ("grpc.max_reconnect_backoff_ms", 1000),
             *options,
         ]

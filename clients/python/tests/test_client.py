@@ -346,3 +346,24 @@ def test_store_and_load_return_the_finished_results(client, shm, fingerprint):
         got.update((x.job_id, x) for x in client.completions(rid, wait_ms=1000).results)
     assert got[4].ok and [block_bytes(r, b) for b in (12, 13)] == [block_bytes(r, b) for b in (0, 1)]
     assert client.completions(rid).results == ()
+
+
+def test_a_slow_handshake_is_waited_for_not_failed(fresh_daemon):
+    """A daemon that takes longer than gRPC's 100 ms floor to answer a new
+    connection (a loaded machine; here stopped for half a second) costs a
+    call that time, within its deadline, not UNAVAILABLE at once: with
+    grpc.min_reconnect_backoff_ms at 50 every connection attempt had 100 ms
+    to finish its handshake, and the vLLM worker's Register failed so."""
+    import threading
+
+    d = fresh_daemon()
+    d.pause()
+    resume = threading.Timer(0.5, d.resume)
+    resume.start()
+    c = kv.Client(d.socket, timeout=30)
+    try:
+        assert c.stats().version
+    finally:
+        c.close()
+        resume.cancel()
+        d.resume()

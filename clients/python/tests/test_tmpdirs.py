@@ -13,16 +13,30 @@ import tmpdirs
 
 HERE = Path(__file__).resolve().parent
 
+# The owner turns SIGINT into KeyboardInterrupt itself: Python does so only
+# when it starts with SIGINT not ignored, and a test session started in the
+# background of a non-interactive shell passes SIG_IGN on (then the SIGINT
+# case waited 30 s for an owner that ignored it). It waits for the signal on
+# the wakeup fd that Python's C-level handler writes to: a time.sleep(600)
+# entered just after that handler ran (the test signals as soon as it reads
+# the line) slept on, the Python handler never ran, and the test waited 30 s
+# for nothing (1 of 14 runs of the suite under load; issue 26).
 OWNER = r"""
-import subprocess, sys, time
+import os, select, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 import tmpdirs
 d = tmpdirs.make("t-")
 open(d + "/disk", "wb").write(b"x" * 4096)
 p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 tmpdirs.adopt(d, p)
+r, w = os.pipe()
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
 print(d, p.pid, flush=True)
-time.sleep(600)
+while True:
+    select.select([r], [], [])
+    os.read(r, 512)
 """
 
 
