@@ -562,3 +562,33 @@ def test_a_request_finished_while_loading_with_stores_in_flight_is_freed_once(sh
             sched.shutdown()
     finally:
         fake.stop()
+
+
+# -- 8. issue 24: a store dropped at a preemption is planned again --------------------------
+
+
+def test_a_store_dropped_at_a_preemption_is_stored_again(engine):
+    # vLLM preempts requests mid chunked prefill (num_computed_tokens = 0)
+    # and the worker drops their stores still queued: the recomputed blocks
+    # must be stored again, or a repeat of the prompt misses them.
+    cfg = Config(model="m11-preempt", num_blocks=40, long_prefill=8, max_batched_tokens=48, max_seqs=12,
+                 sender_lags=True)
+    eng = engine(cfg)
+    preempted: list[str] = []
+    real = eng._preempt
+
+    def preempt(req):
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            preempted.append(req.request_id)
+        real(req)
+
+    eng._preempt = preempt
+    prompts = {f"a{i}": toks(30, 2000 + 100 * i) for i in range(12)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, 1)
+    settle(eng)
+    assert preempted, "the workload never preempted a request mid prefill"
+    for rid in sorted(set(preempted)):
+        hit = eng.counters["hit_tokens"]
+        serve(eng, prompts[rid][:28] + [7, 7], prefix=f"r{rid}-")
+        assert eng.counters["hit_tokens"] - hit == 28, f"the repeat of preempted {rid} was not offered its prefix"
