@@ -85,6 +85,10 @@ class _ReqState:
     block_ids: list[list[int | None]]
     next_store_unit: int = 0
     store_seq: int = 0  # last step whose plan stored blocks of this request
+    # (plan step, first unit) of each store planned and not yet known drained
+    # by every rank: where the cursor goes back to if vLLM preempts the
+    # request and the workers drop those stores still queued.
+    store_starts: list[tuple[int, int]] = field(default_factory=list)
     controls: RequestControls = field(default_factory=RequestControls)
     gen: int = 0  # the identity (reset generation) its KV was computed under; stores only while current
 
@@ -660,6 +664,16 @@ class SchedulerSide:
                 # Workers drain or drop this request's stores before vLLM
                 # reuses its blocks; the resumed request brings new block ids.
                 st.block_ids = [[] for _ in range(self.keys.num_groups)]
+                # vLLM recomputes it from token 0 (num_computed_tokens = 0)
+                # and the workers drop its stores still queued: store again,
+                # as vLLM recomputes them, every unit from the first store
+                # not known drained on every rank (a store of a block the
+                # daemon already holds is a no-op).
+                done = self._drained_seq(rid)
+                undrained = [u for seq, u in st.store_starts if seq > done]
+                if undrained:
+                    st.next_store_unit = min(st.next_store_unit, min(undrained))
+                st.store_starts = []
                 if st.gen != self._gen:
                     # Recomputed from scratch after a reset: its KV is the
                     # new weights' from here.
@@ -692,10 +706,12 @@ class SchedulerSide:
             if end <= st.next_store_unit:
                 continue
             jobs = self._jobs(hashes, st.block_ids, st.next_store_unit, end, request=req)
+            first = st.next_store_unit
             st.next_store_unit = end
             if jobs:
                 plan.stores[rid] = jobs
                 st.store_seq = self._seq
+                st.store_starts.append((self._seq, first))
         plan.delay_free, self._delay_free = self._delay_free, set()
         return plan
 
@@ -745,6 +761,15 @@ class SchedulerSide:
             cur = self._settled.setdefault(rid, {})
             for rank, seq in by_rank.items():
                 cur[rank] = max(cur.get(rank, 0), seq)
+            st = self._reqs[rid]
+            done = self._drained_seq(rid)
+            st.store_starts = [(seq, u) for seq, u in st.store_starts if seq > done]
+
+    def _drained_seq(self, rid: str) -> int:
+        """The last plan step up to which every rank reported the request's
+        stores drained (0: not known)."""
+        by_rank = self._settled.get(rid, {})
+        return min(by_rank.values()) if len(by_rank) >= self.num_ranks else 0
 
     def stores_settled(self, rid: str) -> bool:
         """Whether every rank reported the request's stores drained up to

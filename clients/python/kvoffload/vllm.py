@@ -338,6 +338,15 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                       "reported per block")
             rlf = False
         self._request_level = rlf
+        if not s.sync_stores and not s.full_attention:
+            # vLLM frees such a group's blocks while the request runs (behind
+            # a sliding window, past a local chunk) and gives them to other
+            # requests: a store still in flight would copy their KV under
+            # this request's keys.
+            log.error("kvoffload: kv_connector_extra_config.sync_stores is false, but a KV cache group of this model "
+                      "is not full attention (vLLM frees its blocks while the request runs): ignored, stores are "
+                      "synchronous")
+            s.sync_stores = True
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._worker_off: str | None = s.unsupported

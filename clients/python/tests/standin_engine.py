@@ -48,7 +48,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import standin_vllm as sv
-from helpers import FakeTensor
+from helpers import FakeTensor, wait_for
 
 E = 2  # bytes per element
 H = 2  # KV heads per rank
@@ -183,6 +183,11 @@ class Config:
     failed_as_dict: bool = False  # failed_recving as {request id: failure} (newer vLLM's typed failures)
     worker_meta: bool = True
     old_preemptions: bool = False  # handle_preemptions(preempted_req_ids)
+    # The worker's sender thread does not pick up a step's stores before the
+    # next step's handle_preemptions has run (as under vLLM, whose step loop
+    # keeps the GIL): a preempted request's stores of the step before are
+    # then still queued, and dropped.
+    sender_lags: bool = False
     # The GPU's share of a step: vLLM's engine loop waits on the device (and
     # so releases the GIL) for at least this long each step.
     gpu_s: float = 0.0005
@@ -586,6 +591,7 @@ class Engine:
         self.processed_seq = 0
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self.reset_preempted: set[str] = set()  # preempted by reset_prefix_cache, told in the next step
+        self._held: dict[int, Any] = {}  # rank -> its WorkerSide whose lock this thread holds (cfg.sender_lags)
         self.paused = False  # vLLM's pause_generation: no waiting request is admitted
         self.worker_tables: list[dict[str, list[list[int]]]] = [{} for _ in range(cfg.tp * cfg.pcp)]
         self.worker_seqs: dict[str, Sequence] = {}
@@ -952,6 +958,7 @@ class Engine:
                     w.handle_preemptions(set(out.preempted_req_ids))
             else:
                 w.handle_preemptions(meta)
+            self._let_sender_run(r)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             t += time.perf_counter() - t0
@@ -985,6 +992,9 @@ class Engine:
                 w.wait_for_layer_load(layer)
                 w.save_kv_layer(layer, mem.kv_caches[layer], None)
             w.wait_for_save()
+            if self.cfg.sender_lags and getattr(w, "_worker", None) is not None and r not in self._held:
+                w._worker._cv.acquire()  # the sender cannot take the queued Store until released
+                self._held[r] = w._worker
             if hasattr(w, "get_transfer_results"):
                 tr = w.get_transfer_results(out.finished_req_ids)
                 ko = KVConnectorOutput(tr.finished_sending or None, tr.finished_recving or None,
@@ -1010,6 +1020,14 @@ class Engine:
         if self.cfg.gpu_s:
             time.sleep(self.cfg.gpu_s)
         return {"kv": kv, "sampled": sampled, "done": done, "worker_s": worst}
+
+    def _let_sender_run(self, r: int) -> None:
+        """cfg.sender_lags: after handle_preemptions, the sender takes what is queued."""
+        ws = self._held.pop(r, None)
+        if ws is None:
+            return
+        ws._cv.release()
+        assert wait_for(lambda: not ws._queue or ws.suspect()), "the sender never took the queued jobs"
 
     def _aggregate(self, outs: list[KVConnectorOutput]) -> KVConnectorOutput:
         assert len(outs) == len(self.workers), (len(outs), len(self.workers))
@@ -1188,6 +1206,8 @@ class Engine:
         self.counters["positions_checked"] += checked
 
     def close(self) -> None:
+        for r in list(self._held):
+            self._held.pop(r)._cv.release()
         for w in self.workers:
             w.shutdown()
         self.sched_conn.shutdown()

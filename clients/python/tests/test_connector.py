@@ -289,13 +289,19 @@ def test_chunked_prefill_decode_and_preemption(harness):
     # Preempted: its stores drain before vLLM reuses its blocks.
     plan = h.step(SchedulerOutput(preempted_req_ids={"c"}))
     assert plan.preempted == {"c"} and h.workers[0]._pending_stores.get("c") is None
-    # Resumed with new blocks: they replace the old ones; stores go on from
-    # block 5 (the first 5 are cached).
+    # Resumed with new blocks: they replace the old ones; stores go on to
+    # block 7, from the first block whose store was not reported drained
+    # before the preemption (the worker may have dropped it; storing a block
+    # the daemon holds is a no-op), at the latest from block 5 (the first 5
+    # are cached: their KV is in the new blocks).
     r.num_computed_tokens = 20
-    out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["c"], {"c"}, [([9, 8, 7, 6, 11, 12, 13, 14],)], [20]),
+    new_ids = [9, 8, 7, 6, 11, 12, 13, 14]
+    out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["c"], {"c"}, [(new_ids,)], [20]),
                           num_scheduled_tokens={"c": 10})
     plan = h.step(out)
-    assert plan.stores == {"c": [GroupJob(0, r.block_hashes[5:7], [12, 13])]}
+    (job,) = plan.stores["c"]
+    first = 7 - len(job.block_ids)
+    assert first <= 5 and job == GroupJob(0, r.block_hashes[first:7], new_ids[first:7])
 
 
 def test_every_rank_must_hold_a_block(harness):

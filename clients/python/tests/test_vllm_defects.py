@@ -562,3 +562,75 @@ def test_a_request_finished_while_loading_with_stores_in_flight_is_freed_once(sh
             sched.shutdown()
     finally:
         fake.stop()
+
+
+# -- 8. issue 24: a store dropped at a preemption is planned again --------------------------
+
+
+def test_a_store_dropped_at_a_preemption_is_stored_again(engine):
+    # vLLM preempts requests mid chunked prefill (num_computed_tokens = 0)
+    # and the worker drops their stores still queued: the recomputed blocks
+    # must be stored again, or a repeat of the prompt misses them.
+    cfg = Config(model="m11-preempt", num_blocks=40, long_prefill=8, max_batched_tokens=48, max_seqs=12,
+                 sender_lags=True)
+    eng = engine(cfg)
+    preempted: list[str] = []
+    real = eng._preempt
+
+    def preempt(req):
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            preempted.append(req.request_id)
+        real(req)
+
+    eng._preempt = preempt
+    prompts = {f"a{i}": toks(30, 2000 + 100 * i) for i in range(12)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, 1)
+    settle(eng)
+    assert preempted, "the workload never preempted a request mid prefill"
+    for rid in sorted(set(preempted)):
+        hit = eng.counters["hit_tokens"]
+        serve(eng, prompts[rid][:28] + [7, 7], prefix=f"r{rid}-")
+        assert eng.counters["hit_tokens"] - hit == 28, f"the repeat of preempted {rid} was not offered its prefix"
+
+
+# -- 9. issue 24: no setting stores a sliding-window block vLLM has reused -----------------
+
+
+def test_sync_stores_false_never_stores_a_reused_sliding_window_block(engine, fresh_daemon, caplog):
+    # vLLM frees sliding-window blocks behind the window while the request
+    # runs and gives them to others. With the daemon stopped, a store of such
+    # a block would copy them once it runs again, under this request's keys;
+    # sync_stores: false must not make that possible (it is ignored).
+    d = fresh_daemon()
+    cfg = Config(groups=[Group("full", 4, 1), Group("swa", 4, 1, window=8)], num_blocks=56, long_prefill=4,
+                 max_batched_tokens=24, max_seqs=6, model="m13-swa-nosync", extra={"sync_stores": False})
+    with caplog.at_level(logging.ERROR, logger="kvoffload"):
+        eng = engine(cfg, socket=d.socket)
+    assert any("sync_stores" in m and "ignored" in m for m in caplog.messages)
+    prompts = [toks(32, 3000 + 100 * i) for i in range(6)]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"a{i}", p, 8)
+    for _ in range(3):
+        eng.step()
+    w = eng.workers[0]._worker
+    start = eng.step_seq
+    d.pause()
+
+    def resume():
+        # Ten steps run (stores do not hold the step), or the step waits for
+        # its stores (they do): then the daemon runs again.
+        wait_for(lambda: eng.step_seq >= start + 20 or w._waiters > 0)
+        d.resume()
+
+    t = threading.Thread(target=resume)
+    t.start()
+    try:
+        settle(eng)
+    finally:
+        t.join()
+    assert eng.step_seq > start + 1
+    for i, p in enumerate(prompts):
+        for e in range(3, 9):  # a hit ending at every unit loads the window there
+            serve(eng, p[:4 * e] + [9, 9], prefix=f"r{i}-{e}-")
+    assert eng.counters["hit_tokens"] > 0
