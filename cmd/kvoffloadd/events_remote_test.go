@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
@@ -337,4 +338,110 @@ func garbleRemote(t *testing.T, ctx context.Context, rc *rediscluster.Cluster, d
 		cl.Close()
 	}
 	return n
+}
+
+// TestRemoteEventsRaceInvalidate stores and invalidates the same blocks
+// over and over while the publisher races the invalidations, with a second
+// node reading the cluster: whenever the first node's WatchEvents, read up
+// to a later change, says a block is stored in the remote tier, the second
+// node finds it there. A publish acknowledged after an Invalidate (its
+// value stale) must never be reported stored after the removal.
+func TestRemoteEventsRaceInvalidate(t *testing.T) {
+	if err := rediscluster.Available(); err != nil && !rediscluster.Required() {
+		t.Skip(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rc, err := rediscluster.Start(ctx, rediscluster.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	bin := buildDaemon(t)
+	m := testenv.Model{Layers: 2, SegBytes: 16 << 10, Blocks: 32, HashBytes: 16}
+	type node struct {
+		c   *client.Client
+		reg *pb.RegisterResponse
+		r   *testenv.Region
+	}
+	start := func(name string) node {
+		sock := filepath.Join(t.TempDir(), name+".sock")
+		_, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "16MiB", "--remote-redis", rc.Addrs()[0])
+		r := testenv.NewRegion(t, m.RegionBytes())
+		reg, err := c.Register(ctx, []byte("race-remote"), m.Layout(), m.Regions(r), name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return node{c, reg, r}
+	}
+	a, b := start("a"), start("b")
+	watch, err := a.c.API.WatchEvents(ctx, &pb.WatchEventsRequest{NamespaceIds: []uint32{a.reg.NamespaceId}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := make([][]byte, 8)
+	for i := range hs {
+		hs[i] = m.Hash(3, i)
+	}
+	held := map[string]bool{}
+	nextID := uint64(1)
+	store := func(hs [][]byte) {
+		t.Helper()
+		for i, h := range hs {
+			m.Fill(a.r, i, h)
+		}
+		if _, err := a.c.Store(ctx, a.reg.RegistrationId, []*pb.Job{testenv.Job(nextID, hs, seqIDs(len(hs)))}, true); err != nil {
+			t.Fatal(err)
+		}
+		nextID++
+	}
+	remoteSeen := 0
+	for round := 0; round < 40; round++ {
+		store(hs)
+		if round%3 != 2 {
+			// Most rounds invalidate while the publishes are queued or
+			// on the wire; some let them land first.
+			if _, err := a.c.API.Invalidate(ctx, &pb.InvalidateRequest{NamespaceIds: []uint32{a.reg.NamespaceId}, Keys: testenv.Keys(hs...)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// A later change, then every event up to it.
+		probe := m.Hash(4, round)
+		store([][]byte{probe})
+		for found := false; !found; {
+			r, err := watch.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, e := range r.Events {
+				switch {
+				case e.Kind == pb.EventKind_EVENT_KIND_ALL_BLOCKS_CLEARED:
+					clear(held)
+				case e.Tier == pb.Tier_TIER_REMOTE && e.Kind == pb.EventKind_EVENT_KIND_BLOCK_STORED:
+					held[string(e.Hash)] = true
+					remoteSeen++
+				case e.Tier == pb.Tier_TIER_REMOTE && e.Kind == pb.EventKind_EVENT_KIND_BLOCK_REMOVED:
+					delete(held, string(e.Hash))
+				case e.Tier == pb.Tier_TIER_CPU && e.Kind == pb.EventKind_EVENT_KIND_BLOCK_STORED && string(e.Hash) == string(probe):
+					found = true
+				}
+			}
+		}
+		for _, h := range hs {
+			if !held[string(h)] {
+				continue
+			}
+			lr, err := b.c.Lookup(ctx, []uint32{b.reg.NamespaceId}, testenv.Keys(h), 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if lr.Ready != 1 {
+				t.Fatalf("round %d: the events say %x is in the remote tier; the other node does not find it", round, h[:8])
+			}
+		}
+	}
+	if remoteSeen == 0 {
+		t.Fatal("no block was ever reported in the remote tier")
+	}
+	t.Logf("%d BLOCK_STORED TIER_REMOTE events in 40 rounds", remoteSeen)
 }
