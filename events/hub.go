@@ -50,12 +50,18 @@ type Event struct {
 	// subscription, Seq never decreases.
 	Seq  uint64
 	Kind Kind
-	// Tier is one tier (index.InCPU or index.InDisk) for Stored and
-	// Removed, 0 for markers.
+	// Tier is one tier (index.InCPU, index.InDisk or Remote) for Stored
+	// and Removed, 0 for markers.
 	Tier    index.Tiers
 	HashLen uint8     // bytes of Key.Hash that are the block hash
 	Key     index.Key // NS, Group and Hash; zero for markers
 }
+
+// Remote is the shared remote tier as an Event's Tier: not one of the
+// index's tiers (the index holds this node's copies only), the value of
+// the wire's TIER_REMOTE. Its events are what this node saw of the remote
+// tier (RemoteChanged), never part of a snapshot.
+const Remote index.Tiers = 1 << 2
 
 // Hash is the block hash as the client sent it.
 func (e *Event) Hash() []byte { return e.Key.Hash[:e.HashLen] }
@@ -244,6 +250,35 @@ func (h *Hub) TiersChanged(k *index.Key, before, after index.Tiers) {
 			h.record(r, st, Event{Kind: Removed, Tier: t, HashLen: hl, Key: *k})
 		}
 	}
+	h.notify()
+}
+
+// RemoteChanged records what this node saw of k in the remote tier: the
+// store acknowledged holding it (stored) or it is gone from there (this
+// node invalidated it, deleted it as corrupt or stale, or a load found it
+// missing). It runs under no lock of the index: the caller orders one
+// key's remote changes itself (the publisher's acknowledgements against
+// the Cancel of an Invalidate), and a remote change is in no snapshot, so
+// no scan has to see it. Like TiersChanged, it takes no lock and pays for
+// no subscriber. A namespace the hub does not know (never registered, or
+// forgotten) has nothing to say.
+func (h *Hub) RemoteChanged(k *index.Key, stored bool) {
+	if h.active.Load() == 0 {
+		return
+	}
+	st := (*h.ns.Load())[k.NS]
+	if st == nil || st.quiet.Load() > 0 {
+		return
+	}
+	hl := uint8(st.hashLen.Load())
+	if hl == 0 {
+		return
+	}
+	kind := Removed
+	if stored {
+		kind = Stored
+	}
+	h.record(h.ring.Load(), st, Event{Kind: kind, Tier: Remote, HashLen: hl, Key: *k})
 	h.notify()
 }
 

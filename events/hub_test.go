@@ -444,3 +444,54 @@ func TestEachSubscriberWoken(t *testing.T) {
 		}
 	}
 }
+
+// TestRemoteChanges: what the caller says of the remote tier reaches the
+// namespace's subscribers as Remote changes in the order recorded, beside
+// the index's tiers; it is in no snapshot, says nothing during a reset or
+// of a namespace the hub does not know, and costs nothing unsubscribed.
+func TestRemoteChanges(t *testing.T) {
+	ix := index.New()
+	h := New(ix, Config{})
+	h.SetHashLen(1, 16)
+	k := key(1, 5)
+	h.RemoteChanged(&k, true) // nobody subscribed: nothing recorded
+	if h.Seq() != 0 {
+		t.Fatalf("seq %d with no subscriber", h.Seq())
+	}
+	set(ix, k, index.InCPU)
+	sub, err := h.Subscribe([]uint32{1}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	v := newView()
+	v.until(t, sub, 0)
+	if v.held[k] != index.InCPU {
+		t.Fatalf("snapshot: %v, want the CPU tier only", v.held[k])
+	}
+	other := key(9, 1) // a namespace never named
+	h.RemoteChanged(&other, true)
+	h.RemoteChanged(&k, true)
+	set(ix, k, 0)
+	h.RemoteChanged(&k, false)
+	h.RemoteChanged(&k, true)
+	v.until(t, sub, h.Seq())
+	if v.held[k] != Remote {
+		t.Fatalf("after stored, CPU gone, removed and stored again: %v, want the remote tier only", v.held[k])
+	}
+	h.BeginReset([]uint32{1})
+	h.RemoteChanged(&k, true)
+	h.EndReset([]uint32{1})
+	v.until(t, sub, h.Seq())
+	if v.cleared != 2 || len(v.held) != 0 {
+		t.Fatalf("after a reset: %d resets, %v; want 2 and nothing (a remote fact is in no snapshot)", v.cleared, v.held)
+	}
+	for _, tc := range []struct {
+		t                index.Tiers
+		medium, locality string
+	}{{index.InCPU, "CPU", "LOCAL"}, {index.InDisk, "STORAGE", "LOCAL"}, {Remote, "STORAGE", "REMOTE"}} {
+		if m, l := Medium(tc.t); m != tc.medium || l != tc.locality {
+			t.Errorf("tier %d: %s/%s, want %s/%s", tc.t, m, l, tc.medium, tc.locality)
+		}
+	}
+}

@@ -57,16 +57,21 @@ type VLLM struct {
 // vLLM's media and localities (vllm/distributed/kv_events.py,
 // vllm/v1/kv_offload/base.py).
 const (
-	MediumCPU     = "CPU"
-	MediumStorage = "STORAGE"
-	LocalityLocal = "LOCAL"
+	MediumCPU      = "CPU"
+	MediumStorage  = "STORAGE"
+	LocalityLocal  = "LOCAL"
+	LocalityRemote = "REMOTE"
 )
 
 // Medium names a tier as vLLM's medium field does: the CPU tier is CPU,
-// the disk tier STORAGE; both are this node's, LOCAL.
+// the disk tier STORAGE, both this node's (LOCAL); the shared remote tier
+// is STORAGE, REMOTE.
 func Medium(t index.Tiers) (medium, locality string) {
-	if t == index.InDisk {
+	switch t {
+	case index.InDisk:
 		return MediumStorage, LocalityLocal
+	case Remote:
+		return MediumStorage, LocalityRemote
 	}
 	return MediumCPU, LocalityLocal
 }

@@ -164,6 +164,13 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 		rt.pub = remote.NewPublisher(remote.PublisherConfig{
 			Store: rt.store, Keyspace: rt.ks, MAC: cfg.MAC, Queue: cfg.Queue, Workers: cfg.Publishers,
 			Timeout: cfg.Timeout, Metrics: m, Logger: s.log,
+			// This node's publish acknowledged: a router sees the block
+			// as STORAGE/REMOTE (docs/events.md, The remote tier).
+			Acked: func(src remote.Source) {
+				if p, ok := src.(*publishSource); ok {
+					s.ev.RemoteChanged(&p.key, true)
+				}
+			},
 		})
 	}
 	if reg != nil {
@@ -486,6 +493,7 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 	}
 	status := make([]Status, len(batch))
 	var corrupt []string
+	var gone []index.Key // found missing, or deleted below: gone from the remote tier
 	var promote []index.Key
 	inserted := make([]bool, len(batch))
 	for i, b := range batch {
@@ -495,15 +503,18 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 			status[i] = IOError
 		case !found:
 			status[i] = Missing
+			gone = append(gone, b.key)
 		case errors.Is(verr, remote.ErrStale):
 			// Written before an invalidation of its key or namespace
 			// (on any node): garbage, never served.
 			status[i] = Missing
 			corrupt = append(corrupt, fs[i].Key)
+			gone = append(gone, b.key)
 			rt.m.Errors.WithLabelValues("verify", "stale").Inc()
 		case verr != nil:
 			status[i] = Corrupt
 			corrupt = append(corrupt, fs[i].Key)
+			gone = append(gone, b.key)
 			rt.m.Errors.WithLabelValues("verify", remote.VerifyKind(verr)).Inc()
 			rt.log.Warn("remote tier: a value failed verification; the block is reported CORRUPT and the value deleted from the store",
 				"key", fs[i].Key, "registration", lj.r.ID, "job", lj.job.ID, "block_id", lj.job.BlockIDs[b.i], "err", verr)
@@ -546,6 +557,9 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 			rt.log.Warn("remote tier: deleting corrupt or stale values failed; another load will find them again", "err", err)
 		}
 		cancel()
+	}
+	for i := range gone {
+		s.ev.RemoteChanged(&gone[i], false)
 	}
 	c.Admit(promote)
 	for i, b := range batch {

@@ -504,6 +504,13 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 			return false
 		})
 	}
+	// After the Cancel: no acknowledgement of a publish it cancelled is
+	// reported after these (remote.PublisherConfig.Acked). A namespace
+	// invalidated whole is reported by the Invalidate's reset, which ends
+	// after this too.
+	for k := range want {
+		rt.s.ev.RemoteChanged(&k, false)
+	}
 	if len(prefixes) > 0 {
 		f.kick() // the garbage sweep
 	}

@@ -934,7 +934,6 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			dropped = append(dropped, *k)
 			return false
 		})
-		s.ev.EndReset(ids)
 	} else {
 		for k := range want {
 			s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
@@ -948,6 +947,11 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	}
 	s.voidLeases(all, want)
 	rinv := s.rem.fenceInvalidated(nss, want) // nil without a remote tier
+	if keys == nil {
+		// After fenceInvalidated's Cancel of the namespaces' publishes:
+		// no acknowledgement of one is reported after the reset.
+		s.ev.EndReset(ids)
+	}
 	// Every disk write submitted so far is named below the clock, and no
 	// later one is of these keys' old entries (the demoter submits under
 	// inval too): the mark covers every copy they left on disk.

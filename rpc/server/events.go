@@ -58,9 +58,13 @@ func toEvents(evs []events.Event) []*pb.KVEvent {
 		e := &evs[i]
 		pe := &pb.KVEvent{Seq: e.Seq, Kind: eventKinds[e.Kind]}
 		if e.Kind == events.Stored || e.Kind == events.Removed {
-			pe.Tier = pb.Tier_TIER_CPU
-			if e.Tier == index.InDisk {
+			switch e.Tier {
+			case index.InDisk:
 				pe.Tier = pb.Tier_TIER_DISK
+			case events.Remote:
+				pe.Tier = pb.Tier_TIER_REMOTE
+			default:
+				pe.Tier = pb.Tier_TIER_CPU
 			}
 			pe.NamespaceId, pe.Group, pe.Hash = e.Key.NS, e.Key.Group, append([]byte(nil), e.Hash()...)
 		}

@@ -38,6 +38,14 @@ type PublisherConfig struct {
 	Timeout time.Duration
 	Metrics *Metrics
 	Logger  *slog.Logger
+	// Acked, if set, is told each block the store acknowledged holding
+	// after this publisher's look or SET (published, or found there
+	// already), unless its item was cancelled: it is called with the
+	// publisher's lock held, so a Cancel that returns has seen every Acked
+	// call it did not prevent, and none of the blocks it cancelled is
+	// acked after. It must not block or call the Publisher. The Source has
+	// been released by then; only its identity is of use.
+	Acked func(src Source)
 }
 
 // Publisher is the write-behind queue: Publish never waits, a full queue
@@ -210,6 +218,19 @@ func (p *Publisher) Barrier() {
 	p.batching.Unlock() // nothing to guard: waiting for the holders is the point
 }
 
+// ack tells Acked that the store holds it (the item's block), unless it was
+// cancelled (under mu: see PublisherConfig.Acked).
+func (p *Publisher) ack(it *pubItem) {
+	if p.cfg.Acked == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !it.state.cancelled {
+		p.cfg.Acked(it.src)
+	}
+}
+
 func (p *Publisher) cancelled(it *pubItem) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -320,6 +341,7 @@ func (p *Publisher) publish(batch []pubItem) {
 		case found:
 			m.Blocks.WithLabelValues("publish", "exists").Inc()
 			it.src.Release()
+			p.ack(it)
 			continue
 		case cerr != nil, fs[i].Gen == 0, fs[i].NSGen == 0:
 			// Not known what the store holds or which generation
@@ -371,9 +393,11 @@ func (p *Publisher) publish(batch []pubItem) {
 			first = errors.Join(first, errs[j])
 		case items[j].Kept:
 			m.Blocks.WithLabelValues("publish", "exists").Inc()
+			p.ack(&batch[i])
 		default:
 			m.Blocks.WithLabelValues("publish", "published").Inc()
 			m.Bytes.WithLabelValues("publish").Add(float64(batch[i].size))
+			p.ack(&batch[i])
 		}
 	}
 	for _, b := range bufs {

@@ -248,3 +248,56 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 		}
 	}
 }
+
+// TestPublisherAcked: Acked hears of each block the store acknowledged
+// (published, or found there), and not of one cancelled while its payload
+// was being read: its SET lands, but an Invalidate's Cancel came before the
+// acknowledgement, so it is never reported stored after the removal.
+func TestPublisherAcked(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	m := NewMetrics(nil)
+	var mu sync.Mutex
+	var acked []Source
+	p := NewPublisher(PublisherConfig{Store: Instrument(r, m), Keyspace: NewKeyspace(nil), Queue: 8, Workers: 1, Timeout: 5 * time.Second, Metrics: m,
+		Acked: func(src Source) {
+			mu.Lock()
+			acked = append(acked, src)
+			mu.Unlock()
+		}})
+	t.Cleanup(p.Close)
+	ids, keys, vals := testBlocks(t, 2, 1000, nil)
+	gate := make(chan struct{})
+	var open sync.Once
+	release := func() { open.Do(func() { close(gate) }) }
+	t.Cleanup(release)
+	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
+	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	<-held.reading // its payload is being read: the Cancel comes too late to stop the SET
+	if n := p.Cancel(func(k string) bool { return k == keys[0] }); n != 1 {
+		t.Fatalf("cancel matched %d, want 1", n)
+	}
+	release()
+	size := len(vals[1]) - HeaderSize
+	first := &memSource{payload: vals[1][HeaderSize:]}
+	again := &memSource{payload: vals[1][HeaderSize:]}
+	for _, src := range []*memSource{first, again} {
+		if err := p.Publish(ids[1], size, src); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Flush(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := count(m, "published"); n != 2 {
+		t.Fatalf("published %d, want 2 (the cancelled block's SET landed)", n)
+	}
+	if n := count(m, "exists"); n != 1 {
+		t.Fatalf("exists %d, want 1", n)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(acked) != 2 || acked[0] != Source(first) || acked[1] != Source(again) {
+		t.Fatalf("acked %v; want the block published and the one found there, not the cancelled one (%p)", acked, held)
+	}
+}

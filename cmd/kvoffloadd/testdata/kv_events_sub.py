@@ -24,7 +24,7 @@ STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_
                "lora_id", "medium", "lora_name", "group_idx", "locality", "namespace_id"]
 REMOVED_KEYS = ["type", "block_hashes", "medium", "group_idx", "locality", "namespace_id"]
 # The tiers as vLLM's media and localities: the CPU tier, the disk tier.
-MEDIA = {("CPU", "LOCAL"), ("STORAGE", "LOCAL")}
+MEDIA = {("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")}
 
 
 def fail(msg):
