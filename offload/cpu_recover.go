@@ -35,8 +35,8 @@ import (
 //
 // A block stored again before recovery reaches its old copy keeps the new
 // copy (the old slot is released); one invalidated since the start is
-// released instead of filed (the tombstones below); one invalidated before
-// the restart has no record (Invalidate released its slot, which cleared
+// released instead of filed (its tombstones, tombstones.go); one
+// invalidated before the restart has no record (Invalidate released its slot, which cleared
 // it), so it cannot come back. A recovered block belongs to its
 // namespace's fingerprint: the namespaces of the arena's catalog are
 // created at start (or found, when the disk tier's catalog brought them
@@ -61,12 +61,7 @@ type cpuRecovery struct {
 	took     atomic.Int64  // nanoseconds, once done
 	hook     func()        // Config.CPURecoveryHook
 
-	mu struct {
-		sync.Mutex
-		running bool
-		keys    map[index.Key]struct{} // invalidated while running
-		ns      map[uint32]bool        // namespaces invalidated whole
-	}
+	tombstones // what Invalidates dropped while it runs
 }
 
 // newCPUTier maps the CPU tier's arena: private, or in dir's arena file.
@@ -144,11 +139,7 @@ func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 		return
 	}
 	rec.state.Store(cpuRecoveryRunning)
-	rec.mu.Lock()
-	rec.mu.running = true
-	rec.mu.keys = map[index.Key]struct{}{}
-	rec.mu.ns = map[uint32]bool{}
-	rec.mu.Unlock()
+	rec.tombstones.start()
 	s.log.Info("cpu tier: recovering the arena's blocks in the background", "dir", s.cpu.ArenaDir(), "namespaces", len(rec.byDigest))
 	s.reaper.Add(1)
 	go s.recoverCPU()
@@ -442,10 +433,7 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 // namespaces there are.
 func (s *Service) cpuRecoveryEnded(state int32, start time.Time) {
 	rec := &s.crec
-	rec.mu.Lock()
-	rec.mu.running = false
-	rec.mu.keys, rec.mu.ns = nil, nil
-	rec.mu.Unlock()
+	rec.tombstones.stop()
 	took := time.Since(start)
 	rec.took.Store(int64(took))
 	s.mu.Lock()
@@ -462,50 +450,6 @@ func (s *Service) cpuRecoveryEnded(state int32, start time.Time) {
 	s.log.Info("cpu tier: blocks recovered from the arena", "done", state == cpuRecoveryDone, "blocks", rec.blocks.Load(),
 		"dropped", rec.bad.Load(), "namespaces", len(rec.byDigest), "took", took.Round(time.Microsecond))
 	close(rec.done)
-}
-
-// invalidating records, while recovery runs, the keys an Invalidate drops
-// (keys nil: the whole namespaces), so that their copies recovery has not
-// filed yet are released instead. Call it before the index entries go.
-func (r *cpuRecovery) invalidating(nss []*Namespace, keys *Keys) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.mu.running {
-		return
-	}
-	for _, ns := range nss {
-		if keys == nil {
-			r.mu.ns[ns.ID] = true
-			continue
-		}
-		if r.mu.ns[ns.ID] {
-			continue
-		}
-		hb := ns.Layout.HashBytes
-		for i := 0; i+hb <= len(keys.Hashes); i += hb {
-			if len(r.mu.keys) >= maxTombstones {
-				// More of the arena's blocks dropped than were
-				// invalidated, never fewer.
-				r.mu.ns[ns.ID] = true
-				break
-			}
-			r.mu.keys[makeKey(ns.ID, keys.Group, keys.Hashes[i:i+hb])] = struct{}{}
-		}
-	}
-}
-
-// invalidated reports whether k was invalidated since recovery started.
-func (r *cpuRecovery) invalidated(k *index.Key) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.mu.running {
-		return false
-	}
-	if r.mu.ns[k.NS] {
-		return true
-	}
-	_, ok := r.mu.keys[*k]
-	return ok
 }
 
 // CPURecovered is closed once the CPU tier's recovery has ended (at once

@@ -3,7 +3,6 @@ package offload
 import (
 	"fmt"
 	"sort"
-	"sync"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -40,12 +39,7 @@ type recovery struct {
 	done     chan struct{}           // closed when recovery ends
 	epoch    uint32                  // the disk tier's write epoch of this run
 
-	mu struct {
-		sync.Mutex
-		running bool
-		keys    map[index.Key]struct{} // invalidated while running
-		ns      map[uint32]bool        // namespaces invalidated whole
-	}
+	tombstones // what Invalidates dropped while it runs
 }
 
 // startRecovery brings back the namespaces of the disk tier's catalog and
@@ -84,11 +78,7 @@ func (s *Service) startRecovery(t *disk.Tier) error {
 		rec.byDigest[d] = ns
 	}
 	s.mu.Unlock()
-	rec.mu.Lock()
-	rec.mu.running = true
-	rec.mu.keys = map[index.Key]struct{}{}
-	rec.mu.ns = map[uint32]bool{}
-	rec.mu.Unlock()
+	rec.tombstones.start()
 	return t.Recover(disk.Recoverer{Key: s.recoveredKey, File: s.fileRecovered, Done: s.recoveryDone})
 }
 
@@ -169,10 +159,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 // namespaces of the catalog may be swept from now on like any other (their
 // linger starts now).
 func (s *Service) recoveryDone(st disk.RecoveryStats) {
-	s.rec.mu.Lock()
-	s.rec.mu.running = false
-	s.rec.mu.keys, s.rec.mu.ns = nil, nil
-	s.rec.mu.Unlock()
+	s.rec.tombstones.stop()
 	s.mu.Lock()
 	now := time.Now()
 	for _, ns := range s.rec.byDigest {
@@ -199,49 +186,6 @@ func (s *Service) recoveryDone(st disk.RecoveryStats) {
 	s.log.Info("disk tier: index rebuilt from the slot files", "state", st.State, "blocks", st.Blocks,
 		"namespaces", len(s.rec.byDigest), "took", st.Elapsed)
 	close(s.rec.done)
-}
-
-// invalidating records, while recovery runs, the keys an Invalidate drops
-// (keys nil: the whole namespaces), so that their copies recovery has not
-// reached yet are erased instead of coming back. Call it before the index
-// entries are dropped.
-func (r *recovery) invalidating(nss []*Namespace, keys *Keys) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.mu.running {
-		return
-	}
-	for _, ns := range nss {
-		if keys == nil {
-			r.mu.ns[ns.ID] = true
-			continue
-		}
-		if r.mu.ns[ns.ID] {
-			continue
-		}
-		hb := ns.Layout.HashBytes
-		for i := 0; i+hb <= len(keys.Hashes); i += hb {
-			if len(r.mu.keys) >= maxTombstones {
-				r.mu.ns[ns.ID] = true
-				break
-			}
-			r.mu.keys[makeKey(ns.ID, keys.Group, keys.Hashes[i:i+hb])] = struct{}{}
-		}
-	}
-}
-
-// invalidated reports whether k was invalidated since recovery started.
-func (r *recovery) invalidated(k *index.Key) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.mu.running {
-		return false
-	}
-	if r.mu.ns[k.NS] {
-		return true
-	}
-	_, ok := r.mu.keys[*k]
-	return ok
 }
 
 // DiskRecovered is closed once the disk tier's recovery has ended (at
