@@ -1,12 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/hex"
-	"encoding/json"
-	"fmt"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -54,58 +50,7 @@ func testEventsZMQRemote(t *testing.T, ctx context.Context, rc *rediscluster.Clu
 		"--remote-redis", rc.Addrs()[0],
 		"--events-zmq", endpoint, "--events-zmq-topic", topic, "--events-zmq-format", format, "--events-zmq-hashes", hashes,
 		"--events-zmq-block-size", "16")
-	args := []string{"testdata/" + decoder, endpoint, topic, format}
-	if decoder == "kv_events_sub.py" {
-		args = append(args, hashes, "16")
-	}
-	py := exec.Command("/usr/bin/python3", args...)
-	stdin, err := py.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := py.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bufferWriter
-	py.Stderr = &stderr
-	if err := py.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lines := make(chan zmqEvent, 1<<16)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			var e zmqEvent
-			if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
-				e.Error = fmt.Sprintf("bad line %q: %v", sc.Text(), err)
-			}
-			lines <- e
-		}
-	}()
-	t.Cleanup(func() {
-		stdin.Close()
-		py.Wait()
-	})
-	next := func(wait time.Duration) (zmqEvent, bool) {
-		t.Helper()
-		select {
-		case e, ok := <-lines:
-			if !ok {
-				t.Fatalf("the decoder exited: %s", stderr.String())
-			}
-			if e.Error != "" {
-				t.Fatalf("the decoder: %s", e.Error)
-			}
-			return e, true
-		case <-time.After(wait):
-			return zmqEvent{}, false
-		}
-	}
-	if e, _ := next(30 * time.Second); !e.Subscribed {
-		t.Fatal("the decoder did not start")
-	}
+	next := startDecoder(t, decoder, endpoint, topic, format, hashes, "16")
 
 	m := testenv.Model{Layers: 2, SegBytes: 16 << 10, Blocks: 32, HashBytes: 16}
 	region := testenv.NewRegion(t, m.RegionBytes())

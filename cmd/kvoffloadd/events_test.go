@@ -59,58 +59,7 @@ func testEventsZMQ(t *testing.T, decoder, format, hashes string) {
 		"--events-zmq", endpoint, "--events-zmq-topic", topic, "--events-zmq-format", format, "--events-zmq-hashes", hashes,
 		"--events-zmq-block-size", "32")
 
-	args := []string{"testdata/" + decoder, endpoint, topic, format}
-	if decoder == "kv_events_sub.py" {
-		args = append(args, hashes, "32")
-	}
-	py := exec.Command("/usr/bin/python3", args...)
-	stdin, err := py.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := py.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bufferWriter
-	py.Stderr = &stderr
-	if err := py.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lines := make(chan zmqEvent, 1<<16)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			var e zmqEvent
-			if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
-				e.Error = fmt.Sprintf("bad line %q: %v", sc.Text(), err)
-			}
-			lines <- e
-		}
-	}()
-	t.Cleanup(func() {
-		stdin.Close()
-		py.Wait()
-	})
-	next := func(wait time.Duration) (zmqEvent, bool) {
-		t.Helper()
-		select {
-		case e, ok := <-lines:
-			if !ok {
-				t.Fatalf("the decoder exited: %s", stderr.String())
-			}
-			if e.Error != "" {
-				t.Fatalf("the decoder: %s", e.Error)
-			}
-			return e, true
-		case <-time.After(wait):
-			return zmqEvent{}, false
-		}
-	}
-	if e, _ := next(30 * time.Second); !e.Subscribed {
-		t.Fatal("the decoder did not start")
-	}
+	next := startDecoder(t, decoder, endpoint, topic, format, hashes, "32")
 
 	m := testenv.Model{Layers: 4, SegBytes: 64 << 10, Blocks: 64}
 	ctx := context.Background()
@@ -356,4 +305,65 @@ func (w *bufferWriter) String() string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return string(w.b)
+}
+
+// startDecoder runs the Python decoder testdata/decoder on the daemon's
+// ZMQ stream at endpoint and waits until it has subscribed. next returns
+// its next event, or false after wait; it fails the test if the decoder
+// exits or reports an error.
+func startDecoder(t *testing.T, decoder, endpoint, topic, format, hashes, blockSize string) (next func(wait time.Duration) (zmqEvent, bool)) {
+	t.Helper()
+	args := []string{"testdata/" + decoder, endpoint, topic, format}
+	if decoder == "kv_events_sub.py" {
+		args = append(args, hashes, blockSize)
+	}
+	py := exec.Command("/usr/bin/python3", args...)
+	stdin, err := py.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := py.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bufferWriter
+	py.Stderr = &stderr
+	if err := py.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan zmqEvent, 1<<16)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			var e zmqEvent
+			if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
+				e.Error = fmt.Sprintf("bad line %q: %v", sc.Text(), err)
+			}
+			lines <- e
+		}
+	}()
+	t.Cleanup(func() {
+		stdin.Close()
+		py.Wait()
+	})
+	next = func(wait time.Duration) (zmqEvent, bool) {
+		t.Helper()
+		select {
+		case e, ok := <-lines:
+			if !ok {
+				t.Fatalf("the decoder exited: %s", stderr.String())
+			}
+			if e.Error != "" {
+				t.Fatalf("the decoder: %s", e.Error)
+			}
+			return e, true
+		case <-time.After(wait):
+			return zmqEvent{}, false
+		}
+	}
+	if e, _ := next(30 * time.Second); !e.Subscribed {
+		t.Fatal("the decoder did not start")
+	}
+	return next
 }
