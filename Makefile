@@ -9,7 +9,7 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image soak
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image soak soak-invalidation
 
 all: build
 
@@ -74,6 +74,15 @@ soak:
 	$(GO) build $(if $(filter 1,$(SOAK_RACE)),-race) -ldflags "$(LDFLAGS)" -o bin/kvoffloadd-soak ./cmd/kvoffloadd
 	KVOFFLOADD_BIN=$(CURDIR)/bin/kvoffloadd-soak SOAK_DURATION=$(SOAK_DURATION) \
 		$(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./e2e/model
+
+# Invalidations racing stores, late SETs and reshards on a Redis Cluster of
+# its own, two daemons (e2e/remote TestInvalidationSoak; docs/remote.md):
+# SOAK_ROUNDS rounds (40000 is about 10 minutes here), SOAK_SEED to replay.
+# Fails on the first invalidated block offered or loaded.
+SOAK_ROUNDS ?= 40000
+soak-invalidation:
+	KVOFFLOADD_REQUIRE_REDIS=1 KVO_SOAK_ROUNDS=$(SOAK_ROUNDS) $(if $(SOAK_SEED),KVO_SOAK_SEED=$(SOAK_SEED)) \
+		$(GO) test -count=1 -timeout 0 -run '^TestInvalidationSoak$$' -v ./e2e/remote
 
 # Regenerates the committed protobuf code (Go and Python) with pinned
 # generator versions.
