@@ -3,7 +3,6 @@ package offload
 import (
 	"fmt"
 	"runtime"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -87,25 +86,17 @@ func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 		close(rec.done)
 		return
 	}
-	catalog := s.cpu.Namespaces()
-	digests := make([][32]byte, 0, len(catalog))
-	for d := range catalog {
-		digests = append(digests, d)
-	}
-	sort.Slice(digests, func(i, j int) bool { return string(digests[i][:]) < string(digests[j][:]) })
+	catalog := s.readCatalog(s.cpu.Namespaces(), "cpu tier (arena)")
 	s.mu.Lock()
-	for _, d := range digests {
-		fp, l, err := decodeMeta(catalog[d])
-		if err != nil || digestOf(fp) != d {
-			s.log.Error("cpu tier: a namespace in the arena's catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
-			continue
-		}
+	for _, ce := range catalog {
+		d, fp, l := ce.digest, ce.fingerprint, ce.layout
 		ns, ok := s.mu.byPrint[string(fp)]
 		switch {
 		case ok && !ns.Layout.Equal(l):
 			s.log.Error("cpu tier: a namespace in the arena's catalog has another layout than the disk tier's; its blocks in the arena will not come back", "namespace", ns.ID)
 			continue
 		case !ok:
+			var err error
 			if ns, err = s.newNamespaceLocked(fp, l); err != nil {
 				s.log.Error("cpu tier: a namespace in the arena's catalog does not fit this daemon; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
 				continue

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sort"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -104,6 +105,34 @@ func decodeMeta(b []byte) ([]byte, layout.Layout, error) {
 		return nil, layout.Layout{}, errors.New("empty fingerprint")
 	}
 	return m.Fingerprint, l, nil
+}
+
+// catalogEntry is one readable namespace of a tier's catalog.
+type catalogEntry struct {
+	digest      [32]byte
+	fingerprint []byte
+	layout      layout.Layout
+	meta        []byte // the entry as stored
+}
+
+// readCatalog decodes a tier's catalog (digest -> encodeMeta) in digest
+// order, logging and leaving out each entry that is unreadable or whose
+// fingerprint is not its digest's; tier names the tier in the log.
+func (s *Service) readCatalog(catalog map[[32]byte][]byte, tier string) []catalogEntry {
+	out := make([]catalogEntry, 0, len(catalog))
+	for d, b := range catalog {
+		fp, l, err := decodeMeta(b)
+		if err == nil && digestOf(fp) != d {
+			err = errors.New("fingerprint does not match its digest")
+		}
+		if err != nil {
+			s.log.Error(tier+": a namespace in the catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
+			continue
+		}
+		out = append(out, catalogEntry{digest: d, fingerprint: fp, layout: l, meta: b})
+	}
+	sort.Slice(out, func(i, j int) bool { return string(out[i].digest[:]) < string(out[j].digest[:]) })
+	return out
 }
 
 // openDisk opens the disk tier, brings back the namespaces of its catalog,

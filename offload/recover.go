@@ -2,7 +2,6 @@ package offload
 
 import (
 	"fmt"
-	"sort"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -49,27 +48,18 @@ func (s *Service) startRecovery(t *disk.Tier) error {
 	rec.done = make(chan struct{})
 	rec.epoch = uint32(t.WriteClock() >> 32)
 	rec.byDigest = map[[32]byte]*Namespace{}
-	catalog := t.Namespaces()
-	digests := make([][32]byte, 0, len(catalog))
-	for d := range catalog {
-		digests = append(digests, d)
-	}
-	sort.Slice(digests, func(i, j int) bool { return string(digests[i][:]) < string(digests[j][:]) })
+	catalog := s.readCatalog(t.Namespaces(), "disk tier")
 	s.mu.Lock()
-	for _, d := range digests {
-		fp, l, err := decodeMeta(catalog[d])
-		if err != nil || digestOf(fp) != d {
-			s.log.Error("disk tier: a namespace in the catalog is unreadable; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
-			continue
-		}
-		ns, err := s.newNamespaceLocked(fp, l)
+	for _, ce := range catalog {
+		d := ce.digest
+		ns, err := s.newNamespaceLocked(ce.fingerprint, ce.layout)
 		if err != nil {
 			s.log.Error("disk tier: a namespace in the catalog does not fit this daemon; its blocks will not come back", "digest", fmt.Sprintf("%x", d[:8]), "err", err)
 			continue
 		}
 		// Not swept while recovery may still file its blocks.
 		ns.recovering = true
-		if ns.marks, err = decodeMarks(catalog[d]); err != nil {
+		if ns.marks, err = decodeMarks(ce.meta); err != nil {
 			// Unreadable marks could let invalidated blocks back:
 			// take the namespace as invalidated whole before now.
 			s.log.Error("disk tier: a namespace's invalidation marks are unreadable; its blocks on disk are dropped", "namespace", ns.ID, "err", err)
