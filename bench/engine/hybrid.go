@@ -28,6 +28,13 @@ type HybridConfig struct {
 	MaxRounds int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
+	// OneStore sends a step's stores of every group in one Store, as a
+	// connector's one call per step would; without it each group's go in
+	// a Store of their own. The daemon sizes a slot size's room for each
+	// group's blocks of a Store apart: groups that share a slot size in
+	// one Store make its policy evict while the tier still has free
+	// chunks (docs/benchmarks.md, hybrid scenario).
+	OneStore bool
 	// BetweenSteps, if set, runs after every step with the run's
 	// namespace (a test drops blocks there, as an eviction would).
 	BetweenSteps func(ctx context.Context, step int, ns uint32) error
@@ -369,10 +376,10 @@ func (d *hybridDriver) load(ctx context.Context, t *hybridTreatment, reqs []*hre
 // store saves what the engine computed under t: every block from the
 // request's first computed unit, less windowed-group blocks no hit's
 // window can contain, less blocks already stored this step (stored, keyed
-// by group and hash).
+// by group and hash); one Store per group unless Config.OneStore.
 func (d *hybridDriver) store(ctx context.Context, t *hybridTreatment, reqs []*hreq, stored map[string]bool) error {
 	res := t.res
-	var jobs []*pb.Job
+	byGroup := make([][]*pb.Job, len(d.reg.Model.Groups))
 	for _, r := range reqs {
 		for g := range d.reg.Model.Groups {
 			var ids []uint32
@@ -399,19 +406,25 @@ func (d *hybridDriver) store(ctx context.Context, t *hybridTreatment, reqs []*hr
 			}
 			keys, _ := client.Keys(uint32(g), model.HashBytes, hashes...)
 			d.nextJob++
-			jobs = append(jobs, &pb.Job{JobId: d.nextJob, RequestId: r.req.ID, Keys: keys, BlockIds: ids})
+			byGroup[g] = append(byGroup[g], &pb.Job{JobId: d.nextJob, RequestId: r.req.ID, Keys: keys, BlockIds: ids})
 		}
 	}
-	if len(jobs) == 0 {
-		return nil
+	calls := byGroup
+	if d.cfg.OneStore {
+		calls = [][]*pb.Job{slices.Concat(byGroup...)}
 	}
-	results, err := d.transfer(ctx, &res.Store, jobs, func(req *pb.TransferRequest) (*pb.TransferResponse, error) { return d.c.API.Store(ctx, req) })
-	if err != nil {
-		return fmt.Errorf("store: %w", err)
-	}
-	for _, jr := range results {
-		for _, f := range jr.GetFailures() {
-			res.StoreFailed[statusName(f.GetStatus())]++
+	for _, jobs := range calls {
+		if len(jobs) == 0 {
+			continue
+		}
+		results, err := d.transfer(ctx, &res.Store, jobs, func(req *pb.TransferRequest) (*pb.TransferResponse, error) { return d.c.API.Store(ctx, req) })
+		if err != nil {
+			return fmt.Errorf("store: %w", err)
+		}
+		for _, jr := range results {
+			for _, f := range jr.GetFailures() {
+				res.StoreFailed[statusName(f.GetStatus())]++
+			}
 		}
 	}
 	return nil

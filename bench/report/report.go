@@ -33,8 +33,10 @@ type Report struct {
 	Sweep []SweepPoint `json:"sweep,omitempty"`
 	// Recovery is the restart scenario, when it ran.
 	Recovery *Recovery `json:"recovery,omitempty"`
-	Skipped  []Skip    `json:"skipped"`
-	Goals    []Goal    `json:"goals"`
+	// Hybrid is the hybrid scenario: one entry per hybrid model shape.
+	Hybrid  []Hybrid `json:"hybrid,omitempty"`
+	Skipped []Skip   `json:"skipped"`
+	Goals   []Goal   `json:"goals"`
 	// Interference is what other processes did to the machine during
 	// each phase of the run; a flagged phase's figures are suspect.
 	Interference *Interference `json:"interference,omitempty"`
@@ -339,6 +341,87 @@ type SweepPoint struct {
 	Faults        Faults  `json:"faults"`
 }
 
+// Hybrid is one hybrid model (KV cache groups of different kinds) run
+// through the daemon under two treatments of the same trace in the same
+// run: windowed (each group as its kind needs) and all full attention.
+type Hybrid struct {
+	Model  string        `json:"model"`
+	About  string        `json:"about"`
+	Groups []HybridGroup `json:"groups"`
+	// BlockTokens is every group's block size; UnitBytes one block of
+	// every group, FullBytes of the full-attention groups.
+	BlockTokens  int    `json:"block_tokens"`
+	UnitBytes    int    `json:"unit_bytes"`
+	FullBytes    int    `json:"full_bytes"`
+	EngineBlocks int    `json:"engine_blocks"`
+	Steps        int    `json:"steps"`
+	Daemon       string `json:"daemon"`
+	// Windowed and AllFull are the two treatments.
+	Windowed HybridTreatment `json:"windowed"`
+	AllFull  HybridTreatment `json:"all_full"`
+	// Evicted is the blocks the daemon's policy dropped in the run, from
+	// its metrics (nil: unknown).
+	Evicted *float64 `json:"evicted"`
+	// BytesPerHitTokenRatio is windowed over all-full bytes loaded per
+	// hit token; BoundRatio the goal's ceiling (full layers' bytes +
+	// window bytes per hit) over all-full's bytes, on the same hits.
+	BytesPerHitTokenRatio *float64 `json:"bytes_per_hit_token_ratio"`
+	BoundRatio            *float64 `json:"bound_ratio"`
+	// LoadTimeRatio is windowed over all-full time spent in Loads, the
+	// two measured step by step in the same run (a timing: noisy).
+	LoadTimeRatio *float64 `json:"load_time_ratio"`
+	// Interference and Flagged as on results, for the scenario's steps.
+	Interference float64 `json:"interference"`
+	Flagged      bool    `json:"flagged"`
+}
+
+// HybridGroup is one KV cache group of a hybrid.
+type HybridGroup struct {
+	Kind   string `json:"kind"`
+	Layers int    `json:"layers"`
+	// BlockBytes is one block over the group's regions; WindowBlocks the
+	// blocks a hit needs at its end (0: every block from 0).
+	BlockBytes   int `json:"block_bytes"`
+	WindowBlocks int `json:"window_blocks"`
+}
+
+// HybridTreatment is one treatment's lookups, hits and transfers.
+type HybridTreatment struct {
+	Requests int     `json:"requests"`
+	Hits     int     `json:"hits"`
+	HitRate  float64 `json:"hit_rate"` // share of blocks (units) asked for that hit
+	// HitTokens is the tokens of every hit.
+	HitTokens int `json:"hit_tokens"`
+	Lookups   int `json:"lookups"`
+	// KeysLookedUp counts keys of every group; WindowKeys those of
+	// windowed groups, OutsideWindow those not inside the window ending
+	// at the request's hit (a miss has none); Retries the lookup rounds
+	// after a request's first.
+	KeysLookedUp  int `json:"keys_looked_up"`
+	WindowKeys    int `json:"window_keys"`
+	OutsideWindow int `json:"keys_outside_hit_window"`
+	Retries       int `json:"retried_rounds"`
+	// LoadBytes is what the daemon reported it moved; ExpectedBytes what
+	// the hits need under the treatment; BoundBytes (full layers' bytes
+	// + window bytes) per hit, summed.
+	LoadBytes        uint64  `json:"load_bytes"`
+	ExpectedBytes    uint64  `json:"expected_bytes"`
+	BoundBytes       uint64  `json:"bound_bytes"`
+	BytesPerHitToken float64 `json:"bytes_per_hit_token"`
+	LoadBlocks       int     `json:"load_blocks"`
+	LoadSeconds      float64 `json:"load_seconds"`
+	LoadGBps         float64 `json:"load_gbps"`
+	StoreBlocks      int     `json:"store_blocks"`
+	StoreBytes       uint64  `json:"store_bytes"`
+	// StoreSkipped counts windowed-group blocks no hit's window can
+	// contain, not stored.
+	StoreSkipped           int            `json:"store_skipped"`
+	LoadFailed             map[string]int `json:"load_failed,omitempty"`
+	StoreFailed            map[string]int `json:"store_failed,omitempty"`
+	CorruptBlocksDelivered int            `json:"corrupt_blocks_delivered"`
+	FailedBlocksReoffered  int            `json:"failed_blocks_reoffered"`
+}
+
 // Skip says what did not run, and why.
 type Skip struct {
 	What   string `json:"what"`
@@ -525,6 +608,34 @@ func (r *Report) Print(w io.Writer) {
 			tw.Flush()
 		}
 	}
+	for _, h := range r.Hybrid {
+		fmt.Fprintf(w, "\nhybrid %s: %s; %d steps, %s\n", h.Model, h.About, h.Steps, h.Daemon)
+		for i, g := range h.Groups {
+			win := "every block from 0"
+			if g.WindowBlocks > 0 {
+				win = fmt.Sprintf("%d blocks at a hit's end", g.WindowBlocks)
+			}
+			fmt.Fprintf(w, "  group %d: %s, %d layers, %s per %d-token block, needs %s\n", i, g.Kind, g.Layers, sizeString(g.BlockBytes), h.BlockTokens, win)
+		}
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "treatment\thit rate\thits\tlookups\tkeys\twindow keys\toutside window\tretries\tloaded\tbytes/hit token\tload GB/s\tstored blocks\tskipped\tfailed\tcorrupt\treoffered\t")
+		for _, x := range []struct {
+			name string
+			t    HybridTreatment
+		}{{"windowed", h.Windowed}, {"all-full", h.AllFull}} {
+			t := x.t
+			fmt.Fprintf(tw, "%s\t%.1f%%\t%d/%d\t%d\t%d\t%d\t%d\t%d\t%s\t%.0f\t%.2f\t%d\t%d\t%s\t%d\t%d\t\n", x.name, 100*t.HitRate, t.Hits, t.Requests,
+				t.Lookups, t.KeysLookedUp, t.WindowKeys, t.OutsideWindow, t.Retries, sizeString64(t.LoadBytes), t.BytesPerHitToken, t.LoadGBps,
+				t.StoreBlocks, t.StoreSkipped, failedString(merged(t.LoadFailed, t.StoreFailed)), t.CorruptBlocksDelivered, t.FailedBlocksReoffered)
+		}
+		tw.Flush()
+		mark := ""
+		if h.Flagged {
+			mark = fmt.Sprintf(" (other processes took %.0f%% of the CPU: timing suspect)", 100*h.Interference)
+		}
+		fmt.Fprintf(w, "  windowed / all-full bytes per hit token %s (ceiling: full layers' + window bytes per hit, %s); load time %s%s\n",
+			opt(h.BytesPerHitTokenRatio, "%.3f"), opt(h.BoundRatio, "%.3f"), opt(h.LoadTimeRatio, "%.3f"), mark)
+	}
 	if len(r.Goals) > 0 {
 		fmt.Fprintf(w, "\ngoals:\n")
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -569,6 +680,31 @@ func failedString(m map[string]int) string {
 		return "0"
 	}
 	return strings.Join(parts, ",")
+}
+
+// merged adds two counts by status.
+func merged(a, b map[string]int) map[string]int {
+	out := map[string]int{}
+	for k, v := range a {
+		out[k] += v
+	}
+	for k, v := range b {
+		out[k] += v
+	}
+	return out
+}
+
+// sizeString64 prints a byte count in binary units, two decimals.
+func sizeString64(n uint64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
 }
 
 func sizeString(n int) string {

@@ -44,10 +44,10 @@ func main() {
 
 // allScenarios in the order they run; restart runs only when asked for
 // (it fills --restart-bytes of disk).
-var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "restart"}
+var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "hybrid", "restart"}
 
 // defaultScenarios run without --scenarios.
-var defaultScenarios = allScenarios[:7]
+var defaultScenarios = allScenarios[:8]
 
 // options is every flag, validated.
 type options struct {
@@ -75,6 +75,9 @@ type options struct {
 	baselines      bool
 	args           []string
 	seedGiven      bool
+	hybridModels   []string
+	hybridRounds   int
+	hybridOneStore bool
 }
 
 const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
@@ -98,6 +101,13 @@ remote (two daemons sharing a Redis Cluster of three masters kvbench starts from
 redis-server: node A runs the steps and publishes, node B, empty, looks up A's
 requests and loads their blocks from the cluster; beside it, raw GETs of the
 same values from the same cluster),
+hybrid (each --hybrid-models shape, a model whose KV cache groups differ in
+kind, on a daemon whose CPU tier holds its working set: every request looked
+up, loaded and stored under the windowed rule (full-attention groups' prefix,
+then each windowed group's window at the hit's end, keys last block first)
+and, on the same trace in the same run, as if every group were full
+attention; bytes loaded per hit token, hit rates and keys looked up outside a
+hit's window of both; at most 24 steps),
 restart (only when named: fills a disk tier of --restart-bytes, restarts the
 daemon on it and times the start to SERVING and the background recovery of
 the files against a raw O_DIRECT sequential read of the same file).
@@ -135,6 +145,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.keepDir, "keep", "", "keep each scenario's daemon log and final metrics in this directory (created if missing).")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the separate baselines after the scenarios (memcpy, O_DIRECT of a new file, Redis); the same-window ones (segment copies, tier-pattern reads, the busy empty call) run regardless. --baselines=false for A/B runs of daemon settings.")
 	fs.BoolVar(&o.wait, "wait", true, "every Load and Store waits for its results in its reply, one round trip each; --wait=false reads them through Completions instead, as a connector that polls does.")
+	hybridModels := fs.String("hybrid-models", "hybrid-swa,hybrid-mamba", "the hybrid scenario's model shapes, comma-separated: hybrid-swa (32 Llama-8B-sized layers, every 4th full attention, the rest a 128-token sliding window; 2 MiB per 16-token block of every group) and hybrid-mamba (1 attention layer beside 6 Mamba2 layers in vLLM's align mode; 272-token blocks, 7.4 MiB per block of every group).")
+	fs.IntVar(&o.hybridRounds, "hybrid-rounds", 4, "the hybrid scenario's most lookup rounds per request: a round looks up every windowed group's window at the candidate hit, and a missing block moves the candidate before it; a request not settled after them gets no hit.")
+	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group; the daemon then evicts blocks of groups that share a block size while its CPU tier has room (docs/benchmarks.md).")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)
 		return nil
@@ -181,6 +194,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.scenarios = append(o.scenarios, s)
 		}
 	}
+	for _, s := range strings.Split(*hybridModels, ",") {
+		s = strings.TrimSpace(s)
+		if _, ok := model.HybridPresets[s]; !ok {
+			bad("--hybrid-models: unknown model %q (known: hybrid-swa, hybrid-mamba)", s)
+		} else if !slices.Contains(o.hybridModels, s) {
+			o.hybridModels = append(o.hybridModels, s)
+		}
+	}
 	for _, s := range strings.Split(*rates, ",") {
 		r, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
 		if err != nil || !(r > 0 && r <= 1) {
@@ -193,6 +214,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		if _, err := errorfs.ParsePlan(o.faultSpec); err != nil {
 			bad("--fault-spec: %v", err)
 		}
+	}
+	if o.hybridRounds < 1 || o.hybridRounds > 1024 {
+		bad("--hybrid-rounds %d: want 1..1024", o.hybridRounds)
 	}
 	if o.engineBlocks < 0 || o.engineBlocks > 1<<16 {
 		bad("--engine-blocks %d: want 0..65536", o.engineBlocks)

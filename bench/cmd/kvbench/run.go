@@ -177,7 +177,15 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 
 	runs, skips := b.plan()
 	rep.Skipped = append(rep.Skipped, skips...)
-	b.prog = newProgress(b.stderr, len(runs)*nsteps+4)
+	units := 4
+	for _, sc := range runs {
+		if sc.kind == "hybrid" {
+			units += len(o.hybridModels) * min(nsteps, hybridMaxSteps)
+		} else {
+			units += nsteps
+		}
+	}
+	b.prog = newProgress(b.stderr, units)
 	b.prog.phase(fmt.Sprintf("%s; %d steps per scenario, working set %d blocks (%s)", shape, nsteps, b.distinct,
 		model.FormatBytes(uint64(b.distinct)*uint64(shape.BlockBytes()))))
 
@@ -188,6 +196,12 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 		if sc.kind == "remote" {
 			if err := b.remote(ctx, sc); err != nil {
 				errs = append(errs, fmt.Errorf("scenario remote: %w", err))
+			}
+			continue
+		}
+		if sc.kind == "hybrid" {
+			if err := b.hybrid(ctx, nsteps); err != nil {
+				errs = append(errs, fmt.Errorf("scenario hybrid: %w", err))
 			}
 			continue
 		}
@@ -309,6 +323,9 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 			continue
 		case o.socket != "":
 			skip(s+" scenario", "--socket: kvbench cannot set the tiers or fault plan of a daemon it did not start")
+			continue
+		case s == "hybrid":
+			runs = append(runs, scenario{name: s, kind: s})
 			continue
 		case s == "tight":
 			// CPU only, smaller than the working set: what the policy
