@@ -226,7 +226,19 @@ func hkey(g int, hash []byte) string { return string(rune('A'+g)) + string(hash)
 func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) error {
 	res := t.res
 	maxUnits := len(r.req.Keys)
+	// sent[g] holds the block index of every key of windowed group g
+	// this request's Lookups asked for, read back from the hashes sent.
+	at := make(map[string]int, maxUnits)
+	for i, k := range r.req.Keys {
+		at[string(k)] = i
+	}
+	sent := make([][]int, len(t.w))
 	ask := func(g int, hashes [][]byte) (int, error) {
+		if t.w[g] != 0 {
+			for _, h := range hashes {
+				sent[g] = append(sent[g], at[string(h)])
+			}
+		}
 		keys, err := client.Keys(uint32(g), model.HashBytes, hashes...)
 		if err != nil {
 			return 0, err
@@ -276,10 +288,10 @@ func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) 
 	if len(asked) > 0 {
 		res.Retries += len(asked)/windowed - 1
 	}
-	for _, a := range asked {
-		res.WindowKeys += a.End - a.Start
-		lo, hi := windowStart(hit, t.bpu[a.Group], t.w[a.Group]), hit*t.bpu[a.Group]
-		for i := a.Start; i < a.End; i++ {
+	for g, idx := range sent {
+		res.WindowKeys += len(idx)
+		lo, hi := windowStart(hit, t.bpu[g], t.w[g]), hit*t.bpu[g]
+		for _, i := range idx {
 			if hit == 0 || i < lo || i >= hi {
 				res.OutsideWindow++
 			}

@@ -15,6 +15,17 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
+// buildDaemon builds kvoffloadd from this tree into a temporary directory.
+func buildDaemon(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "kvoffloadd")
+	build := exec.Command("go", "build", "-o", bin, "github.com/kvoffloadd/kvoffloadd/cmd/kvoffloadd")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build kvoffloadd: %v\n%s", err, out)
+	}
+	return bin
+}
+
 // faultSpec is the test's plan: read faults only, so that each injected
 // fault must surface as a failed block.
 const faultSpec = "read-eio=0.05,short-read=0.05,bitflip=0.05,seed=3"
@@ -32,11 +43,7 @@ func TestQuick(t *testing.T) {
 		t.Skip("kvoffloadd is Linux-only")
 	}
 	defer leakcheck.VerifyNone(t)
-	bin := filepath.Join(t.TempDir(), "kvoffloadd")
-	build := exec.Command("go", "build", "-o", bin, "github.com/kvoffloadd/kvoffloadd/cmd/kvoffloadd")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build kvoffloadd: %v\n%s", err, out)
-	}
+	bin := buildDaemon(t)
 	flags, err := daemon.Flags(bin)
 	if err != nil {
 		t.Fatal(err)
