@@ -97,9 +97,6 @@ type hybridTreatment struct {
 	bpu  []int
 	w    []int
 	peek bool
-	// failed holds keys (group, hash) whose load failed and that were
-	// not stored since.
-	failed map[string]bool
 }
 
 type hybridDriver struct {
@@ -110,6 +107,9 @@ type hybridDriver struct {
 	ns      uint32
 	nextJob uint64
 	tr      [2]*hybridTreatment
+	// failed holds keys (group, hash) whose load failed, in either
+	// treatment, and that were not stored since: no Lookup may offer them.
+	failed map[string]bool
 }
 
 // RunHybrid drives the daemon through every step. Both treatments use one
@@ -132,11 +132,11 @@ func RunHybrid(ctx context.Context, cfg HybridConfig) (*HybridResult, error) {
 		return nil, fmt.Errorf("register: %w", err)
 	}
 	res := &HybridResult{}
-	d := &hybridDriver{cfg: cfg, c: cfg.Client, reg: cfg.Region, id: r.RegistrationId, ns: r.NamespaceId}
+	d := &hybridDriver{cfg: cfg, c: cfg.Client, reg: cfg.Region, id: r.RegistrationId, ns: r.NamespaceId, failed: map[string]bool{}}
 	for i, t := range []*Treatment{&res.Windowed, &res.AllFull} {
 		t.Name = [...]string{"windowed", "all-full"}[i]
 		t.LoadFailed, t.StoreFailed = map[string]int{}, map[string]int{}
-		ht := &hybridTreatment{res: t, peek: i == 1, failed: map[string]bool{}}
+		ht := &hybridTreatment{res: t, peek: i == 1}
 		for _, g := range m.Groups {
 			ht.bpu = append(ht.bpu, 1) // one block size: a unit is a block
 			w := g.WindowBlocks()
@@ -254,7 +254,7 @@ func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) 
 		res.Lookups++
 		res.KeysLookedUp += len(hashes)
 		for _, h := range hashes[:ready] {
-			if t.failed[hkey(g, h)] {
+			if d.failed[hkey(g, h)] {
 				res.FailedReoffered++
 				if res.FirstReoffer == "" {
 					res.FirstReoffer = fmt.Sprintf("group %d key %x of %s: its load failed, offered again before a store", g, h[:8], r.req.ID)
@@ -366,7 +366,7 @@ func (d *hybridDriver) load(ctx context.Context, t *hybridTreatment, reqs []*hre
 			failed[i] = true
 			res.LoadFailed[statusName(f.GetStatus())]++
 			if mustDrop(f.GetStatus()) {
-				t.failed[hkey(rf.g, rf.r.req.Keys[rf.idx[i]])] = true
+				d.failed[hkey(rf.g, rf.r.req.Keys[rf.idx[i]])] = true
 			}
 			rf.r.redo = 0
 		}
@@ -409,9 +409,7 @@ func (d *hybridDriver) store(ctx context.Context, t *hybridTreatment, reqs []*hr
 				d.reg.Fill(g, r.base+i, r.req.Keys[i])
 				ids = append(ids, uint32(r.base+i))
 				hashes = append(hashes, r.req.Keys[i])
-				for _, ht := range d.tr {
-					delete(ht.failed, k)
-				}
+				delete(d.failed, k)
 			}
 			if len(ids) == 0 {
 				continue

@@ -198,3 +198,30 @@ func TestLookupReversedKeys(t *testing.T) {
 		}
 	}
 }
+
+// Copies that fail fail their request: it is computed and stored again in
+// full, no wrong byte is taken for a hit, and no failed block is offered
+// again before it is stored again.
+func TestHybridFailedCopies(t *testing.T) {
+	gate := testenv.NewGate()
+	d := testenv.Start(t, testenv.Options{Quiet: true, CPUBytes: 256 << 20, Wrap: gate.Wrap})
+	for _, h := range tinyHybrids() {
+		res := runHybrid(t, d, h, 30, func(_ context.Context, step int, _ uint32) error {
+			if step%3 == 2 {
+				gate.FailNext(1)
+			}
+			return nil
+		})
+		failed := 0
+		for _, tr := range []*Treatment{&res.Windowed, &res.AllFull} {
+			failed += tr.LoadFailed["DMA_ERROR"]
+			if tr.CorruptDelivered != 0 || tr.FailedReoffered != 0 {
+				t.Errorf("%s %s: %d wrong blocks (%s), %d failed blocks offered again (%s)", h.Name, tr.Name, tr.CorruptDelivered, tr.FirstCorrupt, tr.FailedReoffered, tr.FirstReoffer)
+			}
+		}
+		t.Logf("%s: load failures windowed %v, all-full %v; stores %v %v", h.Name, res.Windowed.LoadFailed, res.AllFull.LoadFailed, res.Windowed.StoreFailed, res.AllFull.StoreFailed)
+		if failed == 0 {
+			t.Errorf("%s: no load failed DMA_ERROR: the gate did not reach the copies", h.Name)
+		}
+	}
+}
