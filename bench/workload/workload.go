@@ -250,3 +250,28 @@ func Distinct(steps [][]Request) int {
 	}
 	return len(seen)
 }
+
+// Expand cuts every block of steps into n blocks of 1/n its tokens: each
+// key k becomes n keys, the j-th the hash of k and j, so the keys stay
+// chained (equal keys, equal prefixes) and a prompt is n times as many
+// blocks. A model with small blocks sees the trace's prompts at the
+// lengths in tokens a model with n-times larger blocks does.
+func Expand(steps [][]Request, n int) [][]Request {
+	if n <= 1 {
+		return steps
+	}
+	out := make([][]Request, len(steps))
+	for i, st := range steps {
+		for _, r := range st {
+			x := Request{ID: r.ID, Kind: r.Kind, Keys: make([][]byte, 0, n*len(r.Keys))}
+			for _, k := range r.Keys {
+				for j := range n {
+					h := sha256.Sum256(binary.LittleEndian.AppendUint32(append([]byte("expand/"), k...), uint32(j)))
+					x.Keys = append(x.Keys, h[:model.HashBytes])
+				}
+			}
+			out[i] = append(out[i], x)
+		}
+	}
+	return out
+}

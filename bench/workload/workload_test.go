@@ -71,3 +71,35 @@ func TestPrefixes(t *testing.T) {
 		t.Errorf("Distinct = %d, want %d", d, len(keys))
 	}
 }
+
+// Expand keeps prefixes: two requests share exactly n times the blocks
+// they shared before, and no key of one block's expansion is another's.
+func TestExpandKeepsPrefixes(t *testing.T) {
+	steps, err := Steps(Default(7), 6, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 4
+	x := Expand(steps, n)
+	if Distinct(x) != n*Distinct(steps) {
+		t.Fatalf("%d distinct keys expanded, want %d", Distinct(x), n*Distinct(steps))
+	}
+	shared := func(a, b [][]byte) int {
+		i := 0
+		for i < len(a) && i < len(b) && string(a[i]) == string(b[i]) {
+			i++
+		}
+		return i
+	}
+	var flat, flatX []Request
+	for i := range steps {
+		flat, flatX = append(flat, steps[i]...), append(flatX, x[i]...)
+	}
+	for i := range flat {
+		for j := range flat {
+			if got, want := shared(flatX[i].Keys, flatX[j].Keys), n*shared(flat[i].Keys, flat[j].Keys); got != want {
+				t.Fatalf("requests %s and %s share %d expanded blocks, want %d", flat[i].ID, flat[j].ID, got, want)
+			}
+		}
+	}
+}

@@ -51,6 +51,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 	if err != nil {
 		return err
 	}
+	steps, E = workload.Expand(steps, o.hybridExpand), E*o.hybridExpand
 	unit := uint64(h.UnitBytes())
 	D := uint64(workload.Distinct(steps)) * unit
 	cpu := (D + D/4 + 2*uint64(E)*unit + 64<<20 - 1) / (64 << 20) * (64 << 20)
@@ -60,6 +61,9 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 		capped = fmt.Sprintf(" (capped at half the available memory: the working set is %s)", model.FormatBytes(D))
 	}
 	desc := fmt.Sprintf("cpu tier %s%s, at most %d lookup rounds", model.FormatBytes(cpu), capped, o.hybridRounds)
+	if o.hybridExpand > 1 {
+		desc += fmt.Sprintf(", every workload block cut into %d", o.hybridExpand)
+	}
 	if o.hybridOneStore {
 		desc += ", every group's stores in one Store per step"
 	} else {

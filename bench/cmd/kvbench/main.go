@@ -78,6 +78,7 @@ type options struct {
 	hybridModels   []string
 	hybridRounds   int
 	hybridOneStore bool
+	hybridExpand   int
 }
 
 const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
@@ -147,6 +148,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.wait, "wait", true, "every Load and Store waits for its results in its reply, one round trip each; --wait=false reads them through Completions instead, as a connector that polls does.")
 	hybridModels := fs.String("hybrid-models", "hybrid-swa,hybrid-mamba", "the hybrid scenario's model shapes, comma-separated: hybrid-swa (32 Llama-8B-sized layers, every 4th full attention, the rest a 128-token sliding window; 2 MiB per 16-token block of every group) and hybrid-mamba (1 attention layer beside 6 Mamba2 layers in vLLM's align mode; 272-token blocks, 7.4 MiB per block of every group).")
 	fs.IntVar(&o.hybridRounds, "hybrid-rounds", 4, "the hybrid scenario's most lookup rounds per request: a round looks up every windowed group's window at the candidate hit, and a missing block moves the candidate before it; a request not settled after them gets no hit.")
+	fs.IntVar(&o.hybridExpand, "hybrid-expand", 1, "the hybrid scenario cuts every block of the workload into this many blocks (chained keys kept): prompts this many times longer in tokens, and as many times the memory (hybrid-swa's working set is about 0.8 GiB per unit of it).")
 	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group; the daemon then evicts blocks of groups that share a block size while its CPU tier has room (docs/benchmarks.md).")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)
@@ -214,6 +216,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		if _, err := errorfs.ParsePlan(o.faultSpec); err != nil {
 			bad("--fault-spec: %v", err)
 		}
+	}
+	if o.hybridExpand < 1 || o.hybridExpand > 64 {
+		bad("--hybrid-expand %d: want 1..64", o.hybridExpand)
 	}
 	if o.hybridRounds < 1 || o.hybridRounds > 1024 {
 		bad("--hybrid-rounds %d: want 1..1024", o.hybridRounds)
