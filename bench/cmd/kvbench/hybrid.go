@@ -24,15 +24,21 @@ import (
 // swaps in smaller ones.
 var hybridShapes = model.HybridPresets
 
-// hybridMaxSteps caps the scenario's steps: a hybrid-mamba block of every
-// group is 7.4 MiB, and the tier holds the whole working set.
-const hybridMaxSteps = 24
+// hybridSteps is the scenario's steps: at most 24 (12 with --quick), as a
+// hybrid-mamba block of every group is 7.4 MiB and the tier holds the
+// whole working set.
+func (o *options) hybridSteps(nsteps int) int {
+	if o.quick {
+		return min(nsteps, 12)
+	}
+	return min(nsteps, 24)
+}
 
 // hybrid runs the scenario for every model named.
 func (b *bench) hybrid(ctx context.Context, nsteps int) error {
 	var errs []error
 	for _, name := range b.o.hybridModels {
-		if err := b.hybridModel(ctx, name, min(nsteps, hybridMaxSteps)); err != nil {
+		if err := b.hybridModel(ctx, name, b.o.hybridSteps(nsteps)); err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", name, err))
 			if ctx.Err() != nil {
 				break

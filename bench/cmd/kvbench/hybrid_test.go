@@ -29,9 +29,9 @@ func TestQuickHybrid(t *testing.T) {
 	}
 	defer leakcheck.VerifyNone(t)
 	bin := buildDaemon(t)
-	kvHeads, mambaHeads, steps := 2, 8, "24"
+	kvHeads, mambaHeads := 2, 8
 	if raceDetector {
-		kvHeads, mambaHeads, steps = 1, 4, "12"
+		kvHeads, mambaHeads = 1, 4
 	}
 	saved := hybridShapes
 	defer func() { hybridShapes = saved }()
@@ -42,7 +42,7 @@ func TestQuickHybrid(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	var stdout, stderr bytes.Buffer
-	rep, err := run(ctx, []string{"--quick", "--daemon", bin, "--scenarios", "hybrid", "--baselines=false", "--steps", steps, "--seed", "5"}, &stdout, &stderr)
+	rep, err := run(ctx, []string{"--quick", "--daemon", bin, "--scenarios", "hybrid", "--baselines=false", "--seed", "5"}, &stdout, &stderr)
 	t.Logf("stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
 	if err != nil {
 		t.Fatalf("kvbench: %v", err)

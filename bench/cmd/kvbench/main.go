@@ -108,7 +108,7 @@ up, loaded and stored under the windowed rule (full-attention groups' prefix,
 then each windowed group's window at the hit's end, keys last block first)
 and, on the same trace in the same run, as if every group were full
 attention; bytes loaded per hit token, hit rates and keys looked up outside a
-hit's window of both; at most 24 steps),
+hit's window of both; at most 24 steps, 12 with --quick),
 restart (only when named: fills a disk tier of --restart-bytes, restarts the
 daemon on it and times the start to SERVING and the background recovery of
 the files against a raw O_DIRECT sequential read of the same file).

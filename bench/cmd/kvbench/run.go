@@ -180,7 +180,7 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	units := 4
 	for _, sc := range runs {
 		if sc.kind == "hybrid" {
-			units += len(o.hybridModels) * min(nsteps, hybridMaxSteps)
+			units += len(o.hybridModels) * o.hybridSteps(nsteps)
 		} else {
 			units += nsteps
 		}
