@@ -75,7 +75,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 	} else {
 		desc += ", one Store per group per step"
 	}
-	b.prog.phase(fmt.Sprintf("scenario hybrid: %s; %s", h, desc))
+	b.prog.phase(fmt.Sprintf("scenario hybrid: %s, %d groups, %s", name, len(h.Groups), desc))
 	region, err := model.NewHybridRegion("/dev/shm", h, E)
 	if err != nil {
 		return err

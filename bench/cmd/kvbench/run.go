@@ -1071,6 +1071,36 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		}
 		goal(fmt.Sprintf("corrupt_blocks_delivered at %g%% read faults", 100*want), "== 0", v, func(v float64) bool { return v == 0 })
 	}
+
+	// Issue 23's goal: a full-attention + 128-token-window model moves at
+	// most full layers' + window bytes per hit, looks up no windowed key
+	// outside a hit's window, and hits as the all-full treatment does.
+	for _, h := range rep.Hybrid {
+		if h.Model != "hybrid-swa" {
+			continue
+		}
+		w, f := h.Windowed, h.AllFull
+		var bound, hits *float64
+		if w.BoundBytes > 0 {
+			bound = report.F(float64(w.LoadBytes) / float64(w.BoundBytes))
+		}
+		if f.HitTokens > 0 {
+			hits = report.F(float64(w.HitTokens) / float64(f.HitTokens))
+		}
+		goal("hybrid-swa bytes loaded vs full layers' + window bytes per hit", "<= 1", bound, le(1)).Note =
+			fmt.Sprintf("%.3f of the all-full treatment's bytes per hit token", deref(h.BytesPerHitTokenRatio))
+		goal("hybrid-swa windowed keys looked up outside a hit's window", "== 0", report.F(float64(w.OutsideWindow)), le(0)).Note =
+			fmt.Sprintf("of %d windowed keys looked up", w.WindowKeys)
+		goal("hybrid-swa hit tokens vs all-full attention's", "== 1", hits, func(v float64) bool { return v == 1 }).Note =
+			fmt.Sprintf("hit rate %.1f%% against %.1f%%, same trace and cache", 100*w.HitRate, 100*f.HitRate)
+	}
+}
+
+func deref(v *float64) float64 {
+	if v == nil {
+		return 0
+	}
+	return *v
 }
 
 // p99 is the p99 of a result row, nil when it has no calls.
