@@ -60,7 +60,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 	steps, E = workload.Expand(steps, o.hybridExpand), E*o.hybridExpand
 	unit := uint64(h.UnitBytes())
 	D := uint64(workload.Distinct(steps)) * unit
-	cpu := (D + D/4 + 2*uint64(E)*unit + 64<<20 - 1) / (64 << 20) * (64 << 20)
+	cpu := (uint64(o.hybridCPUShare*float64(D)) + 2*uint64(E)*unit + 64<<20 - 1) / (64 << 20) * (64 << 20)
 	capped := ""
 	if avail := memAvailable(); avail > 0 && cpu > avail/2 {
 		cpu = avail / 2 / (64 << 20) * (64 << 20)

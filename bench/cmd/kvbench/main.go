@@ -79,6 +79,7 @@ type options struct {
 	hybridRounds   int
 	hybridOneStore bool
 	hybridExpand   int
+	hybridCPUShare float64
 }
 
 const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
@@ -149,6 +150,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	hybridModels := fs.String("hybrid-models", "hybrid-swa,hybrid-mamba", "the hybrid scenario's model shapes, comma-separated: hybrid-swa (32 Llama-8B-sized layers, every 4th full attention, the rest a 128-token sliding window; 2 MiB per 16-token block of every group) and hybrid-mamba (1 attention layer beside 6 Mamba2 layers in vLLM's align mode; 272-token blocks, 7.4 MiB per block of every group).")
 	fs.IntVar(&o.hybridRounds, "hybrid-rounds", 4, "the hybrid scenario's most lookup rounds per request: a round looks up every windowed group's window at the candidate hit, and a missing block moves the candidate before it; a request not settled after them gets no hit.")
 	fs.IntVar(&o.hybridExpand, "hybrid-expand", 1, "the hybrid scenario cuts every block of the workload into this many blocks (chained keys kept): prompts this many times longer in tokens, and as many times the memory (hybrid-swa's working set is about 0.8 GiB per unit of it).")
+	fs.Float64Var(&o.hybridCPUShare, "hybrid-cpu-share", 1.25, "the hybrid scenario's CPU tier: this share of the model's working set plus two engine-fulls of blocks; under 1 the daemon evicts, and the two treatments' hit rates show what each loses to it.")
 	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group; the daemon then evicts blocks of groups that share a block size while its CPU tier has room (docs/benchmarks.md).")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)
@@ -216,6 +218,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		if _, err := errorfs.ParsePlan(o.faultSpec); err != nil {
 			bad("--fault-spec: %v", err)
 		}
+	}
+	if !(o.hybridCPUShare > 0 && o.hybridCPUShare <= 4) {
+		bad("--hybrid-cpu-share %g: want a share in (0,4]", o.hybridCPUShare)
 	}
 	if o.hybridExpand < 1 || o.hybridExpand > 64 {
 		bad("--hybrid-expand %d: want 1..64", o.hybridExpand)
