@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -620,9 +621,22 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 			}
 		}
 	}
+	// One admission per CPU class: groups of one slot size share a class,
+	// and an admission grows its class for its own keys only, so admitting
+	// group by group judged each group's keys against room for one group
+	// (refusing blocks while the tier had free chunks).
 	claimed := 0
 	for g, keys := range admit {
-		r.ns.classes[g].Admit(keys)
+		c := r.ns.classes[g]
+		if slices.Index(r.ns.classes, c) < g {
+			continue // admitted with its class's first group
+		}
+		for h := g + 1; h < len(admit); h++ {
+			if r.ns.classes[h] == c && len(admit[h]) > 0 {
+				keys = append(slices.Clip(keys), admit[h]...)
+			}
+		}
+		c.Admit(keys)
 		claimed += len(keys)
 	}
 	s.noteStore(claimed)
