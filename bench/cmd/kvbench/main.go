@@ -151,7 +151,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.hybridRounds, "hybrid-rounds", 4, "the hybrid scenario's most lookup rounds per request: a round looks up every windowed group's window at the candidate hit, and a missing block moves the candidate before it; a request not settled after them gets no hit.")
 	fs.IntVar(&o.hybridExpand, "hybrid-expand", 1, "the hybrid scenario cuts every block of the workload into this many blocks (chained keys kept): prompts this many times longer in tokens, and as many times the memory (hybrid-swa's working set is about 0.8 GiB per unit of it).")
 	fs.Float64Var(&o.hybridCPUShare, "hybrid-cpu-share", 1.25, "the hybrid scenario's CPU tier: this share of the model's working set plus two engine-fulls of blocks; under 1 the daemon evicts, and the two treatments' hit rates show what each loses to it.")
-	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group; the daemon then evicts blocks of groups that share a block size while its CPU tier has room (docs/benchmarks.md).")
+	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group (before 5409db1 the daemon then evicted blocks of groups that share a block size while its CPU tier had room: docs/benchmarks.md).")
 	fs.Func("daemon-arg", "pass this argument to every daemon kvbench starts (repeat for more), e.g. --daemon-arg=--copy-nice=0.", func(v string) error {
 		o.daemonArgs = append(o.daemonArgs, v)
 		return nil
