@@ -193,6 +193,11 @@ class Config:
     gpu_s: float = 0.0005
     extra: dict = field(default_factory=dict)
     kv_events: bool = False  # vLLM's --kv-events-config enable_kv_cache_events
+    # A freed block goes to the head of the free queue (vLLM appends it to
+    # the tail): the next allocation takes it, so blocks freed behind a
+    # sliding window, by a preemption or a finished request are handed to
+    # another request while their stores may still be in flight.
+    reuse_freed_first: bool = False
 
     def specs(self) -> list[Any]:
         out = []
@@ -492,7 +497,10 @@ class KVCacheManager:
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0
             if b.ref_cnt == 0:
-                self.free.append(b)
+                if self.cfg.reuse_freed_first:
+                    self.free.appendleft(b)
+                else:
+                    self.free.append(b)
 
 
 # -- scheduler output -----------------------------------------------------------
