@@ -891,15 +891,22 @@ class SchedulerSide:
         return len(by_rank) >= self.num_ranks and min(by_rank.values()) >= st.store_seq
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
-        """False: vLLM frees a finished request's blocks at once, as vLLM's
-        own offloading connector does. A store of them still in flight is
-        fenced when vLLM gives one of them to a request again (its blocks
-        stay in the fence table after the request is forgotten here), so
-        nothing waits for it unless a block is reused. (A request finished
-        while its load is in flight: vLLM keeps its blocks until the workers
-        report it finished receiving, which they hold back until its stores
-        drained.)"""
+        """True when stores of this request may still be in flight: vLLM then
+        keeps its blocks until every worker reports it finished sending.
+
+        vLLM's own offloading connector answers False and fences the reuse;
+        here that would make a stopped daemon stall every step that reuses
+        a finished request's block (test_a_hung_daemon_does_not_stall_serving):
+        held, they are not handed out while free ones remain. Blocks vLLM
+        frees while the request runs (behind a sliding window, a preemption)
+        are fenced (build_connector_meta)."""
         rid = request.request_id
+        # A request finished while its load is in flight: vLLM keeps its
+        # blocks until the workers report it finished receiving, and frees
+        # them then; True as well would free them twice (scheduler.py
+        # _update_from_kv_xfer_finished asserts the request is still there).
+        # The workers hold that report back until its stores drained too.
+        settled = self.stores_settled(rid) or rid in self._load_blocks
         self._reqs.pop(rid, None)
         self._settled.pop(rid, None)
         self._matched.pop(rid, None)
@@ -909,7 +916,13 @@ class SchedulerSide:
         self._load_blocks.pop(rid, None)
         self._load_units.pop(rid, None)
         self._hit_tiers.pop(rid, None)
-        return False, None
+        # A load still planned or in flight is not ours to wait for: vLLM
+        # keeps the blocks of a request finished while waiting for remote KV
+        # until a worker reports it finished receiving (which it will).
+        if settled:
+            return False, None
+        self._delay_free.add(rid)
+        return True, None
 
     def pending_lookups(self) -> int:
         return sum(1 for r in self._lookups.values() if not r.done)

@@ -212,7 +212,7 @@ class WorkerSide:
         self._await_send: set[str] = set()
         self._finished_seen: dict[str, int] = {}
         self._fenced_seq = -1  # the last plan whose fence was applied
-        self.fence_waits = 0  # fences that had to wait for a store in flight
+        self.fence_waits = 0  # fences that found a store of a fenced block not yet done (and waited for it)
         self.fence_wait_s: list[float] = []  # how long each of those waited (the last 1024)
         self.fence_trimmed = 0  # blocks left out of stores not yet sent, for a fence
         self._retired: list[int] = []  # registrations to Unregister (their jobs are done)
@@ -758,9 +758,12 @@ class WorkerSide:
 
     def apply_fence(self, plan: StepPlan) -> None:
         """Before the step's loads and forward write the plan's fenced
-        blocks: stores of them not yet sent leave them out (their bytes are
-        about to change), and those sent are waited for. The only place a
-        step waits on a store (besides ``sync_stores``). Once per plan."""
+        blocks, this worker's stores of them must be done: one the daemon
+        accepted is waited for; one still queued is given the sender's
+        usual moment to go out (``sync_queue_wait_s``, while the daemon
+        answers) and then waited for too, or, if it is still queued, leaves
+        those blocks out (their bytes are about to change). The only place
+        a step waits on a store (besides ``sync_stores``). Once per plan."""
         fence = getattr(plan, "fence", None)
         with self._cv:
             if plan.seq and plan.seq == self._fenced_seq:
@@ -769,17 +772,18 @@ class WorkerSide:
             if not fence or not self._jobs:
                 return
             blocks = set(fence)
-            queued = {jid for b in self._queue if b.op == Op.STORE for jid in b.jids}
-            sent: set[int] = set()
-            trim: list[int] = []
-            for jid, j in self._jobs.items():
-                if j.op != Op.STORE or blocks.isdisjoint(j.block_ids):
-                    continue
-                if jid in queued:
-                    trim.append(jid)
-                else:
-                    sent.add(jid)
-            for jid in trim:
+            mine = {jid for jid, j in self._jobs.items() if j.op == Op.STORE and not blocks.isdisjoint(j.block_ids)}
+            if not mine:
+                return
+            t0 = self._clock()
+            self.fence_waits += 1
+
+            def queued() -> set[int]:
+                return mine & {jid for b in self._queue if b.op == Op.STORE for jid in b.jids}
+
+            if queued() and not self._suspect():
+                self._cv.wait_for(lambda: not queued(), self._sync_queue_wait)
+            for jid in queued():
                 j = self._jobs[jid]
                 keep = [(h, bid) for h, bid in zip(j.hashes, j.block_ids) if bid not in blocks]
                 self.fence_trimmed += len(j.block_ids) - len(keep)
@@ -788,12 +792,9 @@ class WorkerSide:
                     j.hashes, j.block_ids = [h for h, _ in keep], [bid for _, bid in keep]
                 else:
                     self._drop_queued(lambda x, j=j: x is j)
-            if not sent:
-                return
-            self.fence_waits += 1
-            t0 = self._clock()
-            self._wait_locked(lambda: sent.isdisjoint(self._jobs.keys()),
-                              f"{len(sent)} stores of blocks this step reuses")
+                mine.discard(jid)
+            self._wait_locked(lambda: mine.isdisjoint(self._jobs.keys()),
+                              f"{len(mine)} stores of blocks this step reuses")
             self.fence_wait_s.append(self._clock() - t0)
             del self.fence_wait_s[:-1024]
 

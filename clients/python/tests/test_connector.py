@@ -5,6 +5,7 @@ field names (helpers.py)."""
 from __future__ import annotations
 
 import pickle
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -488,4 +489,99 @@ def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_dae
         assert h.run_until(h.idle)
         assert h.ask(Request("z2", list(range(700, 721))), 0) == (20, True)
     finally:
+        h.close()
+
+
+def test_a_store_planned_in_the_step_its_block_is_given_out_again_leaves_it_out(harness, client):
+    # Group 1 stands for a sliding window: vLLM frees its blocks behind the
+    # window while the request runs. Request "a" computed its first 8 tokens
+    # without a store (its hashes were not publishable yet); in the step its
+    # stores are planned, vLLM has freed a's group-1 block 5 and gives it to
+    # request "c", whose forward writes it in that very step. The store of
+    # that position must leave it out (vLLM's _update_req_states), and
+    # nothing needs a fence: no store of block 5 was in flight.
+    h = harness(block_sizes=(4, 4), layers={0: ["full.0"], 1: ["swa.0"]}, request_level=True)
+    a = Request("a", list(range(1200, 1216)))
+    a.num_publishable_block_hashes = 0
+    assert h.ask(a, 0) == (0, False)
+    g0, g1 = [1, 2, 3, 4], [5, 6, 7, 8]
+    h.sched.update_state_after_alloc(a, KVCacheBlocks(g0, g1), 0)
+
+    def forward_a(upto):
+        def fw(e):
+            for i in range(upto):
+                e.write(0, g0[i], b"a0" + a.block_hashes[i])
+                e.write(1, g1[i], b"a1" + a.block_hashes[i])
+        return fw
+
+    plan = h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", (g0, g1))], num_scheduled_tokens={"a": 8}),
+                  forward_a(2))
+    assert plan.stores == {} and plan.fence == []
+    a.num_computed_tokens = 8
+    a.num_publishable_block_hashes = 3
+    c = Request("c", list(range(1300, 1304)) + [1])
+    assert h.ask(c, 0) == (0, False)
+    h.sched.update_state_after_alloc(c, KVCacheBlocks([9], [5]), 0)
+
+    def forward(e):
+        forward_a(3)(e)
+        e.write(0, 9, b"c0" + c.block_hashes[0])
+        e.write(1, 5, b"c1" + c.block_hashes[0])  # block 5 is c's now
+
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("c", ([9], [5]))],
+                          scheduled_cached_reqs=CachedRequestData(["a"], set(), [([], [])], [8]),
+                          num_scheduled_tokens={"c": 5, "a": 4})
+    plan = h.step(out, forward)
+    hs = a.block_hashes
+    assert plan.stores["a"] == [GroupJob(0, hs[:3], [1, 2, 3]), GroupJob(1, hs[1:3], [6, 7])]
+    assert plan.fence == []
+    assert h.run_until(h.idle)
+    ns = h.workers[0].namespace_id
+    assert client.lookup([ns], hs[:1], group=1).ready == 0  # never stored with c's bytes under a's key
+    assert client.lookup([ns], hs[1:3], group=1).ready == 2
+
+
+def test_a_fence_waits_for_each_ranks_own_stores_and_nothing_else(fresh_daemon, shm, fingerprint):
+    # Two ranks, each with its own jobs. The daemon is stopped while both
+    # ranks' stores of request f0 run; vLLM preempts f0 (and frees its
+    # blocks). That step writes only fresh blocks and runs on; the step that
+    # gives f0's block 3 to f2 names it in its fence, and each rank waits
+    # for its own store of it until the daemon runs again.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2)
+    try:
+        toks = list(range(1400, 1417))
+        d.pause()
+        prefill(h, Request("f0", toks), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: all(not w._queue for w in h.workers))  # each rank's Store is with the daemon
+
+        def step_in_thread(out):
+            res = {}
+            t = threading.Thread(target=lambda: res.setdefault("plan", h.step(out)))
+            t.start()
+            return t, res
+
+        r = Request("f1", list(range(1500, 1505)))
+        h.sched._state(r)
+        t, res = step_in_thread(SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([10, 11],))],
+                                                num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        t.join(30)
+        assert not t.is_alive(), "a step that reuses no block waited on the stopped daemon"
+        assert res["plan"].fence == [] and all(w.fence_waits == 0 for w in h.workers)
+        f2 = Request("f2", list(range(1600, 1605)))
+        h.sched._state(f2)
+        t, res = step_in_thread(SchedulerOutput(scheduled_new_reqs=[NewRequestData("f2", ([3, 12],))],
+                                                num_scheduled_tokens={"f2": 5}))
+        assert wait_for(lambda: h.workers[0]._waiters > 0)  # rank 0 waits for its store of block 3
+        assert t.is_alive()
+        d.resume()
+        t.join(30)
+        assert not t.is_alive()
+        assert res["plan"].fence == [3]
+        # Rank 0 waited; rank 1 (run after it, as the harness runs ranks in
+        # turn) found its own store of block 3 drained by then, or waited.
+        assert h.workers[0].fence_waits == 1 and h.workers[1].fence_waits <= 1
+        assert all(w._fenced_seq == res["plan"].seq for w in h.workers)
+    finally:
+        d.resume()
         h.close()

@@ -29,7 +29,7 @@ from standin_engine import (
     kv_cache_config,
     vllm_config,
 )
-from standin_run import connector_module
+from standin_run import connector_module, run
 
 
 def settle(eng: Engine, max_steps: int = 3000) -> None:
@@ -710,3 +710,26 @@ def test_no_step_waits_on_a_store_while_the_daemon_is_stopped(engine, fresh_daem
     ws = eng.workers[0]._worker
     assert not why["waited"] and why["steps"] >= 30, why
     assert ws.fence_waits == 0
+
+
+@pytest.mark.parametrize("async_scheduling,tp", [(False, 1), (True, 2)], ids=["sync", "async-tp2"])
+def test_a_hybrid_workload_with_blocks_reused_at_once_and_a_stopped_daemon(fresh_daemon, shm, async_scheduling, tp):
+    # A seeded workload (preemptions, aborts, controls, hits) on a model with
+    # a sliding-window group whose freed blocks are handed out again at once,
+    # with the daemon stopped for a while in the middle: every block any
+    # request holds is checked after every step (loaded ones included).
+    d = fresh_daemon()
+    cfg = Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=80, tp=tp,
+                 async_scheduling=async_scheduling, reuse_freed_first=True, model=f"m13-wl-{tp}",
+                 extra={"lookup_deadline_ms": 2000})
+    seen = {}
+
+    def look(eng):
+        seen["eng"] = eng
+
+    rep = run(cfg, d, shm, seed=23 + tp, steps=200, hang=(40, 2.0), events={199: look})
+    s = rep.summary()
+    assert s["errored"] == 0 and s["finished"] > 20, s
+    assert s["hit_tokens"] > 0 and s["positions_checked"] > 0, s
+    assert s["preempted"] > 0, s
+    assert seen["eng"].sched_conn._scheduler.fences > 0, "no block was reused while a store of it was in flight"
