@@ -585,3 +585,141 @@ def test_a_fence_waits_for_each_ranks_own_stores_and_nothing_else(fresh_daemon, 
     finally:
         d.resume()
         h.close()
+
+
+def _hybrid_prefill(h, rid, toks, g0, g1):
+    r = Request(rid, toks)
+    assert h.ask(r, 0) == (0, False)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
+
+    def forward(e):
+        for i in range(len(r.block_hashes)):
+            e.write(0, g0[i], b"g0" + r.block_hashes[i])
+        for i in range(len(r.block_hashes) // 2):
+            e.write(1, g1[i], b"g1" + r.block_hashes[2 * i + 1])
+
+    h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData(rid, (g0, g1))], num_scheduled_tokens={rid: r.num_tokens}),
+           forward)
+    assert h.run_until(h.idle)
+    return r
+
+
+def test_a_failed_block_of_any_group_fails_its_request_and_is_never_offered_to_it_again(harness, client):
+    # Group 0: 4-token blocks; group 1 (a sliding window, say): 8-token
+    # blocks. A block of group 1 is lost between the lookup and the load:
+    # the request fails as a whole (request-level, as vLLM with
+    # KVConnectorTransferResults wants; no engine block ids, which vLLM could
+    # not map to a group), the load was asynchronous, and when vLLM preempts
+    # and re-admits the request it is asked again and offered nothing.
+    h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
+    toks = list(range(1700, 1726))  # 6 hashes -> 3 units of 8 tokens
+    a = _hybrid_prefill(h, "a", toks, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14])
+    ns = h.workers[0].namespace_id
+    hs = a.block_hashes
+    r = Request("r", toks + [9])
+    assert h.ask(r, 0) == (24, True)  # asynchronous
+    client.invalidate([ns], [hs[3]], group=1)  # the window's block of unit 1, lost before the load
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]), 24)
+    h.step()
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == {"r"} and h.failed[0] == set()
+    # vLLM reads failed_recving and recomputes r from its local prefix.
+    h.sched.update_connector_output(SimpleNamespace(failed_recving={"r"}, invalid_block_ids=set()))
+    # Preempted, re-admitted: asked again, never offered a hit again.
+    h.step(SchedulerOutput(preempted_req_ids={"r"}))
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    # Another request with the same prompt is offered what is intact: unit 0.
+    assert h.ask(Request("s", toks + [9]), 0) == (8, True)
+
+
+def test_a_preempted_request_is_asked_again_and_offered_only_what_is_still_intact(harness, client):
+    # A request offered 24 tokens whose load succeeded runs, is preempted
+    # (vLLM recomputes it from token 0), and a block of group 1 is lost
+    # meanwhile: re-admitted, it is looked up again (not answered from its
+    # first lookup) and offered only the prefix still whole in every group.
+    h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
+    toks = list(range(1800, 1826))
+    a = _hybrid_prefill(h, "a", toks, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14])
+    ns = h.workers[0].namespace_id
+    hs = a.block_hashes
+    r = Request("r", toks + [9])
+    assert h.ask(r, 0) == (24, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]), 24)
+    h.step()
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == set()
+    e = h.engines[0]
+    assert [e.read(1, b) for b in [31, 32, 33]] == [e.read(1, b) for b in [11, 12, 13]]
+    r.num_computed_tokens = 24
+    h.step(SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], set(), [([], [])], [24]),
+                           num_scheduled_tokens={"r": 3}))
+    client.invalidate([ns], [hs[5]], group=1)  # unit 2's block of group 1
+    r.num_computed_tokens = 0
+    h.step(SchedulerOutput(preempted_req_ids={"r"}))
+    assert h.ask(r, 0) == (16, True)
+    h.recv[0].discard("r")
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([8, 9, 10, 15, 16, 17, 18], [35, 36, 37, 38]), 16)
+    plan = h.step()
+    assert [(j.group, j.block_ids) for j in plan.loads["r"]] == [(0, [8, 9, 10, 15]), (1, [35, 36])]
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == set()
+    assert [e.read(1, b) for b in [35, 36]] == [e.read(1, b) for b in [11, 12]]
+    assert [e.read(0, b) for b in [8, 9, 10, 15]] == [e.read(0, b) for b in [1, 2, 3, 4]]
+
+
+def _step_in_thread(h, out):
+    res = {}
+    t = threading.Thread(target=lambda: res.setdefault("plan", h.step(out)))
+    t.start()
+    return t, res
+
+
+def test_a_fence_outlives_a_cache_reset(fresh_daemon, shm, fingerprint):
+    # reset_cache moves the engine to a new identity; stores in flight still
+    # read their blocks (they land in the old namespace): a block of theirs
+    # that vLLM gives out after the reset is still fenced.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        d.pause()
+        prefill(h, Request("f0", list(range(1900, 1917))), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: not h.workers[0]._queue)  # the Store is with the stopped daemon
+        h.sched.reset()  # False: the stopped daemon cannot confirm; the new identity holds
+        h.workers[0].switch_identity(b"new identity")
+        f1 = Request("f1", list(range(2000, 2005)))
+        h.sched._state(f1)
+        t, res = _step_in_thread(h, SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([3, 12],))],
+                                                    num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        assert wait_for(lambda: h.workers[0]._waiters > 0)
+        assert t.is_alive()
+        d.resume()
+        t.join(30)
+        assert not t.is_alive() and res["plan"].fence == [3] and h.workers[0].fence_waits == 1
+    finally:
+        d.resume()
+        h.close()
+
+
+def test_a_fence_never_waits_for_stores_of_a_registration_that_is_gone(fresh_daemon, shm, fingerprint):
+    # The daemon dies with the stores accepted (stopped, then killed): once
+    # its process is gone nothing can copy out of the blocks, the jobs are
+    # settled, and the step that reuses a block of them runs on.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        d.pause()
+        prefill(h, Request("f0", list(range(2100, 2117))), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: not h.workers[0]._queue)
+        d.proc.kill()
+        d.proc.wait(timeout=20)
+        assert wait_for(lambda: h.workers[0].pending() == 0)
+        f1 = Request("f1", list(range(2200, 2205)))
+        h.sched._state(f1)
+        t, res = _step_in_thread(h, SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([3, 12],))],
+                                                    num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        t.join(30)
+        assert not t.is_alive()
+        assert res["plan"].fence == [3] and h.workers[0].fence_waits == 0
+    finally:
+        h.close()
+        d.restart()  # a daemon that stops cleanly at teardown
