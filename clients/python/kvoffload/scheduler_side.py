@@ -39,6 +39,10 @@ __all__ = ["SchedulerSide", "RequestControls", "request_controls"]
 
 log = logging.getLogger("kvoffload.scheduler")
 
+# Requests whose undrained stores one engine block keeps apart in the fence
+# table (SchedulerSide._note_reads).
+_MAX_READERS = 8
+
 
 @dataclass(frozen=True)
 class RequestControls:
@@ -204,7 +208,7 @@ class SchedulerSide:
         # sliding window, a local chunk, R-SWA's decode gap, a preempted or
         # finished request) is fenced when it is allocated again. Keyed by
         # block id: bounded by the engine's block count.
-        self._store_reads: dict[int, dict[str, int]] = {}
+        self._store_reads: dict[int, dict[str | None, int]] = {}
         self._reads_by_req: dict[str, set[int]] = {}
         self._read_acks: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained
         self._alloc_written: set[int] = set()  # load destinations allocated since the last plan
@@ -790,12 +794,27 @@ class SchedulerSide:
                         ids[i] = None
 
     def _note_reads(self, rid: str, jobs: Sequence[GroupJob]) -> None:
-        """This step's stores of ``rid`` read these blocks until drained."""
-        mine = self._reads_by_req.setdefault(rid, set())
+        """This step's stores of ``rid`` read these blocks until drained. A
+        block read by more than ``_MAX_READERS`` requests' stores not known
+        drained (a prefix block vLLM keeps cached, stored again while the
+        daemon could not be asked) keeps one anonymous entry instead, which
+        only a fence clears: the table stays bounded by the block count."""
         for j in jobs:
             for b in j.block_ids:
-                self._store_reads.setdefault(b, {})[rid] = self._seq
-                mine.add(b)
+                readers = self._store_reads.setdefault(b, {})
+                readers[rid] = self._seq
+                if len(readers) > _MAX_READERS:
+                    seq = max(readers.values())
+                    for r in [r for r in readers if r is not None]:
+                        blocks = self._reads_by_req.get(r)
+                        if blocks is not None:
+                            blocks.discard(b)
+                            if not blocks:
+                                self._forget_reads(r)
+                    readers.clear()
+                    readers[None] = seq
+                else:
+                    self._reads_by_req.setdefault(rid, set()).add(b)
 
     def _forget_reads(self, rid: str) -> None:
         self._reads_by_req.pop(rid, None)

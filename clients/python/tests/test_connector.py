@@ -723,3 +723,17 @@ def test_a_fence_never_waits_for_stores_of_a_registration_that_is_gone(fresh_dae
     finally:
         h.close()
         d.restart()  # a daemon that stops cleanly at teardown
+
+
+def test_the_fence_table_stays_bounded_by_the_block_count(harness):
+    # Without acknowledgements (a vLLM without worker metadata) a cached
+    # prefix block stored by request after request keeps one bounded entry,
+    # and the step that reallocates it still fences it.
+    h = harness()
+    sc = h.sched
+    for i in range(50):
+        sc._seq += 1
+        sc._note_reads(f"q{i}", [GroupJob(0, [b"k" * 32], [7])])
+    assert len(sc._store_reads[7]) <= 9 and sum(len(b) for b in sc._reads_by_req.values()) <= 9
+    assert sc._fence({7, 8}) == [7]
+    assert not sc._store_reads and not sc._reads_by_req
