@@ -35,8 +35,7 @@ class StepPlan:
     - ``preempted``: requests whose blocks vLLM is about to reuse: their
       stores must drain or be dropped first.
     - ``delay_free``: requests for which ``request_finished`` returned True:
-      workers report them finished sending once their stores drained (none
-      since fences: ``request_finished`` never keeps blocks).
+      workers report them finished sending once their stores drained.
     - ``fence``: engine blocks this step writes (allocated to a request, or
       a load's destination) that a store planned in an earlier step may
       still read: before the step's loads and forward, each worker waits

@@ -205,9 +205,9 @@ class SchedulerSide:
         # drained or a step that writes the block fenced them. Every group,
         # running and finished requests alike: a block vLLM can give to
         # another request while a store of it may still run (behind a
-        # sliding window, a local chunk, R-SWA's decode gap, a preempted or
-        # finished request) is fenced when it is allocated again. Keyed by
-        # block id: bounded by the engine's block count.
+        # sliding window, a local chunk, R-SWA's decode gap, a preempted
+        # request's) is fenced when it is allocated again. Keyed by block
+        # id: bounded by the engine's block count (_note_reads).
         self._store_reads: dict[int, dict[str | None, int]] = {}
         self._reads_by_req: dict[str, set[int]] = {}
         self._read_acks: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained

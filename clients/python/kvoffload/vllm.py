@@ -340,8 +340,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         self._request_level = rlf
         # sync_stores is never needed for safety: where vLLM gives a block to
         # a request while a store of it may still run (behind a sliding
-        # window, a local chunk, R-SWA's decode gap, after a preemption or a
-        # finished request), the step's plan fences it and the workers wait
+        # window, a local chunk, R-SWA's decode gap, after a preemption), the
+        # step's plan fences it and the workers wait
         # for that store before the step writes it. True only adds a wait
         # at the end of every step.
         self._scheduler: SchedulerSide | None = None

@@ -28,8 +28,9 @@ A call that timed out or lost its connection may have been accepted, so
 its jobs stay in flight until one of the above. A daemon that hangs
 therefore holds the blocks of the jobs it had accepted: a step that
 writes a block such a store reads (the plan's fence: vLLM gave it to a
-request again, behind a sliding window, after a preemption or a finished
-request) waits for it before its loads and forward — never is a block
+request again, behind a sliding window or after a preemption) waits for
+it before its loads and forward; a finished request with such stores
+keeps its blocks (``request_finished``) — never is a block
 reused while a copy from or into it may still run, and no step waits on a
 store unless it reuses a block of it. Everything queued but
 not sent when the daemon stops answering is dropped (stores) or failed
@@ -784,7 +785,10 @@ class WorkerSide:
             if queued() and not self._suspect():
                 self._cv.wait_for(lambda: not queued(), self._sync_queue_wait)
             for jid in queued():
-                j = self._jobs[jid]
+                mine.discard(jid)
+                j = self._jobs.get(jid)
+                if j is None:
+                    continue
                 keep = [(h, bid) for h, bid in zip(j.hashes, j.block_ids) if bid not in blocks]
                 self.fence_trimmed += len(j.block_ids) - len(keep)
                 self.stats.stores_skipped(len(j.block_ids) - len(keep))
@@ -792,7 +796,6 @@ class WorkerSide:
                     j.hashes, j.block_ids = [h for h, _ in keep], [bid for _, bid in keep]
                 else:
                     self._drop_queued(lambda x, j=j: x is j)
-                mine.discard(jid)
             self._wait_locked(lambda: mine.isdisjoint(self._jobs.keys()),
                               f"{len(mine)} stores of blocks this step reuses")
             self.fence_wait_s.append(self._clock() - t0)
