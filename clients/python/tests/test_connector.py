@@ -598,8 +598,8 @@ def _hybrid_prefill(h, rid, toks, g0, g1):
         for i in range(len(r.block_hashes) // 2):
             e.write(1, g1[i], b"g1" + r.block_hashes[2 * i + 1])
 
-    h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData(rid, (g0, g1))], num_scheduled_tokens={rid: r.num_tokens}),
-           forward)
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData(rid, (g0, g1))], num_scheduled_tokens={rid: r.num_tokens})
+    h.step(out, forward)
     assert h.run_until(h.idle)
     return r
 
