@@ -712,26 +712,6 @@ def test_no_step_waits_on_a_store_while_the_daemon_is_stopped(engine, fresh_daem
     assert ws.fence_waits == 0
 
 
-def test_sync_stores_true_waits_at_the_end_of_every_step_for_every_model(engine, fresh_daemon):
-    # Kept for compatibility: true adds a wait for the step's stores in
-    # wait_for_save, for a full-attention model too; false (the default) is
-    # safe for every model (fences).
-    d = fresh_daemon()
-    eng = engine(Config(model="m13-sync-true", extra={"sync_stores": True}), socket=d.socket)
-    assert eng.workers[0]._worker.sync_stores
-    eng.add_request("a0", toks(16, 4500), 20)
-    for _ in range(2):
-        eng.step()
-    why = _stop_until(eng, d, 30)
-    try:
-        while "waited" not in why:
-            eng.step()
-    finally:
-        why["thread"].join()
-    settle(eng)
-    assert why["waited"], why
-
-
 @pytest.mark.parametrize("async_scheduling,tp", [(False, 1), (True, 2)], ids=["sync", "async-tp2"])
 def test_a_hybrid_workload_with_blocks_reused_at_once_and_a_stopped_daemon(fresh_daemon, shm, async_scheduling, tp):
     # A seeded workload (preemptions, aborts, controls, hits) on a model with
