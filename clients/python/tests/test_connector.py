@@ -516,7 +516,7 @@ def test_a_store_planned_in_the_step_its_block_is_given_out_again_leaves_it_out(
 
     plan = h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", (g0, g1))], num_scheduled_tokens={"a": 8}),
                   forward_a(2))
-    assert plan.stores == {} and plan.fence == []
+    assert plan.stores == {} and getattr(plan, "fence", []) == []
     a.num_computed_tokens = 8
     a.num_publishable_block_hashes = 3
     c = Request("c", list(range(1300, 1304)) + [1])
