@@ -652,7 +652,7 @@ def _stop_until(eng: Engine, d, steps: int) -> dict:
 
 def _swa_reuse_config(model: str, **kw) -> Config:
     return Config(groups=[Group("full", 4, 1), Group("swa", 4, 1, window=8)], num_blocks=56, long_prefill=4,
-                  max_batched_tokens=24, max_seqs=6, model=model, reuse_freed_first=True, **kw)
+                  max_batched_tokens=24, max_seqs=6, model=model, reuse_freed_first=True, record_stores=True, **kw)
 
 
 @pytest.mark.parametrize("async_scheduling,tp", [(False, 1), (True, 2)], ids=["sync", "async-tp2"])
@@ -680,6 +680,10 @@ def test_blocks_reused_while_their_stores_run_are_fenced_never_stored_wrong(engi
     sc, ws = _sched(eng), [w._worker for w in eng.workers]
     assert sc.fences > 0, "no block was reused while its store was in flight: the test tests nothing"
     assert sum(w.fence_waits + w.fence_trimmed for w in ws) > 0
+    # Every block the daemon holds, byte for byte against what its request
+    # computed (also those no hit would load).
+    got = eng.check_stored()
+    assert got["wrong"] == 0 and got["checked"] > 0, got
     for i, p in enumerate(prompts):
         for e in range(3, 9):  # a hit ending at every unit loads the window there (verify checks every block)
             serve(eng, p[:4 * e] + [9, 9], prefix=f"r{i}-{e}-")
