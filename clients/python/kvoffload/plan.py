@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-__all__ = ["GroupJob", "StepPlan", "iter_scheduled", "as_groups"]
+__all__ = ["GroupJob", "StepPlan", "iter_scheduled", "iter_written", "as_groups"]
 
 
 @dataclass
@@ -36,6 +36,10 @@ class StepPlan:
       stores must drain or be dropped first.
     - ``delay_free``: requests for which ``request_finished`` returned True:
       workers report them finished sending once their stores drained.
+    - ``fence``: engine blocks this step writes (allocated to a request, or
+      a load's destination) that a store planned in an earlier step may
+      still read: before the step's loads and forward, each worker waits
+      for its own stores of them (a store not yet sent leaves them out).
     - ``identity``: (generation, token) of the engine's identity: a worker
       that sees a newer generation moves to the fingerprints derived from
       the token before it loads or stores anything of this plan.
@@ -47,9 +51,10 @@ class StepPlan:
     preempted: set[str] = field(default_factory=set)
     delay_free: set[str] = field(default_factory=set)
     identity: tuple[int, bytes] = (0, b"")
+    fence: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.preempted or self.delay_free)
+        return not (self.loads or self.stores or self.preempted or self.delay_free or self.fence)
 
 
 def iter_scheduled(scheduler_output: Any) -> Iterator[tuple[str, Any, bool]]:
@@ -71,6 +76,36 @@ def iter_scheduled(scheduler_output: Any) -> Iterator[tuple[str, Any, bool]]:
     else:
         resumed = list(getattr(cached, "resumed_from_preemption", None) or [False] * len(ids))
     yield from zip(ids, new_ids, resumed)
+
+
+def iter_written(scheduler_output: Any, num_groups: int, block_sizes: list[int]) -> Iterator[int]:
+    """The engine block ids a step allocated that its forward may write: a
+    cached request's new blocks, and a new or resumed request's blocks past
+    its computed tokens (those before are its local prefix hits, only read).
+    vLLM's null block is never written by a step (callers skip it)."""
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        yield from _past(r.block_ids, int(getattr(r, "num_computed_tokens", 0) or 0), num_groups, block_sizes)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is None:
+        return
+    ids = list(getattr(cached, "req_ids", None) or ())
+    new_ids = list(getattr(cached, "new_block_ids", None) or [None] * len(ids))
+    computed = list(getattr(cached, "num_computed_tokens", None) or [0] * len(ids))
+    resumed_set = getattr(cached, "resumed_req_ids", None)
+    if resumed_set is not None:
+        resumed = [rid in resumed_set for rid in ids]
+    else:
+        resumed = list(getattr(cached, "resumed_from_preemption", None) or [False] * len(ids))
+    for rid, blocks, res, nct in zip(ids, new_ids, resumed, computed):
+        yield from _past(blocks, int(nct or 0) if res else 0, num_groups, block_sizes)
+
+
+def _past(block_ids: Any, computed: int, num_groups: int, block_sizes: list[int]) -> Iterator[int]:
+    for g, ids in enumerate(as_groups(block_ids, num_groups)):
+        first = computed // block_sizes[g] if computed else 0
+        for b in ids[first:]:
+            if b is not None:
+                yield int(b)
 
 
 def as_groups(block_ids: Any, num_groups: int) -> list[list[int | None]]:

@@ -30,7 +30,7 @@ from .client import Client
 from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
 from .kv_events import BlockInfoMap, EventFeed, VLLMEventTypes, remember, translate
-from .plan import GroupJob, StepPlan, as_groups, iter_scheduled
+from .plan import GroupJob, StepPlan, as_groups, iter_scheduled, iter_written
 from .settings import derive_fingerprint
 from .stats import StatsRecorder
 from .types import Tier
@@ -38,6 +38,10 @@ from .types import Tier
 __all__ = ["SchedulerSide", "RequestControls", "request_controls"]
 
 log = logging.getLogger("kvoffload.scheduler")
+
+# Requests whose undrained stores one engine block keeps apart in the fence
+# table (SchedulerSide._note_reads).
+_MAX_READERS = 8
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,20 @@ class SchedulerSide:
         self._unregistered: set = set()  # ranks whose worker reports no registration
         self._delay_free: set[str] = set()
         self._settled: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained
+        # Fences (vLLM's offloading connector's _block_id_to_pending_jobs):
+        # per engine block, the requests whose planned stores read it, with
+        # the last plan step of each, until every rank acknowledged them
+        # drained or a step that writes the block fenced them. Every group,
+        # running and finished requests alike: a block vLLM can give to
+        # another request while a store of it may still run (behind a
+        # sliding window, a local chunk, R-SWA's decode gap, a preempted
+        # request's) is fenced when it is allocated again. Keyed by block
+        # id: bounded by the engine's block count (_note_reads).
+        self._store_reads: dict[int, dict[str | None, int]] = {}
+        self._reads_by_req: dict[str, set[int]] = {}
+        self._read_acks: dict[str, dict[tuple, int]] = {}  # request -> rank -> last store seq drained
+        self._alloc_written: set[int] = set()  # load destinations allocated since the last plan
+        self.fences = 0  # blocks named in a plan's fence so far
         self._seq = 0
         self._asked_blind = 0
         self._warned: set[str] = set()
@@ -628,6 +646,7 @@ class SchedulerSide:
                 jobs.append(GroupJob(g, [], ids))
         self._loads[rid] = jobs
         self._load_blocks[rid] = {b for j in jobs for b in j.block_ids}
+        self._alloc_written |= self._load_blocks[rid]  # the load writes them: fenced in the next plan
         units: dict[int, int] = {}
         for g in range(self.keys.num_groups):
             bpu = self.keys.blocks_per_unit[g]
@@ -650,7 +669,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """This step's plan: the loads planned since the last step, a store of
         every full unit the step completes, the preempted requests, and the
-        requests whose blocks vLLM keeps until their stores drain."""
+        fence: the blocks the step writes that an earlier store may still
+        read (the workers wait for those stores before the step's forward)."""
         self._flush()
         self._step_wait_left = self._wait
         self._seq += 1
@@ -661,8 +681,9 @@ class SchedulerSide:
         for rid in plan.preempted:
             st = self._reqs.get(rid)
             if st is not None:
-                # Workers drain or drop this request's stores before vLLM
-                # reuses its blocks; the resumed request brings new block ids.
+                # vLLM frees its blocks (their stores are fenced when vLLM
+                # gives them to a request again); the resumed request brings
+                # new block ids.
                 st.block_ids = [[] for _ in range(self.keys.num_groups)]
                 # vLLM recomputes it from token 0 (num_computed_tokens = 0)
                 # and the workers drop its stores still queued: store again,
@@ -678,7 +699,19 @@ class SchedulerSide:
                     # Recomputed from scratch after a reset: its KV is the
                     # new weights' from here.
                     st.gen, st.next_store_unit = self._gen, 0
+        # Every block the step writes, in every group: a store still reading
+        # one is fenced, and no store of this step takes it for a block of
+        # the request that held it before (vLLM freed it behind a window and
+        # gave it out again in this very step: its bytes are no longer that
+        # block's).
+        written = self._alloc_written
+        self._alloc_written = set()
+        written.update(iter_written(scheduler_output, self.keys.num_groups, list(self.keys.block_sizes)))
+        written.discard(self.null_block_id)
+        plan.fence = self._fence(written)
         num_sched = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        scheduled: list[tuple[str, _ReqState]] = []
+        before: dict[str, list[int]] = {}  # request -> per group, its block count before this step's
         for rid, new_ids, replace in iter_scheduled(scheduler_output):
             st = self._reqs.get(rid)
             if st is None:
@@ -686,9 +719,15 @@ class SchedulerSide:
             new_groups = as_groups(new_ids, self.keys.num_groups)
             if replace:
                 st.block_ids = new_groups
+                before[rid] = [0] * self.keys.num_groups
             else:
+                before[rid] = [len(ids) for ids in st.block_ids]
                 for g, ids in enumerate(new_groups):
                     st.block_ids[g].extend(ids)
+            scheduled.append((rid, st))
+        if written:
+            self._drop_reused(written, before)
+        for rid, st in scheduled:
             if st.controls.store == "none" or self.stores_off or st.gen != self._gen:
                 continue
             req = st.request
@@ -712,8 +751,97 @@ class SchedulerSide:
                 plan.stores[rid] = jobs
                 st.store_seq = self._seq
                 st.store_starts.append((self._seq, first))
+                self._note_reads(rid, jobs)
         plan.delay_free, self._delay_free = self._delay_free, set()
         return plan
+
+    def _fence(self, written: set[int]) -> list[int]:
+        """The blocks of ``written`` a store not known drained reads: the
+        plan's fence. Once fenced, every rank waits for those stores before
+        this step runs, so the blocks are forgotten here."""
+        if not self._store_reads:
+            return []
+        fence = sorted(b for b in written if b in self._store_reads)
+        for b in fence:
+            for rid in self._store_reads.pop(b):
+                blocks = self._reads_by_req.get(rid)
+                if blocks is not None:
+                    blocks.discard(b)
+                    if not blocks:
+                        self._forget_reads(rid)
+        self.fences += len(fence)
+        return fence
+
+    def _drop_reused(self, written: set[int], before: Mapping[str, list[int]]) -> None:
+        """A block of a request's not-yet-stored positions that this step
+        allocates again (to another request, or to the same one further on)
+        no longer holds that position's KV: vLLM has freed it (behind a
+        sliding window, a local chunk) and put its null block there. The
+        position is not stored (vLLM's own _update_req_states does the
+        same). Positions this step added are the request's own new blocks."""
+        for rid, st in self._reqs.items():
+            if st.controls.store == "none" or st.gen != self._gen:
+                continue
+            ends = before.get(rid)
+            prompt = int(getattr(st.request, "num_prompt_tokens", 0) or 0) if st.controls.store == "prompt" else 0
+            for g in range(self.keys.num_groups):
+                ids = st.block_ids[g]
+                end = ends[g] if ends is not None else len(ids)
+                if prompt:
+                    end = min(end, -(-prompt // self.keys.block_sizes[g]))
+                for i in range(st.next_store_unit * self.keys.blocks_per_unit[g], end):
+                    if ids[i] is not None and ids[i] in written:
+                        ids[i] = None
+
+    def _note_reads(self, rid: str, jobs: Sequence[GroupJob]) -> None:
+        """This step's stores of ``rid`` read these blocks until drained. A
+        block read by more than ``_MAX_READERS`` requests' stores not known
+        drained (a prefix block vLLM keeps cached, stored again while the
+        daemon could not be asked) keeps one anonymous entry instead, which
+        only a fence clears: the table stays bounded by the block count."""
+        for j in jobs:
+            for b in j.block_ids:
+                readers = self._store_reads.setdefault(b, {})
+                readers[rid] = self._seq
+                if len(readers) > _MAX_READERS:
+                    seq = max(readers.values())
+                    for r in [r for r in readers if r is not None]:
+                        blocks = self._reads_by_req.get(r)
+                        if blocks is not None:
+                            blocks.discard(b)
+                            if not blocks:
+                                self._forget_reads(r)
+                    readers.clear()
+                    readers[None] = seq
+                else:
+                    self._reads_by_req.setdefault(rid, set()).add(b)
+
+    def _forget_reads(self, rid: str) -> None:
+        self._reads_by_req.pop(rid, None)
+        self._read_acks.pop(rid, None)
+
+    def _reads_drained(self, drained: Mapping[str, Mapping[tuple, int]]) -> None:
+        """Store acknowledgements: blocks whose stores every rank drained
+        need no fence any more."""
+        for rid, by_rank in drained.items():
+            blocks = self._reads_by_req.get(rid)
+            if not blocks:
+                continue
+            acks = self._read_acks.setdefault(rid, {})
+            for rank, seq in by_rank.items():
+                acks[rank] = max(acks.get(rank, 0), seq)
+            if len(acks) < self.num_ranks:
+                continue
+            done = min(acks.values())
+            for b in [b for b in blocks if self._store_reads.get(b, {}).get(rid, 0) <= done]:
+                blocks.discard(b)
+                readers = self._store_reads.get(b)
+                if readers is not None:
+                    readers.pop(rid, None)
+                    if not readers:
+                        del self._store_reads[b]
+            if not blocks:
+                self._forget_reads(rid)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Reads the workers' reports: failed loads (their requests are not
@@ -755,6 +883,7 @@ class SchedulerSide:
         drained = getattr(meta, "drained", None)
         if not drained:
             return
+        self._reads_drained(drained)
         for rid, by_rank in drained.items():
             if rid not in self._reqs:
                 continue
@@ -782,7 +911,14 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """True when stores of this request may still be in flight: vLLM then
-        keeps its blocks until every worker reports it finished sending."""
+        keeps its blocks until every worker reports it finished sending.
+
+        vLLM's own offloading connector answers False and fences the reuse;
+        here that would make a stopped daemon stall every step that reuses
+        a finished request's block (test_a_hung_daemon_does_not_stall_serving):
+        held, they are not handed out while free ones remain. Blocks vLLM
+        frees while the request runs (behind a sliding window, a preemption)
+        are fenced (build_connector_meta)."""
         rid = request.request_id
         # A request finished while its load is in flight: vLLM keeps its
         # blocks until the workers report it finished receiving, and frees

@@ -331,7 +331,7 @@ def settings_from_vllm(
         pp_size=pp,
         pcp_size=pcp,
         dcp_size=dcp,
-        sync_stores=bool(extra.get("sync_stores", not full)),
+        sync_stores=bool(extra.get("sync_stores", False)),
         timeout_s=float(extra.get("timeout_s", 1.0)),
         lookup_wait_s=float(extra.get("lookup_wait_ms", 1)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,

@@ -338,15 +338,12 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                       "reported per block")
             rlf = False
         self._request_level = rlf
-        if not s.sync_stores and not s.full_attention:
-            # vLLM frees such a group's blocks while the request runs (behind
-            # a sliding window, past a local chunk) and gives them to other
-            # requests: a store still in flight would copy their KV under
-            # this request's keys.
-            log.error("kvoffload: kv_connector_extra_config.sync_stores is false, but a KV cache group of this model "
-                      "is not full attention (vLLM frees its blocks while the request runs): ignored, stores are "
-                      "synchronous")
-            s.sync_stores = True
+        # sync_stores is never needed for safety: where vLLM gives a block to
+        # a request while a store of it may still run (behind a sliding
+        # window, a local chunk, R-SWA's decode gap, after a preemption), the
+        # step's plan fences it and the workers wait
+        # for that store before the step writes it. True only adds a wait
+        # at the end of every step.
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._worker_off: str | None = s.unsupported
@@ -483,14 +480,20 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         """Current vLLM passes the step's metadata; older passes the ids."""
         if self._worker is None:
             return
+        plan = None
         if isinstance(preempted, KVOffloadConnectorMetadata):
             self._follow_identity(preempted.plan)
-            ids = preempted.plan.preempted
+            plan = preempted.plan
+            ids = plan.preempted
         elif isinstance(preempted, (set, frozenset, list, tuple)):
             ids = set(preempted)
         else:
             ids = set(getattr(preempted, "preempted_req_ids", None) or ())
         self._worker.handle_preemptions(ids)
+        if plan is not None:
+            # Before the step's forward (and start_load_kv, which applies it
+            # too on a vLLM that passes ids here).
+            self._worker.apply_fence(plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()

@@ -17,7 +17,7 @@ queue.
 A job's engine blocks go back to vLLM (a finished load, a drained store, a
 failed block) only when nothing of the daemon can touch them any more:
 
-- the daemon reported the job (Completions), or
+- the daemon reported the job (Completions, or a Store or Load reply), or
 - it refused the call that carried it (the whole call: nothing ran), or
 - the job was never sent (dropped from the queue), or
 - the daemon said the registration is gone (NOT_FOUND) after draining it,
@@ -26,10 +26,13 @@ failed block) only when nothing of the daemon can touch them any more:
 
 A call that timed out or lost its connection may have been accepted, so
 its jobs stay in flight until one of the above. A daemon that hangs
-therefore holds the blocks of the jobs it had accepted: a preempted
-request with such stores waits for them (``handle_preemptions``), and a
-finished one keeps its blocks (``request_finished``) — never is a block
-reused while a copy from or into it may still run. Everything queued but
+therefore holds the blocks of the jobs it had accepted: a step that
+writes a block such a store reads (the plan's fence: vLLM gave it to a
+request again, behind a sliding window or after a preemption) waits for
+it before its loads and forward; a finished request with such stores
+keeps its blocks (``request_finished``) — never is a block
+reused while a copy from or into it may still run, and no step waits on a
+store unless it reuses a block of it. Everything queued but
 not sent when the daemon stops answering is dropped (stores) or failed
 (loads, so vLLM recomputes), and nothing new is queued until it answers.
 """
@@ -119,9 +122,9 @@ class WorkerSide:
         rank: this worker's rank tuple, reported in store acknowledgements.
         request_level_failures: report a failed load as a failed request
             (``take_failed_requests``) instead of engine block ids.
-        sync_stores: ``wait_for_save`` waits until the step's stores are
-            drained or dropped (vLLM may free a running request's blocks, as
-            it does for sliding-window groups).
+        sync_stores: ``wait_for_save`` also waits until the step's stores
+            are drained or dropped (never needed for safety: reused blocks
+            are fenced; kept for compatibility).
         rpc_timeout_s: deadline of a Load or Store call on the sender thread
             (None: none; the call ends when the daemon answers or the
             connection breaks, so its outcome is never in doubt while the
@@ -209,6 +212,10 @@ class WorkerSide:
         self._failed_done: set[str] = set()
         self._await_send: set[str] = set()
         self._finished_seen: dict[str, int] = {}
+        self._fenced_seq = -1  # the last plan whose fence was applied
+        self.fence_waits = 0  # fences that found a store of a fenced block not yet done (and waited for it)
+        self.fence_wait_s: list[float] = []  # how long each of those waited (the last 1024)
+        self.fence_trimmed = 0  # blocks left out of stores not yet sent, for a fence
         self._retired: list[int] = []  # registrations to Unregister (their jobs are done)
         self._retire_after = 0.0
         self._switching = False  # registering under a new identity: jobs wait in the queue, unsent
@@ -740,15 +747,59 @@ class WorkerSide:
     # -- vLLM's worker-side calls -------------------------------------------
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
-        """vLLM is about to give these requests' blocks to others: their
-        unsent stores are dropped, and the sent ones are waited for."""
+        """vLLM is about to free these requests' blocks: their stores not
+        yet sent are dropped (the scheduler plans them again as vLLM
+        recomputes them). Those sent are left to run: a step that gives one
+        of their blocks to a request again names it in its fence."""
         victims = set(preempted or ())
         if not victims:
             return
         with self._cv:
             self._drop_queued(lambda j: j.rid in victims and j.op == Op.STORE)
-            self._wait_locked(lambda: not any(self._pending_stores.get(r) for r in victims),
-                              f"stores of preempted requests {sorted(victims)[:4]}")
+
+    def apply_fence(self, plan: StepPlan) -> None:
+        """Before the step's loads and forward write the plan's fenced
+        blocks, this worker's stores of them must be done: one the daemon
+        accepted is waited for; one still queued is given the sender's
+        usual moment to go out (``sync_queue_wait_s``, while the daemon
+        answers) and then waited for too, or, if it is still queued, leaves
+        those blocks out (their bytes are about to change). The only place
+        a step waits on a store (besides ``sync_stores``). Once per plan."""
+        fence = getattr(plan, "fence", None)
+        with self._cv:
+            if plan.seq and plan.seq == self._fenced_seq:
+                return
+            self._fenced_seq = plan.seq
+            if not fence or not self._jobs:
+                return
+            blocks = set(fence)
+            mine = {jid for jid, j in self._jobs.items() if j.op == Op.STORE and not blocks.isdisjoint(j.block_ids)}
+            if not mine:
+                return
+            t0 = self._clock()
+            self.fence_waits += 1
+
+            def queued() -> set[int]:
+                return mine & {jid for b in self._queue if b.op == Op.STORE for jid in b.jids}
+
+            if queued() and not self._suspect():
+                self._cv.wait_for(lambda: not queued(), self._sync_queue_wait)
+            for jid in queued():
+                mine.discard(jid)
+                j = self._jobs.get(jid)
+                if j is None:
+                    continue
+                keep = [(h, bid) for h, bid in zip(j.hashes, j.block_ids) if bid not in blocks]
+                self.fence_trimmed += len(j.block_ids) - len(keep)
+                self.stats.stores_skipped(len(j.block_ids) - len(keep))
+                if keep:
+                    j.hashes, j.block_ids = [h for h, _ in keep], [bid for _, bid in keep]
+                else:
+                    self._drop_queued(lambda x, j=j: x is j)
+            self._wait_locked(lambda: mine.isdisjoint(self._jobs.keys()),
+                              f"{len(mine)} stores of blocks this step reuses")
+            self.fence_wait_s.append(self._clock() - t0)
+            del self.fence_wait_s[:-1024]
 
     def _wait_locked(self, done: Callable[[], bool], what: str) -> None:
         """Waits, with no deadline, for copies that may still read or write
@@ -773,6 +824,7 @@ class WorkerSide:
         """Queues every load of the step as one Load. ``ready_event`` (CUDA)
         is recorded on the engine's stream now: the copies wait for it.
         Returns the job ids queued."""
+        self.apply_fence(plan)
         with self._cv:
             self._await_send |= plan.delay_free
             if not plan.loads:
@@ -827,7 +879,7 @@ class WorkerSide:
                     # Not sent yet (the sender is stuck on the daemon): never
                     # send it, vLLM may reuse these blocks from the next step.
                     self._drop_queued(lambda j: j.seq == plan.seq and j.op == Op.STORE)
-                self._wait_locked(lambda: not (ids & self._jobs.keys()), "the stores of a sliding-window step")
+                self._wait_locked(lambda: not (ids & self._jobs.keys()), "the step's stores (sync_stores)")
             return jids
 
     def jobs_done(self, job_ids: Iterable[int]) -> bool:

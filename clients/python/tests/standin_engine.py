@@ -193,6 +193,14 @@ class Config:
     gpu_s: float = 0.0005
     extra: dict = field(default_factory=dict)
     kv_events: bool = False  # vLLM's --kv-events-config enable_kv_cache_events
+    # A freed block goes to the head of the free queue (vLLM appends it to
+    # the tail): the next allocation takes it, so blocks freed behind a
+    # sliding window, by a preemption or a finished request are handed to
+    # another request while their stores may still be in flight.
+    reuse_freed_first: bool = False
+    # Remember, for every block a plan stores, whose KV it should hold
+    # (Engine.check_stored reads them back from the daemon).
+    record_stores: bool = False
 
     def specs(self) -> list[Any]:
         out = []
@@ -492,7 +500,10 @@ class KVCacheManager:
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0
             if b.ref_cnt == 0:
-                self.free.append(b)
+                if self.cfg.reuse_freed_first:
+                    self.free.appendleft(b)
+                else:
+                    self.free.append(b)
 
 
 # -- scheduler output -----------------------------------------------------------
@@ -600,6 +611,8 @@ class Engine:
         self._sched_t = 0.0
         self.kv_events: list = []  # what the connector's take_events handed to vLLM's publisher, in order
         self.planned_keys: set[tuple[int, bytes]] = set()  # (group, key) of every store or load planned
+        # cfg.record_stores: (group, key) -> (sequence, block index, weights) of every block a plan stored
+        self.stored: dict[tuple[int, bytes], tuple[Sequence, int, int]] = {}
         self.admit_waits: list[tuple[bool, int, float]] = []  # (hit, steps, ms) from arrival to admission
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
@@ -807,6 +820,14 @@ class Engine:
         out.finished_req_ids, self.finished_ids = self.finished_ids, set()
         out.kv_connector_metadata = self._timed(self.sched_conn.build_connector_meta, out)
         plan = getattr(out.kv_connector_metadata, "plan", None)
+        if self.cfg.record_stores and plan is not None:
+            for rid, jobs in plan.stores.items():
+                req = self.requests[rid]
+                for j in jobs:
+                    f = self.group_sizes[j.group] // self.hash_block_size
+                    for h in j.hashes:
+                        i = (req.block_hashes.index(h) + 1) // f - 1
+                        self.stored[(j.group, bytes(h))] = (req.seq, i, self.memory[0].weights)
         if self.cfg.kv_events and plan is not None:
             for jobs in list(plan.stores.values()) + list(plan.loads.values()):
                 for j in jobs:
@@ -1204,6 +1225,50 @@ class Engine:
                                           f"computed {req.num_computed_tokens}, local {req.local_computed})")
                     checked += 1
         self.counters["positions_checked"] += checked
+
+    def check_stored(self) -> dict[str, int]:
+        """Reads back, on every rank, every block a plan stored
+        (cfg.record_stores), each into a free engine block with a load of
+        its own, and compares it with what the block held when its request
+        computed it. Needs an idle engine (no request holds a block). A
+        block the daemon no longer holds (never stored: left out at a
+        fence, dropped; or evicted) is ``missing``; one whose bytes differ
+        is ``wrong``."""
+        from kvoffload.plan import GroupJob, StepPlan
+
+        self.drain()
+        while self.deferred:
+            self.kvm._release(self.deferred.popleft()[1])
+        assert self.idle() and not self.kvm.tables, "check_stored needs an idle engine"
+        out = {"checked": 0, "missing": 0, "wrong": 0}
+        items = sorted(self.stored.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+        scratch = [b.block_id for b in self.kvm.pool[1:]]
+        for r, (w, mem) in enumerate(zip(self.workers, self.memory)):
+            ws = w._worker
+            for at in range(0, len(items), len(scratch)):
+                batch = items[at:at + len(scratch)]
+                loads = {f"chk{r}.{at + n}": [GroupJob(g, [h], [scratch[n]])] for n, ((g, h), _) in enumerate(batch)}
+                ws.start_load_kv(StepPlan(loads=loads))
+                assert wait_for(lambda: ws.pending() == 0), "check_stored: loads never finished"
+                ws.get_finished(set())
+                failed_blocks = set(ws.get_block_ids_with_load_errors())
+                failed_reqs = ws.take_failed_requests()
+                for n, ((g, h), (seq, i, weights)) in enumerate(batch):
+                    if scratch[n] in failed_blocks or f"chk{r}.{at + n}" in failed_reqs:
+                        out["missing"] += 1
+                        continue
+                    saved, mem.weights = mem.weights, weights
+                    try:
+                        s = self.group_sizes[g]
+                        ok = all(mem.check(seq, p, g, scratch[n]) for p in range(i * s, (i + 1) * s))
+                    finally:
+                        mem.weights = saved
+                    out["checked"] += 1
+                    out["wrong"] += 0 if ok else 1
+        # The scratch blocks' bytes are no longer what the local prefix
+        # cache says they hold.
+        self.kvm.uncache(list(self.kvm.cached.values()))
+        return out
 
     def close(self) -> None:
         for r in list(self._held):

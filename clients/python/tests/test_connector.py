@@ -5,6 +5,7 @@ field names (helpers.py)."""
 from __future__ import annotations
 
 import pickle
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -489,3 +490,250 @@ def test_a_daemon_restarted_while_nothing_ran_is_registered_with_again(fresh_dae
         assert h.ask(Request("z2", list(range(700, 721))), 0) == (20, True)
     finally:
         h.close()
+
+
+def test_a_store_planned_in_the_step_its_block_is_given_out_again_leaves_it_out(harness, client):
+    # Group 1 stands for a sliding window: vLLM frees its blocks behind the
+    # window while the request runs. Request "a" computed its first 8 tokens
+    # without a store (its hashes were not publishable yet); in the step its
+    # stores are planned, vLLM has freed a's group-1 block 5 and gives it to
+    # request "c", whose forward writes it in that very step. The store of
+    # that position must leave it out (vLLM's _update_req_states), and
+    # nothing needs a fence: no store of block 5 was in flight.
+    h = harness(block_sizes=(4, 4), layers={0: ["full.0"], 1: ["swa.0"]}, request_level=True)
+    a = Request("a", list(range(1200, 1216)))
+    a.num_publishable_block_hashes = 0
+    assert h.ask(a, 0) == (0, False)
+    g0, g1 = [1, 2, 3, 4], [5, 6, 7, 8]
+    h.sched.update_state_after_alloc(a, KVCacheBlocks(g0, g1), 0)
+
+    def forward_a(upto):
+        def fw(e):
+            for i in range(upto):
+                e.write(0, g0[i], b"a0" + a.block_hashes[i])
+                e.write(1, g1[i], b"a1" + a.block_hashes[i])
+        return fw
+
+    plan = h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", (g0, g1))], num_scheduled_tokens={"a": 8}),
+                  forward_a(2))
+    assert plan.stores == {} and getattr(plan, "fence", []) == []
+    a.num_computed_tokens = 8
+    a.num_publishable_block_hashes = 3
+    c = Request("c", list(range(1300, 1304)) + [1])
+    assert h.ask(c, 0) == (0, False)
+    h.sched.update_state_after_alloc(c, KVCacheBlocks([9], [5]), 0)
+
+    def forward(e):
+        forward_a(3)(e)
+        e.write(0, 9, b"c0" + c.block_hashes[0])
+        e.write(1, 5, b"c1" + c.block_hashes[0])  # block 5 is c's now
+
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData("c", ([9], [5]))],
+                          scheduled_cached_reqs=CachedRequestData(["a"], set(), [([], [])], [8]),
+                          num_scheduled_tokens={"c": 5, "a": 4})
+    plan = h.step(out, forward)
+    hs = a.block_hashes
+    assert plan.stores["a"] == [GroupJob(0, hs[:3], [1, 2, 3]), GroupJob(1, hs[1:3], [6, 7])]
+    assert plan.fence == []
+    assert h.run_until(h.idle)
+    ns = h.workers[0].namespace_id
+    assert client.lookup([ns], hs[:1], group=1).ready == 0  # never stored with c's bytes under a's key
+    assert client.lookup([ns], hs[1:3], group=1).ready == 2
+
+
+def test_a_fence_waits_for_each_ranks_own_stores_and_nothing_else(fresh_daemon, shm, fingerprint):
+    # Two ranks, each with its own jobs. The daemon is stopped while both
+    # ranks' stores of request f0 run; vLLM preempts f0 (and frees its
+    # blocks). That step writes only fresh blocks and runs on; the step that
+    # gives f0's block 3 to f2 names it in its fence, and each rank waits
+    # for its own store of it until the daemon runs again.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2)
+    try:
+        toks = list(range(1400, 1417))
+        d.pause()
+        prefill(h, Request("f0", toks), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: all(not w._queue for w in h.workers))  # each rank's Store is with the daemon
+
+        def step_in_thread(out):
+            res = {}
+            t = threading.Thread(target=lambda: res.setdefault("plan", h.step(out)))
+            t.start()
+            return t, res
+
+        r = Request("f1", list(range(1500, 1505)))
+        h.sched._state(r)
+        t, res = step_in_thread(SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([10, 11],))],
+                                                num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        t.join(30)
+        assert not t.is_alive(), "a step that reuses no block waited on the stopped daemon"
+        assert res["plan"].fence == [] and all(w.fence_waits == 0 for w in h.workers)
+        f2 = Request("f2", list(range(1600, 1605)))
+        h.sched._state(f2)
+        t, res = step_in_thread(SchedulerOutput(scheduled_new_reqs=[NewRequestData("f2", ([3, 12],))],
+                                                num_scheduled_tokens={"f2": 5}))
+        assert wait_for(lambda: h.workers[0]._waiters > 0)  # rank 0 waits for its store of block 3
+        assert t.is_alive()
+        d.resume()
+        t.join(30)
+        assert not t.is_alive()
+        assert res["plan"].fence == [3]
+        # Rank 0 waited; rank 1 (run after it, as the harness runs ranks in
+        # turn) found its own store of block 3 drained by then, or waited.
+        assert h.workers[0].fence_waits == 1 and h.workers[1].fence_waits <= 1
+        assert all(w._fenced_seq == res["plan"].seq for w in h.workers)
+    finally:
+        d.resume()
+        h.close()
+
+
+def _hybrid_prefill(h, rid, toks, g0, g1):
+    r = Request(rid, toks)
+    assert h.ask(r, 0) == (0, False)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
+
+    def forward(e):
+        for i in range(len(r.block_hashes)):
+            e.write(0, g0[i], b"g0" + r.block_hashes[i])
+        for i in range(len(r.block_hashes) // 2):
+            e.write(1, g1[i], b"g1" + r.block_hashes[2 * i + 1])
+
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData(rid, (g0, g1))], num_scheduled_tokens={rid: r.num_tokens})
+    h.step(out, forward)
+    assert h.run_until(h.idle)
+    return r
+
+
+def test_a_failed_block_of_any_group_fails_its_request_and_is_never_offered_to_it_again(harness, client):
+    # Group 0: 4-token blocks; group 1 (a sliding window, say): 8-token
+    # blocks. A block of group 1 is lost between the lookup and the load:
+    # the request fails as a whole (request-level, as vLLM with
+    # KVConnectorTransferResults wants; no engine block ids, which vLLM could
+    # not map to a group), the load was asynchronous, and when vLLM preempts
+    # and re-admits the request it is asked again and offered nothing.
+    h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
+    toks = list(range(1700, 1726))  # 6 hashes -> 3 units of 8 tokens
+    a = _hybrid_prefill(h, "a", toks, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14])
+    ns = h.workers[0].namespace_id
+    hs = a.block_hashes
+    r = Request("r", toks + [9])
+    assert h.ask(r, 0) == (24, True)  # asynchronous
+    client.invalidate([ns], [hs[3]], group=1)  # the window's block of unit 1, lost before the load
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]), 24)
+    h.step()
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == {"r"} and h.failed[0] == set()
+    # vLLM reads failed_recving and recomputes r from its local prefix.
+    h.sched.update_connector_output(SimpleNamespace(failed_recving={"r"}, invalid_block_ids=set()))
+    # Preempted, re-admitted: asked again, never offered a hit again.
+    h.step(SchedulerOutput(preempted_req_ids={"r"}))
+    assert h.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    # Another request with the same prompt is offered what is intact: unit 0.
+    assert h.ask(Request("s", toks + [9]), 0) == (8, True)
+
+
+def test_a_preempted_request_is_asked_again_and_offered_only_what_is_still_intact(harness, client):
+    # A request offered 24 tokens whose load succeeded runs, is preempted
+    # (vLLM recomputes it from token 0), and a block of group 1 is lost
+    # meanwhile: re-admitted, it is looked up again (not answered from its
+    # first lookup) and offered only the prefix still whole in every group.
+    h = harness(block_sizes=(4, 8), layers={0: ["full.0", "full.1"], 1: ["swa.0"]}, request_level=True)
+    toks = list(range(1800, 1826))
+    a = _hybrid_prefill(h, "a", toks, [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14])
+    ns = h.workers[0].namespace_id
+    hs = a.block_hashes
+    r = Request("r", toks + [9])
+    assert h.ask(r, 0) == (24, True)
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([21, 22, 23, 24, 25, 26, 27], [31, 32, 33, 34]), 24)
+    h.step()
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == set()
+    e = h.engines[0]
+    assert [e.read(1, b) for b in [31, 32, 33]] == [e.read(1, b) for b in [11, 12, 13]]
+    r.num_computed_tokens = 24
+    h.step(SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], set(), [([], [])], [24]),
+                           num_scheduled_tokens={"r": 3}))
+    client.invalidate([ns], [hs[5]], group=1)  # unit 2's block of group 1
+    r.num_computed_tokens = 0
+    h.step(SchedulerOutput(preempted_req_ids={"r"}))
+    assert h.ask(r, 0) == (16, True)
+    h.recv[0].discard("r")
+    h.sched.update_state_after_alloc(r, KVCacheBlocks([8, 9, 10, 15, 16, 17, 18], [35, 36, 37, 38]), 16)
+    plan = h.step()
+    assert [(j.group, j.block_ids) for j in plan.loads["r"]] == [(0, [8, 9, 10, 15]), (1, [35, 36])]
+    assert h.run_until(lambda: "r" in h.recv[0])
+    assert h.failed_reqs[0] == set()
+    assert [e.read(1, b) for b in [35, 36]] == [e.read(1, b) for b in [11, 12]]
+    assert [e.read(0, b) for b in [8, 9, 10, 15]] == [e.read(0, b) for b in [1, 2, 3, 4]]
+
+
+def _step_in_thread(h, out):
+    res = {}
+    t = threading.Thread(target=lambda: res.setdefault("plan", h.step(out)))
+    t.start()
+    return t, res
+
+
+def test_a_fence_outlives_a_cache_reset(fresh_daemon, shm, fingerprint):
+    # reset_cache moves the engine to a new identity; stores in flight still
+    # read their blocks (they land in the old namespace): a block of theirs
+    # that vLLM gives out after the reset is still fenced.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        d.pause()
+        prefill(h, Request("f0", list(range(1900, 1917))), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: not h.workers[0]._queue)  # the Store is with the stopped daemon
+        h.sched.reset()  # False: the stopped daemon cannot confirm; the new identity holds
+        h.workers[0].switch_identity(b"new identity")
+        f1 = Request("f1", list(range(2000, 2005)))
+        h.sched._state(f1)
+        t, res = _step_in_thread(h, SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([3, 12],))],
+                                                    num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        assert wait_for(lambda: h.workers[0]._waiters > 0)
+        assert t.is_alive()
+        d.resume()
+        t.join(30)
+        assert not t.is_alive() and res["plan"].fence == [3] and h.workers[0].fence_waits == 1
+    finally:
+        d.resume()
+        h.close()
+
+
+def test_a_fence_never_waits_for_stores_of_a_registration_that_is_gone(fresh_daemon, shm, fingerprint):
+    # The daemon dies with the stores accepted (stopped, then killed): once
+    # its process is gone nothing can copy out of the blocks, the jobs are
+    # settled, and the step that reuses a block of them runs on.
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    try:
+        d.pause()
+        prefill(h, Request("f0", list(range(2100, 2117))), [1, 2, 3, 4, 5])
+        assert wait_for(lambda: not h.workers[0]._queue)
+        d.proc.kill()
+        d.proc.wait(timeout=20)
+        assert wait_for(lambda: h.workers[0].pending() == 0)
+        f1 = Request("f1", list(range(2200, 2205)))
+        h.sched._state(f1)
+        t, res = _step_in_thread(h, SchedulerOutput(scheduled_new_reqs=[NewRequestData("f1", ([3, 12],))],
+                                                    num_scheduled_tokens={"f1": 5}, preempted_req_ids={"f0"}))
+        t.join(30)
+        assert not t.is_alive()
+        assert res["plan"].fence == [3] and h.workers[0].fence_waits == 0
+    finally:
+        h.close()
+        d.restart()  # a daemon that stops cleanly at teardown
+
+
+def test_the_fence_table_stays_bounded_by_the_block_count(harness):
+    # Without acknowledgements (a vLLM without worker metadata) a cached
+    # prefix block stored by request after request keeps one bounded entry,
+    # and the step that reallocates it still fences it.
+    h = harness()
+    sc = h.sched
+    for i in range(50):
+        sc._seq += 1
+        sc._note_reads(f"q{i}", [GroupJob(0, [b"k" * 32], [7])])
+    assert len(sc._store_reads[7]) <= 9 and sum(len(b) for b in sc._reads_by_req.values()) <= 9
+    assert sc._fence({7, 8}) == [7]
+    assert not sc._store_reads and not sc._reads_by_req

@@ -410,3 +410,43 @@ def test_round_trips_per_step(daemon, shm, monkeypatch):
         per_step[piggyback] = {m: round(n / rep.steps, 2) for m, n in got.items()}
         print(f"piggyback={piggyback}: {rep.steps} steps, {got}, per step {per_step[piggyback]}")
     assert per_step[True]["Completions"] < per_step[False]["Completions"], per_step
+
+
+def test_sync_stores_true_waits_at_the_end_of_every_step_for_every_model(fresh_daemon, shm):
+    """Kept for compatibility: ``sync_stores: true`` adds a wait for the
+    step's stores in wait_for_save, for a full-attention model too; false
+    (the default) is safe for every model (reused blocks are fenced)."""
+    from helpers import wait_for
+
+    d = fresh_daemon()
+    cfg = Config(model="sync-true", extra={"sync_stores": True})
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, d.socket, shm)
+        ws = eng.workers[0]._worker
+        try:
+            assert ws.sync_stores
+            eng.add_request("a0", list(range(4500, 4516)), 20)
+            for _ in range(2):
+                eng.step()
+            d.pause()
+            waited = []
+            start = eng.step_seq
+
+            def resume():
+                waited.append(bool(wait_for(lambda: ws._waiters > 0 or eng.step_seq >= start + 30, timeout=120)
+                                   and ws._waiters > 0))
+                d.resume()
+
+            t = threading.Thread(target=resume)
+            t.start()
+            try:
+                while not waited:
+                    eng.step()
+            finally:
+                t.join()
+                d.resume()
+            while not eng.idle():
+                eng.step()
+        finally:
+            eng.close()
+    assert waited == [True], "a step ran on past a store the stopped daemon held"

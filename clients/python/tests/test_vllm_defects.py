@@ -29,7 +29,7 @@ from standin_engine import (
     kv_cache_config,
     vllm_config,
 )
-from standin_run import connector_module
+from standin_run import connector_module, run
 
 
 def settle(eng: Engine, max_steps: int = 3000) -> None:
@@ -274,7 +274,12 @@ def test_hybrid_model_failures_are_per_request_where_vllm_has_them(engine, fresh
 # -- 6. preemption never lets vLLM reuse blocks a store may still read --------------------
 
 
-def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
+def test_a_block_reused_after_a_preemption_waits_for_its_store_and_only_then(shm):
+    # vLLM frees a preempted request's blocks and may give them to another
+    # request in any later step. The preemption's step does not wait for the
+    # request's stores; the step that writes one of their blocks again does,
+    # before its forward, for exactly those stores (vLLM's offloading
+    # connector's jobs_to_flush).
     fake = FakeDaemon()
     try:
         cfg = Config(model="m6", extra={"drain_timeout_s": 0.3})
@@ -299,20 +304,48 @@ def test_preemption_waits_for_a_store_the_daemon_has_not_finished(shm):
             worker.clear_connector_metadata()
             assert wait_for(lambda: fake.pending())
             req.num_computed_tokens = 17
+            ws = worker._worker
+
+            def run_step(meta):
+                worker.handle_preemptions(meta)
+                worker.bind_connector_metadata(meta)
+                worker.start_load_kv(None)
+                worker.clear_connector_metadata()
+
+            # The preemption's step: nothing reused, nothing waited for.
             meta = sched.build_connector_meta(SchedulerOutput(seq=2, preempted_req_ids={"a"}))
-            t = threading.Thread(target=worker.handle_preemptions, args=(meta,))
+            assert meta.plan.fence == []
+            run_step(meta)
+            assert ws.fence_waits == 0 and fake.pending()
+            # A step giving blocks 9 and 3 to a new request: 3 is fenced.
+            b = Request("b", toks(5, 500), 4, Hasher(4, 32, "0"), b"s" * 8)
+            sched.update_state_after_alloc(b, sv.ns(get_block_ids=lambda: ([9, 3],)), 0)
+            meta = sched.build_connector_meta(SchedulerOutput(
+                seq=3, scheduled_new_reqs=[NewRequestData("b", b.prompt_token_ids, ([9, 3],), 0)], num_scheduled_tokens={"b": 5}))
+            assert meta.plan.fence == [3]
+            t = threading.Thread(target=run_step, args=(meta,))
             t.start()
             t.join(1.0)
             returned_early = not t.is_alive()
+            waited = ws._waiters
             fake.finish()
             t.join(10)
             assert not t.is_alive()
+            assert ws.fence_waits == 1
+            # Block 4 again, once that store drained: fenced (no acknowledgement
+            # reached the scheduler), and nothing to wait for.
+            c = Request("c", toks(3, 700), 4, Hasher(4, 32, "0"), b"s" * 8)
+            sched.update_state_after_alloc(c, sv.ns(get_block_ids=lambda: ([4],)), 0)
+            meta = sched.build_connector_meta(SchedulerOutput(
+                seq=4, scheduled_new_reqs=[NewRequestData("c", c.prompt_token_ids, ([4],), 0)], num_scheduled_tokens={"c": 3}))
+            assert meta.plan.fence == [4]
+            run_step(meta)
+            assert ws.fence_waits == 1
             worker.shutdown()
             sched.shutdown()
     finally:
         fake.stop()
-    assert not returned_early, "handle_preemptions returned while the daemon could still read the blocks"
-
+    assert not returned_early and waited, "the step ran on while the daemon could still read a block it writes"
 
 
 # -- 7. issue 21: a weight update, restarts with another block count, repairs ------------
@@ -496,7 +529,7 @@ def test_group_kinds_come_from_vllm_not_class_names(daemon):
     with connector_module() as mod:
         c = mod.KVOffloadConnector(vllm_config(cfg, daemon.socket), sv.KVConnectorRole.SCHEDULER, kcc)
         try:
-            assert c.settings.sync_stores
+            assert not c.settings.full_attention
             assert c.settings.identity["groups"][0].get("spec_kind") == "FULL_ATTENTION"  # vLLM's kind
         finally:
             c.shutdown()
@@ -594,43 +627,113 @@ def test_a_store_dropped_at_a_preemption_is_stored_again(engine):
         assert eng.counters["hit_tokens"] - hit == 28, f"the repeat of preempted {rid} was not offered its prefix"
 
 
-# -- 9. issue 24: no setting stores a sliding-window block vLLM has reused -----------------
+# -- 9. issues 23 and 24: reused blocks are fenced, no step waits on a store otherwise -----
 
 
-def test_sync_stores_false_never_stores_a_reused_sliding_window_block(engine, fresh_daemon, caplog):
+def _stop_until(eng: Engine, d, steps: int) -> dict:
+    """Stops the daemon (SIGSTOP) until the engine ran ``steps`` more steps
+    or a worker waits for a store (a fence): what ended it."""
+    ws = [w._worker for w in eng.workers]
+    start = eng.step_seq
+    why: dict = {}
+    d.pause()
+
+    def resume():
+        wait_for(lambda: eng.step_seq >= start + steps or any(w._waiters for w in ws), timeout=120)
+        why["steps"] = eng.step_seq - start
+        why["waited"] = any(w._waiters for w in ws)
+        d.resume()
+
+    t = threading.Thread(target=resume)
+    t.start()
+    why["thread"] = t
+    return why
+
+
+def _swa_reuse_config(model: str, **kw) -> Config:
+    return Config(groups=[Group("full", 4, 1), Group("swa", 4, 1, window=8)], num_blocks=56, long_prefill=4,
+                  max_batched_tokens=24, max_seqs=6, model=model, reuse_freed_first=True, record_stores=True, **kw)
+
+
+@pytest.mark.parametrize("async_scheduling,tp", [(False, 1), (True, 2)], ids=["sync", "async-tp2"])
+def test_blocks_reused_while_their_stores_run_are_fenced_never_stored_wrong(engine, fresh_daemon, async_scheduling,
+                                                                          tp):
     # vLLM frees sliding-window blocks behind the window while the request
-    # runs and gives them to others. With the daemon stopped, a store of such
-    # a block would copy them once it runs again, under this request's keys;
-    # sync_stores: false must not make that possible (it is ignored).
+    # runs and gives them to others (here at once: the freed block is the
+    # next one allocated). With the daemon stopped, a store of such a block
+    # would copy the new request's KV under the old request's keys once it
+    # runs again. The step that writes the block waits for that store (a
+    # fence) or leaves the block out of a store not yet sent; then every
+    # stored block is loaded back at every unit a hit can end on and checked.
     d = fresh_daemon()
-    cfg = Config(groups=[Group("full", 4, 1), Group("swa", 4, 1, window=8)], num_blocks=56, long_prefill=4,
-                 max_batched_tokens=24, max_seqs=6, model="m13-swa-nosync", extra={"sync_stores": False})
-    with caplog.at_level(logging.ERROR, logger="kvoffload"):
-        eng = engine(cfg, socket=d.socket)
-    assert any("sync_stores" in m and "ignored" in m for m in caplog.messages)
+    eng = engine(_swa_reuse_config(f"m13-swa-fence-{tp}", async_scheduling=async_scheduling, tp=tp), socket=d.socket)
     prompts = [toks(32, 3000 + 100 * i) for i in range(6)]
     for i, p in enumerate(prompts):
         eng.add_request(f"a{i}", p, 8)
     for _ in range(3):
         eng.step()
-    w = eng.workers[0]._worker
-    start = eng.step_seq
-    d.pause()
-
-    def resume():
-        # Ten steps run (stores do not hold the step), or the step waits for
-        # its stores (they do): then the daemon runs again.
-        wait_for(lambda: eng.step_seq >= start + 20 or w._waiters > 0)
-        d.resume()
-
-    t = threading.Thread(target=resume)
-    t.start()
+    why = _stop_until(eng, d, 20)
     try:
         settle(eng)
     finally:
-        t.join()
-    assert eng.step_seq > start + 1
+        why["thread"].join()
+    sc, ws = _sched(eng), [w._worker for w in eng.workers]
+    assert sc.fences > 0, "no block was reused while its store was in flight: the test tests nothing"
+    assert sum(w.fence_waits + w.fence_trimmed for w in ws) > 0
+    # Every block the daemon holds, byte for byte against what its request
+    # computed (also those no hit would load).
+    got = eng.check_stored()
+    assert got["wrong"] == 0 and got["checked"] > 0, got
     for i, p in enumerate(prompts):
-        for e in range(3, 9):  # a hit ending at every unit loads the window there
+        for e in range(3, 9):  # a hit ending at every unit loads the window there (verify checks every block)
             serve(eng, p[:4 * e] + [9, 9], prefix=f"r{i}-{e}-")
     assert eng.counters["hit_tokens"] > 0
+
+
+def test_no_step_waits_on_a_store_while_the_daemon_is_stopped(engine, fresh_daemon):
+    # The daemon stopped (SIGSTOP) while a hybrid model decodes and frees
+    # sliding-window blocks behind the window, none of them given out again
+    # meanwhile (a large pool; freed blocks go to the tail of the free
+    # queue, as vLLM's do): no step waits for a store (before fences, every
+    # step's wait_for_save waited until the daemon ran again).
+    d = fresh_daemon()
+    cfg = Config(groups=[Group("full", 4, 1), Group("swa", 4, 1, window=8)], num_blocks=400, max_seqs=4,
+                 model="m13-swa-nowait")
+    eng = engine(cfg, socket=d.socket)
+    for i in range(4):
+        eng.add_request(f"a{i}", toks(16, 4000 + 100 * i), 60)
+    for _ in range(3):
+        eng.step()
+    why = _stop_until(eng, d, 30)
+    try:
+        while "waited" not in why:
+            eng.step()
+    finally:
+        why["thread"].join()
+    settle(eng)
+    ws = eng.workers[0]._worker
+    assert not why["waited"] and why["steps"] >= 30, why
+    assert ws.fence_waits == 0
+
+
+@pytest.mark.parametrize("async_scheduling,tp", [(False, 1), (True, 2)], ids=["sync", "async-tp2"])
+def test_a_hybrid_workload_with_blocks_reused_at_once_and_a_stopped_daemon(fresh_daemon, shm, async_scheduling, tp):
+    # A seeded workload (preemptions, aborts, controls, hits) on a model with
+    # a sliding-window group whose freed blocks are handed out again at once,
+    # with the daemon stopped for a while in the middle: every block any
+    # request holds is checked after every step (loaded ones included).
+    d = fresh_daemon()
+    cfg = Config(groups=[Group("full", 4, 2), Group("swa", 8, 1, window=16)], num_blocks=80, tp=tp,
+                 async_scheduling=async_scheduling, reuse_freed_first=True, model=f"m13-wl-{tp}",
+                 extra={"lookup_deadline_ms": 2000})
+    seen = {}
+
+    def look(eng):
+        seen["eng"] = eng
+
+    rep = run(cfg, d, shm, seed=23 + tp, steps=200, hang=(40, 2.0), events={199: look})
+    s = rep.summary()
+    assert s["errored"] == 0 and s["finished"] > 20, s
+    assert s["hit_tokens"] > 0 and s["positions_checked"] > 0, s
+    assert s["preempted"] > 0, s
+    assert seen["eng"].sched_conn._scheduler.fences > 0, "no block was reused while a store of it was in flight"
