@@ -23,6 +23,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from . import mamba as _mamba
 from .keys import BlockSizes, GroupShape, resolve_block_sizes
 
 __all__ = [
@@ -109,7 +110,7 @@ def _kind_of(spec: Any, spec_kind: Callable[[Any], Any] | None) -> str | None:
 
 
 def _is_mamba(spec: Any, kind: str | None) -> bool:
-    return kind == "MAMBA" if kind is not None else "Mamba" in _spec_kind(spec)
+    return _mamba.is_mamba(spec, kind)
 
 
 def _is_attention(spec: Any, kind: str | None = None) -> bool:
@@ -142,6 +143,8 @@ def _spec_identity(spec: Any, kind: str | None = None) -> dict:
         v = getattr(spec, k, None)
         if v is not None:
             out[k] = str(v)
+    if _is_mamba(spec, kind):
+        out.update(_mamba.state_identity(spec))
     return out
 
 
@@ -183,6 +186,7 @@ class ConnectorSettings:
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     eagle_groups: tuple[bool, ...] = ()  # groups of EAGLE/MTP draft layers (KVCacheGroupSpec.is_eagle_group)
+    mamba_specs: dict = field(default_factory=dict)  # group -> MambaSpec, of the Mamba groups (kvoffload.mamba)
 
     @property
     def hash_block_size(self) -> int:
@@ -246,8 +250,11 @@ def settings_from_vllm(
     eagle = tuple(bool(getattr(g, "is_eagle_group", False)) for g in groups)
     for g, spec, kind in zip(groups, specs, kinds):
         if _is_mamba(spec, kind):
-            unsupported = (f"KV cache group of {_spec_kind(spec)} (layers {list(g.layer_names)[:2]}...) holds "
-                           "per-request state, not per-block KV; models with state-space layers are not supported")
+            unsupported = unsupported or _mamba.refusal(
+                spec, g.layer_names, prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)),
+                dcp=int(getattr(par, "decode_context_parallel_size", 1) or 1),
+                pcp=int(getattr(par, "prefill_context_parallel_size", 1) or 1),
+                speculative=getattr(vllm_config, "speculative_config", None) is not None)
     shapes = [GroupShape(int(s.block_size), attention=_is_attention(s, k),
                          mamba_align=getattr(s, "mamba_cache_mode", "align") == "align",
                          prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s, k in zip(specs, kinds)]
@@ -346,4 +353,5 @@ def settings_from_vllm(
         notes=notes,
         extra=extra,
         eagle_groups=eagle,
+        mamba_specs={g: s for g, (s, k) in enumerate(zip(specs, kinds)) if _is_mamba(s, k)},
     )

@@ -84,6 +84,7 @@ except ImportError:
 from . import stats as _stats
 from .kv_events import VLLMEventTypes, default_convert, event_group_specs
 from .plan import StepPlan
+from .mamba import check_registration as check_mamba_registration
 from .regions import regions_from_kv_caches
 from .scheduler_side import SchedulerSide
 from .settings import derive_fingerprint, namespace_fingerprint, settings_from_vllm
@@ -431,6 +432,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             groups = s.group_layers if any(s.group_layers) else (tuple(kv_caches),)
             kv = regions_from_kv_caches(kv_caches, groups, int(s.num_blocks), s.hash_bytes,
                                         group_block_sizes=s.rank_block_sizes)
+            if s.mamba_specs:
+                check_mamba_registration(kv.layout.segments, kv.region_layers, groups, s.mamba_specs)
         except Exception as e:
             # A layout this connector cannot map never kills the worker.
             self._worker_off = f"cannot map this worker's KV caches: {e}"
