@@ -35,6 +35,7 @@ __all__ = [
     "derive_fingerprint",
     "FINGERPRINT_PREFIX",
     "CONNECTOR_LAYOUT_VERSION",
+    "group_window",
 ]
 
 # kv_connector_extra_config keys this connector understands.
@@ -133,6 +134,49 @@ def _full_attention(spec: Any, kind: str | None = None) -> bool:
     return not any(w in name for w in ("Sliding", "Chunked", "Local", "RSWA"))
 
 
+def group_window(spec: Any, kind: str | None, block_size: int, eagle: bool = False) -> int | None:
+    """A KV cache group's window in its blocks (``block_size`` tokens each,
+    the scheduler's), or None for full attention: how many of its blocks
+    before a hit's end that hit needs (docs/vllm.md, hybrid models). The one
+    place a group's spec becomes its window; ``kind`` is vLLM's
+    ``get_kv_cache_spec_kind`` name (None: class names decide).
+
+    - a sliding window of S tokens: ceil((S - 1 + extra) / block_size), the
+      blocks vLLM's SlidingWindowManager keeps for a hit
+      (``get_num_skipped_tokens``; ``extra_retained_tokens`` for multi-module
+      MTP);
+    - chunked local attention of C tokens: ceil(C / block_size), the blocks
+      of the current chunk at most;
+    - EAGLE/MTP draft groups one block more, as vLLM's offloading connector
+      (``is_store_reachable_swa_chunk``);
+    - Mamba / linear-attention state in ``mamba_cache_mode`` "align": 1, the
+      state block at the hit's end (None in any other mode: such a group is
+      refused);
+    - everything else, R-SWA (a FULL_ATTENTION kind whose decode gap vLLM
+      frees, its prompt kept whole) included: full attention.
+    """
+    bs = int(block_size)
+    if kind is None:
+        names = [c.__name__ for c in type(spec).__mro__]
+        if any("Mamba" in n for n in names):
+            kind = "MAMBA"
+        elif any("FullAttention" in n for n in names):
+            kind = "FULL_ATTENTION"
+        elif any("ChunkedLocal" in n for n in names):
+            kind = "CHUNKED_LOCAL_ATTENTION"
+        elif any("SlidingWindow" in n for n in names):
+            kind = "SLIDING_WINDOW"
+    if kind == "MAMBA":
+        return 1 if getattr(spec, "mamba_cache_mode", "align") == "align" else None
+    if kind in ("SLIDING_WINDOW", "SLIDING_WINDOW_MLA"):
+        tokens = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    elif kind == "CHUNKED_LOCAL_ATTENTION":
+        tokens = int(spec.attention_chunk_size)
+    else:
+        return None
+    return max(1, -(-tokens // bs)) + (1 if eagle else 0)
+
+
 def _spec_identity(spec: Any, kind: str | None = None) -> dict:
     """The fields of a KV cache spec that shape a block's bytes."""
     out = {"kind": _spec_kind(spec)}
@@ -187,6 +231,8 @@ class ConnectorSettings:
     extra: dict = field(default_factory=dict)
     eagle_groups: tuple[bool, ...] = ()  # groups of EAGLE/MTP draft layers (KVCacheGroupSpec.is_eagle_group)
     mamba_specs: dict = field(default_factory=dict)  # group -> MambaSpec, of the Mamba groups (kvoffload.mamba)
+    # Each group's window in its blocks, None for full attention (group_window).
+    group_windows: tuple[int | None, ...] = ()
 
     @property
     def hash_block_size(self) -> int:
@@ -325,6 +371,7 @@ def settings_from_vllm(
     hb = int(extra.get("hash_bytes", hash_bytes_for(algo)))
     rlf = extra.get("request_level_failures")
     full = all(_full_attention(s, k) for s, k in zip(specs, kinds))
+    windows = tuple(group_window(s, k, bs, e) for s, k, bs, e in zip(specs, kinds, sizes.groups, eagle))
     return ConnectorSettings(
         socket=str(extra.get("socket") or env.get("KVOFFLOADD_SOCKET") or default_socket()),
         block_sizes=sizes,
@@ -354,4 +401,5 @@ def settings_from_vllm(
         extra=extra,
         eagle_groups=eagle,
         mamba_specs={g: s for g, (s, k) in enumerate(zip(specs, kinds)) if _is_mamba(s, k)},
+        group_windows=windows,
     )
