@@ -85,8 +85,9 @@ def _drop_state_after_alloc(eng: Engine, daemon, group: int) -> list[int]:
         if n:
             end = request.num_computed_tokens + n if request.num_computed_tokens else n
             key = request.block_hashes[end // eng.hash_block_size - 1]
-            ids = [ns.namespace_id for ns in c.stats().namespaces]
-            removed = sum(c.invalidate(ids[i:i + 64], [key], group=group) for i in range(0, len(ids), 64))
+            ids = list(sc._scheduler.namespace_ids() or ())  # this engine's (one per rank)
+            assert ids
+            removed = c.invalidate(ids, [key], group=group)
             assert removed >= 1, "the state block at the hit's end was not in the daemon"
             dropped.append(n)
 
