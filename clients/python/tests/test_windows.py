@@ -274,3 +274,153 @@ def test_settings_windows_and_identity():
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q", "-s"])
+
+
+# -- end to end: the stand-in engine, the real daemon ------------------------------
+
+import time  # noqa: E402
+
+from standin_engine import Config, Engine, Group  # noqa: E402
+from standin_run import connector_module  # noqa: E402
+
+from kvoffload import stats as kstats  # noqa: E402
+
+PER_LAYER_TOKEN = 2 * 2 * 4 * 2  # K and V, H=2 heads of D=4 elements of 2 bytes (standin_engine)
+
+
+class Served:
+    """A stand-in engine serving prompts one at a time, each until it and
+    its stores are done, recording each request's external hit and the
+    connector's stats."""
+
+    def __init__(self, cfg: Config, mod, daemon, shm):
+        self.eng = Engine(cfg, mod, daemon.socket, shm)
+        self.hits: dict[str, int] = {}
+        self.worker_stats: dict = {}
+        self.reqs: dict[str, object] = {}
+        sc = self.eng.sched_conn
+        alloc = sc.update_state_after_alloc
+
+        def recorded(req, blocks, ext):
+            self.hits[req.request_id] = self.hits.get(req.request_id, 0) + int(ext)
+            return alloc(req, blocks, ext)
+
+        sc.update_state_after_alloc = recorded
+        for w in self.eng.workers:
+            take = w.get_kv_connector_stats
+
+            def taken(take=take):
+                st = take()
+                if st is not None:
+                    kstats.aggregate(self.worker_stats, st.data)
+                return st
+
+            w.get_kv_connector_stats = taken
+
+    def serve(self, rid: str, prompt: list[int], max_tokens: int = 2) -> int:
+        self.reqs[rid] = self.eng.add_request(rid, prompt, max_tokens)
+        for _ in range(5000):
+            if self.eng.idle():
+                break
+            self.eng.step()
+        else:
+            raise AssertionError(f"{rid} never finished: {self.eng.describe()}")
+        self.eng.drain()
+        return self.hits.get(rid, 0)
+
+    @property
+    def sched(self):
+        return self.eng.sched_conn._scheduler
+
+    def close(self):
+        self.eng.close()
+
+
+SHAPES = [
+    # (name, full-attention block, window block, window tokens, prefix units, pool blocks)
+    ("fa16+swa128", 16, 16, 128, 20, 240),
+    # A unit of 256 tokens holds 16 window blocks, of which a hit needs the
+    # last 8: the other 8 of every unit are never stored.
+    ("fa256+swa128", 256, 16, 128, 2, 180),
+]
+
+
+@pytest.mark.parametrize("name,fa_bs,sw_bs,window,prefix_units,nb", SHAPES, ids=[s[0] for s in SHAPES])
+def test_window_model_end_to_end(daemon, shm, name, fa_bs, sw_bs, window, prefix_units, nb):
+    """A full-attention + 128-token-window model against the real daemon:
+    the hits of a trace with shared prefixes equal those of the same model
+    handled as all full attention; no windowed key outside a hit's window
+    is looked up; a hit moves at most the full-attention layers' bytes plus
+    the window's; early window blocks invalidated in the daemon, or never
+    stored, do not cut a hit; every block the engine holds is right
+    (Engine.verify after every step)."""
+    rng = random.Random(zlib_seed(name))
+    unit = math.lcm(fa_bs, sw_bs)
+    prefixes = [[rng.randrange(10, 5000) for _ in range(prefix_units * unit)] for _ in range(3)]
+    trace = []  # (phase, prompt)
+    for phase in (1, 2, 3):
+        for p in prefixes:
+            trace.append((phase, p + [rng.randrange(10, 5000) for _ in range(rng.randint(1, unit - 2))]))
+    results = {}
+    stamp = time.time_ns()
+    for treatment in ("window", "full"):
+        groups = [Group("full", fa_bs, 2), Group("swa" if treatment == "window" else "full", sw_bs, 1, window=window)]
+        cfg = Config(groups=groups, num_blocks=nb, prefix_caching=False, max_batched_tokens=256,
+                     model=f"e2e-{name}-{treatment}-{stamp}", extra={"lookup_deadline_ms": 5000})
+        with connector_module() as mod:
+            s = Served(cfg, mod, daemon, shm)
+            try:
+                m = s.sched.keys
+                hits = {}
+                bound = 0
+                for n, (phase, prompt) in enumerate(trace):
+                    if treatment == "window" and phase == 3 and n == 2 * len(prefixes):
+                        # Evict the early window blocks of every prefix: a
+                        # hit on a prefix needs only its last window.
+                        ns = s.sched.namespace_ids()
+                        for i in range(len(prefixes)):
+                            h = s.reqs[f"q{i}"].block_hashes
+                            early = m.keys(h, 1, range(m.window_blocks(1, prefix_units).start))
+                            assert early and daemon.client().invalidate(ns, early, group=1) > 0
+                    hits[n] = s.serve(f"q{n}", prompt)
+                    bound += hits[n] * 2 * PER_LAYER_TOKEN + min(hits[n], window if treatment == "window" else
+                                                                 hits[n]) * PER_LAYER_TOKEN
+                st = s.sched.stats.take() or {}
+                if treatment == "window":
+                    # Blocks no hit's window can contain were never stored.
+                    ns = s.sched.namespace_ids()
+                    c = daemon.client()
+                    h = s.reqs["q0"].block_hashes
+                    for i in range(prefix_units * m.blocks_per_unit[1]):
+                        there = c.lookup(ns, m.keys(h, 1, [i]), group=1, peek=True).ready
+                        early = i < m.window_blocks(1, prefix_units).start
+                        assert there == (m.stores_block(1, i) and not early), (i, there)
+                results[treatment] = dict(hits=hits, stats=st, loaded=s.worker_stats.get("bytes_loaded_total", 0),
+                                          stored_blocks=s.worker_stats.get("blocks_stored_total", 0),
+                                          bound=bound, positions=s.eng.counters["positions_checked"])
+            finally:
+                s.close()
+    w, f = results["window"], results["full"]
+    print(f"{name}: hits {sum(w['hits'].values())} tokens (all-full treatment {sum(f['hits'].values())}); "
+          f"lookup keys per hit {w['stats']['hit_lookup_keys_total'] / max(1, sum(1 for v in w['hits'].values() if v)):.1f}"
+          f" (all-full {f['stats']['hit_lookup_keys_total'] / max(1, sum(1 for v in f['hits'].values() if v)):.1f});"
+          f" keys outside a hit's window {w['stats']['hit_keys_outside_window_total']}; bytes per hit token "
+          f"{w['loaded'] / max(1, sum(w['hits'].values())):.1f} (bound {w['bound'] / max(1, sum(w['hits'].values())):.1f},"
+          f" all-full {f['loaded'] / max(1, sum(f['hits'].values())):.1f}); blocks stored {w['stored_blocks']}"
+          f" (all-full {f['stored_blocks']}); positions checked {w['positions']}")
+    n1 = len(prefixes)
+    # Phase 1 misses, phases 2 and 3 hit every prefix, both treatments alike,
+    # phase 3 after the window group's early blocks were invalidated.
+    assert all(w["hits"][n] == 0 for n in range(n1)), w["hits"]
+    assert all(w["hits"][n] == prefix_units * unit for n in range(n1, 3 * n1)), w["hits"]
+    assert w["hits"] == f["hits"]
+    assert w["stats"]["hit_keys_outside_window_total"] == 0
+    assert w["stats"]["hit_lookup_keys_total"] < f["stats"]["hit_lookup_keys_total"]
+    assert 0 < w["loaded"] <= w["bound"] and w["loaded"] < f["loaded"]
+    assert w["positions"] > 0 and f["positions"] > 0
+
+
+def zlib_seed(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
