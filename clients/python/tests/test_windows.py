@@ -280,7 +280,7 @@ if __name__ == "__main__":
 
 import time  # noqa: E402
 
-from standin_engine import Config, Engine, Group  # noqa: E402
+from standin_engine import Config, Engine, Group, vllm_config  # noqa: E402
 from standin_run import connector_module  # noqa: E402
 
 from kvoffload import stats as kstats  # noqa: E402
@@ -366,7 +366,9 @@ def test_window_model_end_to_end(daemon, shm, name, fa_bs, sw_bs, window, prefix
     for treatment in ("window", "full"):
         groups = [Group("full", fa_bs, 2), Group("swa" if treatment == "window" else "full", sw_bs, 1, window=window)]
         cfg = Config(groups=groups, num_blocks=nb, prefix_caching=False, max_batched_tokens=256,
-                     model=f"e2e-{name}-{treatment}-{stamp}", extra={"lookup_deadline_ms": 5000})
+                     model=f"e2e-{name}-{treatment}-{stamp}",
+                     # Leases too: the daemon pins a window's trailing run.
+                     extra={"lookup_deadline_ms": 5000, "lease_ms": 2000})
         with connector_module() as mod:
             s = Served(cfg, mod, daemon, shm)
             try:
@@ -387,6 +389,13 @@ def test_window_model_end_to_end(daemon, shm, name, fa_bs, sw_bs, window, prefix
                                                                  hits[n]) * PER_LAYER_TOKEN
                 st = s.sched.stats.take() or {}
                 if treatment == "window":
+                    prom = mod.KVOffloadConnector.build_prom_metrics(vllm_config(cfg, daemon.socket),
+                                                                     sv.metric_types(), ["model_name", "engine"],
+                                                                     {0: ["m", "0"]})
+                    prom.observe(st, 0)
+                    series = sv._Metric.registry["vllm:kvoffload_lookup_keys"].values
+                    assert series[("m", "0", "hit")] == st["hit_lookup_keys_total"] > 0
+                    assert ("m", "0", "hit_outside_window") not in series
                     # Blocks no hit's window can contain were never stored.
                     ns = s.sched.namespace_ids()
                     c = daemon.client()
