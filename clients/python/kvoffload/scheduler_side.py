@@ -735,7 +735,10 @@ class SchedulerSide:
         hashes = self._hashes(request) or []
         fits = (rec is not None and num_external_tokens % U == 0 and end <= start + rec.hit_units
                 and self.keys.units_in(len(hashes)) >= end
-                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)))
+                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups))
+                # A windowed group's window was looked up ending at the hit's
+                # end only: a shorter load would need another window.
+                and (not self.keys.windowed_groups or end == start + rec.hit_units))
         outside = self._outside_window(groups, start, end) if fits else []
         if outside:
             # vLLM gave a windowed group real blocks the hit's window does not

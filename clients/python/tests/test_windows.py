@@ -433,3 +433,32 @@ def zlib_seed(name: str) -> int:
     import zlib
 
     return zlib.crc32(name.encode())
+
+
+def test_a_load_shorter_than_the_hit_is_failed_not_guessed():
+    """The windows were looked up ending at the hit's end: a load that
+    ends earlier would move a window nobody looked up, so its blocks are
+    reported failed (vLLM recomputes) instead."""
+    hashes = hashes_for(8, 5)
+    m = KeyMapper(4, (4, 4), (None, 2))
+    present = {g: set(m.keys(hashes, g, range(8))) for g in (0, 1)}
+    daemon = PresenceDaemon(present)
+    sched = SchedulerSide("/nonexistent.sock", 1, 4, (4, 4), HB, client=daemon, group_windows=(None, 2))
+    try:
+        for rid, ext, jobs_keys in (("a", 7 * 4, 7 + 2), ("b", 5 * 4, 0)):
+            rec = _Lookup((0, 7, (1,)), hashes, False, 0.0)
+            sched._batch_fn([rec])(daemon)
+            assert rec.hit_units == 7
+            rec.answered_at = 1.0
+            sched._matched[rid] = rec
+            req = SimpleNamespace(request_id=rid, block_hashes=hashes, num_computed_tokens=0, num_tokens=32,
+                                  kv_transfer_params=None)
+            blocks = SimpleNamespace(get_block_ids=lambda: ([10 + i for i in range(8)],
+                                                            [0] * 5 + [20 + i for i in range(5, 8)]))
+            sched.update_state_after_alloc(req, blocks, ext)
+            jobs = sched._loads[rid]
+            assert sum(len(j.hashes) for j in jobs) == jobs_keys, (rid, jobs)
+            if rid == "b":
+                assert sum(len(j.block_ids) for j in jobs) > 0  # reported failed, without keys
+    finally:
+        sched.close()
