@@ -743,7 +743,10 @@ class SchedulerSide:
         if outside:
             # vLLM gave a windowed group real blocks the hit's window does not
             # cover: they would hold nothing while vLLM takes them as computed.
-            log.error("kvoffload: request %s: groups %s got blocks outside their window for the load", rid, outside)
+            # This vLLM keeps more of a window than settings.group_window says:
+            # this load fails (vLLM recomputes) and no hit is offered again.
+            self.disable(f"request {rid}: vLLM allocated blocks of KV cache groups {outside} outside the window "
+                         f"this connector computed for them (see docs/vllm.md, hybrid models)")
             fits = False
         if fits:
             jobs = self._jobs(hashes, groups, start, end, rec.leases, request=request, load=True)

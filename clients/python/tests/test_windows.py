@@ -201,6 +201,14 @@ def test_stores_and_loads_move_only_what_a_hit_needs():
         assert sched._outside_window(ids, 1, 3) == []
         ids[1][9] = 29
         assert sched._outside_window(ids, 1, 3) == [1]
+        # Such an allocation fails its load and turns hits off: the rule drifted.
+        rec = _Lookup((1, 3, (1,)), hashes, False, 0.0, hit_units=2, done=True, answered_at=1.0)
+        sched._matched["r"] = rec
+        req = SimpleNamespace(request_id="r", block_hashes=hashes, num_computed_tokens=16, num_tokens=48,
+                              kv_transfer_params=None)
+        sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: tuple(ids)), 32)
+        assert all(not j.hashes for j in sched._loads["r"]) and sched._load_blocks["r"]
+        assert sched.disabled and "outside the window" in sched.disabled
     finally:
         sched.close()
 
