@@ -254,6 +254,10 @@ def test_group_window_from_specs():
     assert group_window(fa, k(fa), 16) is None and group_window(fa, None, 16) is None
     assert group_window(MambaSpec(64), "MAMBA", 64) == 1 and group_window(MambaSpec(64), None, 64) == 1
     assert group_window(MambaSpec(64, "all"), "MAMBA", 64) is None
+    # vLLM's UniformTypeKVCacheSpecs: the window of its members.
+    merged = SimpleNamespace(kv_cache_specs={"a": sv.SlidingWindowSpec(16, 128), "b": sv.SlidingWindowSpec(16, 128)})
+    assert group_window(merged, "SLIDING_WINDOW", 16) == 8
+    assert group_window(SimpleNamespace(), "SLIDING_WINDOW", 16) is None  # unreadable: full attention
 
 
 def _hybrid_settings(window=None, chunk=None, kind="swa"):
@@ -278,6 +282,16 @@ def test_settings_windows_and_identity():
     assert c.group_windows == (None, 4)
     assert c.fingerprint({"tp": 0}) != fp
     assert _hybrid_settings(chunk=64, kind="chunk").fingerprint({"tp": 0}) != c.fingerprint({"tp": 0})
+    # A group vLLM merged from several layers' specs: its members' window.
+    merged = [_identity_of_merged(w) for w in (32, 64)]
+    assert merged[0]["sliding_window"] == "32" and merged[0] != merged[1]
+
+
+def _identity_of_merged(window):
+    from kvoffload.settings import _spec_identity
+
+    spec = SimpleNamespace(kv_cache_specs={"a": sv.SlidingWindowSpec(8, window), "b": sv.SlidingWindowSpec(8, window)})
+    return _spec_identity(spec, "SLIDING_WINDOW")
 
 
 if __name__ == "__main__":
