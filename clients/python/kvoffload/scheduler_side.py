@@ -735,12 +735,18 @@ class SchedulerSide:
         hashes = self._hashes(request) or []
         fits = (rec is not None and num_external_tokens % U == 0 and end <= start + rec.hit_units
                 and self.keys.units_in(len(hashes)) >= end
-                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)))
+                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups))
+                # A windowed group's window was looked up ending at the hit's
+                # end only: a shorter load would need another window.
+                and (not self.keys.windowed_groups or end == start + rec.hit_units))
         outside = self._outside_window(groups, start, end) if fits else []
         if outside:
             # vLLM gave a windowed group real blocks the hit's window does not
             # cover: they would hold nothing while vLLM takes them as computed.
-            log.error("kvoffload: request %s: groups %s got blocks outside their window for the load", rid, outside)
+            # This vLLM keeps more of a window than settings.group_window says:
+            # this load fails (vLLM recomputes) and no hit is offered again.
+            self.disable(f"request {rid}: vLLM allocated blocks of KV cache groups {outside} outside the window "
+                         f"this connector computed for them (see docs/vllm.md, hybrid models)")
             fits = False
         if fits:
             jobs = self._jobs(hashes, groups, start, end, rec.leases, request=request, load=True)

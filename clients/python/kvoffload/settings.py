@@ -169,12 +169,29 @@ def group_window(spec: Any, kind: str | None, block_size: int, eagle: bool = Fal
     if kind == "MAMBA":
         return 1 if getattr(spec, "mamba_cache_mode", "align") == "align" else None
     if kind in ("SLIDING_WINDOW", "SLIDING_WINDOW_MLA"):
-        tokens = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        window = _spec_field(spec, "sliding_window")
+        if window is None:
+            return None  # unreadable: every block from 0, as full attention (safe, more keys)
+        tokens = window - 1 + (_spec_field(spec, "extra_retained_tokens") or 0)
     elif kind == "CHUNKED_LOCAL_ATTENTION":
-        tokens = int(spec.attention_chunk_size)
+        tokens = _spec_field(spec, "attention_chunk_size")
+        if tokens is None:
+            return None
     else:
         return None
     return max(1, -(-tokens // bs)) + (1 if eagle else 0)
+
+
+def _spec_field(spec: Any, name: str) -> int | None:
+    """An int field of a spec, or the largest of its members' where vLLM
+    merged several layers' specs into one (UniformTypeKVCacheSpecs)."""
+    v = getattr(spec, name, None)
+    if v is None:
+        inner = getattr(spec, "kv_cache_specs", None)
+        vals = [getattr(x, name, None) for x in (inner.values() if isinstance(inner, Mapping) else ())]
+        vals = [int(x) for x in vals if x is not None]
+        return max(vals) if vals else None
+    return int(v)
 
 
 def _spec_identity(spec: Any, kind: str | None = None) -> dict:
@@ -187,6 +204,10 @@ def _spec_identity(spec: Any, kind: str | None = None) -> dict:
         v = getattr(spec, k, None)
         if v is not None:
             out[k] = str(v)
+    for k in ("sliding_window", "attention_chunk_size"):
+        # A group vLLM merged (UniformTypeKVCacheSpecs) has its window on its members.
+        if k not in out and _spec_field(spec, k) is not None:
+            out[k] = str(_spec_field(spec, k))
     if _is_mamba(spec, kind):
         out.update(_mamba.state_identity(spec))
     return out

@@ -185,6 +185,9 @@ if KVConnectorPromMetrics is not None:
                                   ("direction",))
             self.failed = counter("vllm:kvoffload_failed_blocks", "Blocks that failed to load or store, by status.",
                                   ("direction", "status"))
+            self.lookup_keys = counter("vllm:kvoffload_lookup_keys",
+                                       "Keys looked up: all, for hits, and windowed keys outside a hit's window.",
+                                       ("kind",))
             self.skipped = counter("vllm:kvoffload_stores_skipped_blocks",
                                    "Blocks not stored because the daemon was down or vLLM reused them first.")
             self.latency = {k: hist(f"vllm:kvoffload_{k}", f"kvoffload {k.split('_')[0]} latency.")
@@ -210,6 +213,10 @@ if KVConnectorPromMetrics is not None:
             for key, n in (d.get("failed_blocks") or {}).items():
                 direction, _, status = key.partition(":")
                 self._labels(self.failed, engine_idx, direction, status).inc(n)
+            for kind, k in (("all", "lookup_keys_total"), ("hit", "hit_lookup_keys_total"),
+                            ("hit_outside_window", "hit_keys_outside_window_total")):
+                if d.get(k):
+                    self._labels(self.lookup_keys, engine_idx, kind).inc(d[k])
             if d.get("stores_skipped_total"):
                 self._labels(self.skipped, engine_idx).inc(d["stores_skipped_total"])
             for k, h in self.latency.items():

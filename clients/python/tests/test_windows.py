@@ -201,6 +201,14 @@ def test_stores_and_loads_move_only_what_a_hit_needs():
         assert sched._outside_window(ids, 1, 3) == []
         ids[1][9] = 29
         assert sched._outside_window(ids, 1, 3) == [1]
+        # Such an allocation fails its load and turns hits off: the rule drifted.
+        rec = _Lookup((1, 3, (1,)), hashes, False, 0.0, hit_units=2, done=True, answered_at=1.0)
+        sched._matched["r"] = rec
+        req = SimpleNamespace(request_id="r", block_hashes=hashes, num_computed_tokens=16, num_tokens=48,
+                              kv_transfer_params=None)
+        sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: tuple(ids)), 32)
+        assert all(not j.hashes for j in sched._loads["r"]) and sched._load_blocks["r"]
+        assert sched.disabled and "outside the window" in sched.disabled
     finally:
         sched.close()
 
@@ -246,6 +254,10 @@ def test_group_window_from_specs():
     assert group_window(fa, k(fa), 16) is None and group_window(fa, None, 16) is None
     assert group_window(MambaSpec(64), "MAMBA", 64) == 1 and group_window(MambaSpec(64), None, 64) == 1
     assert group_window(MambaSpec(64, "all"), "MAMBA", 64) is None
+    # vLLM's UniformTypeKVCacheSpecs: the window of its members.
+    merged = SimpleNamespace(kv_cache_specs={"a": sv.SlidingWindowSpec(16, 128), "b": sv.SlidingWindowSpec(16, 128)})
+    assert group_window(merged, "SLIDING_WINDOW", 16) == 8
+    assert group_window(SimpleNamespace(), "SLIDING_WINDOW", 16) is None  # unreadable: full attention
 
 
 def _hybrid_settings(window=None, chunk=None, kind="swa"):
@@ -270,7 +282,205 @@ def test_settings_windows_and_identity():
     assert c.group_windows == (None, 4)
     assert c.fingerprint({"tp": 0}) != fp
     assert _hybrid_settings(chunk=64, kind="chunk").fingerprint({"tp": 0}) != c.fingerprint({"tp": 0})
+    # A group vLLM merged from several layers' specs: its members' window.
+    merged = [_identity_of_merged(w) for w in (32, 64)]
+    assert merged[0]["sliding_window"] == "32" and merged[0] != merged[1]
+
+
+def _identity_of_merged(window):
+    from kvoffload.settings import _spec_identity
+
+    spec = SimpleNamespace(kv_cache_specs={"a": sv.SlidingWindowSpec(8, window), "b": sv.SlidingWindowSpec(8, window)})
+    return _spec_identity(spec, "SLIDING_WINDOW")
 
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q", "-s"])
+
+
+# -- end to end: the stand-in engine, the real daemon ------------------------------
+
+import time  # noqa: E402
+
+from standin_engine import Config, Engine, Group, vllm_config  # noqa: E402
+from standin_run import connector_module  # noqa: E402
+
+from kvoffload import stats as kstats  # noqa: E402
+
+PER_LAYER_TOKEN = 2 * 2 * 4 * 2  # K and V, H=2 heads of D=4 elements of 2 bytes (standin_engine)
+
+
+class Served:
+    """A stand-in engine serving prompts one at a time, each until it and
+    its stores are done, recording each request's external hit and the
+    connector's stats."""
+
+    def __init__(self, cfg: Config, mod, daemon, shm):
+        self.eng = Engine(cfg, mod, daemon.socket, shm)
+        self.hits: dict[str, int] = {}
+        self.worker_stats: dict = {}
+        self.reqs: dict[str, object] = {}
+        sc = self.eng.sched_conn
+        alloc = sc.update_state_after_alloc
+
+        def recorded(req, blocks, ext):
+            self.hits[req.request_id] = self.hits.get(req.request_id, 0) + int(ext)
+            return alloc(req, blocks, ext)
+
+        sc.update_state_after_alloc = recorded
+        for w in self.eng.workers:
+            take = w.get_kv_connector_stats
+
+            def taken(take=take):
+                st = take()
+                if st is not None:
+                    kstats.aggregate(self.worker_stats, st.data)
+                return st
+
+            w.get_kv_connector_stats = taken
+
+    def serve(self, rid: str, prompt: list[int], max_tokens: int = 2) -> int:
+        self.reqs[rid] = self.eng.add_request(rid, prompt, max_tokens)
+        for _ in range(5000):
+            if self.eng.idle():
+                break
+            self.eng.step()
+        else:
+            raise AssertionError(f"{rid} never finished: {self.eng.describe()}")
+        self.eng.drain()
+        return self.hits.get(rid, 0)
+
+    @property
+    def sched(self):
+        return self.eng.sched_conn._scheduler
+
+    def close(self):
+        self.eng.close()
+
+
+SHAPES = [
+    # (name, full-attention block, window block, window tokens, prefix units, pool blocks)
+    ("fa16+swa128", 16, 16, 128, 20, 240),
+    # A unit of 256 tokens holds 16 window blocks, of which a hit needs the
+    # last 8: the other 8 of every unit are never stored.
+    ("fa256+swa128", 256, 16, 128, 2, 180),
+]
+
+
+@pytest.mark.parametrize("name,fa_bs,sw_bs,window,prefix_units,nb", SHAPES, ids=[s[0] for s in SHAPES])
+def test_window_model_end_to_end(daemon, shm, name, fa_bs, sw_bs, window, prefix_units, nb):
+    """A full-attention + 128-token-window model against the real daemon:
+    the hits of a trace with shared prefixes equal those of the same model
+    handled as all full attention; no windowed key outside a hit's window
+    is looked up; a hit moves at most the full-attention layers' bytes plus
+    the window's; early window blocks invalidated in the daemon, or never
+    stored, do not cut a hit; every block the engine holds is right
+    (Engine.verify after every step)."""
+    rng = random.Random(zlib_seed(name))
+    unit = math.lcm(fa_bs, sw_bs)
+    prefixes = [[rng.randrange(10, 5000) for _ in range(prefix_units * unit)] for _ in range(3)]
+    trace = []  # (phase, prompt)
+    for phase in (1, 2, 3):
+        for p in prefixes:
+            trace.append((phase, p + [rng.randrange(10, 5000) for _ in range(rng.randint(1, unit - 2))]))
+    results = {}
+    stamp = time.time_ns()
+    for treatment in ("window", "full"):
+        groups = [Group("full", fa_bs, 2), Group("swa" if treatment == "window" else "full", sw_bs, 1, window=window)]
+        cfg = Config(groups=groups, num_blocks=nb, prefix_caching=False, max_batched_tokens=256,
+                     model=f"e2e-{name}-{treatment}-{stamp}",
+                     # Leases too: the daemon pins a window's trailing run.
+                     extra={"lookup_deadline_ms": 5000, "lease_ms": 2000})
+        with connector_module() as mod:
+            s = Served(cfg, mod, daemon, shm)
+            try:
+                m = s.sched.keys
+                hits = {}
+                bound = 0
+                for n, (phase, prompt) in enumerate(trace):
+                    if treatment == "window" and phase == 3 and n == 2 * len(prefixes):
+                        # Evict the early window blocks of every prefix: a
+                        # hit on a prefix needs only its last window.
+                        ns = s.sched.namespace_ids()
+                        for i in range(len(prefixes)):
+                            h = s.reqs[f"q{i}"].block_hashes
+                            early = m.keys(h, 1, range(m.window_blocks(1, prefix_units).start))
+                            assert early and daemon.client().invalidate(ns, early, group=1) > 0
+                    hits[n] = s.serve(f"q{n}", prompt)
+                    bound += hits[n] * 2 * PER_LAYER_TOKEN + min(hits[n], window if treatment == "window" else
+                                                                 hits[n]) * PER_LAYER_TOKEN
+                st = s.sched.stats.take() or {}
+                if treatment == "window":
+                    prom = mod.KVOffloadConnector.build_prom_metrics(vllm_config(cfg, daemon.socket),
+                                                                     sv.metric_types(), ["model_name", "engine"],
+                                                                     {0: ["m", "0"]})
+                    prom.observe(st, 0)
+                    series = sv._Metric.registry["vllm:kvoffload_lookup_keys"].values
+                    assert series[("m", "0", "hit")] == st["hit_lookup_keys_total"] > 0
+                    assert ("m", "0", "hit_outside_window") not in series
+                    # Blocks no hit's window can contain were never stored.
+                    ns = s.sched.namespace_ids()
+                    c = daemon.client()
+                    h = s.reqs["q0"].block_hashes
+                    for i in range(prefix_units * m.blocks_per_unit[1]):
+                        there = c.lookup(ns, m.keys(h, 1, [i]), group=1, peek=True).ready
+                        early = i < m.window_blocks(1, prefix_units).start
+                        assert there == (m.stores_block(1, i) and not early), (i, there)
+                results[treatment] = dict(hits=hits, stats=st, loaded=s.worker_stats.get("bytes_loaded_total", 0),
+                                          stored_blocks=s.worker_stats.get("blocks_stored_total", 0),
+                                          bound=bound, positions=s.eng.counters["positions_checked"])
+            finally:
+                s.close()
+    w, f = results["window"], results["full"]
+    print(f"{name}: hits {sum(w['hits'].values())} tokens (all-full treatment {sum(f['hits'].values())}); "
+          f"lookup keys per hit {w['stats']['hit_lookup_keys_total'] / max(1, sum(1 for v in w['hits'].values() if v)):.1f}"
+          f" (all-full {f['stats']['hit_lookup_keys_total'] / max(1, sum(1 for v in f['hits'].values() if v)):.1f});"
+          f" keys outside a hit's window {w['stats']['hit_keys_outside_window_total']}; bytes per hit token "
+          f"{w['loaded'] / max(1, sum(w['hits'].values())):.1f} (bound {w['bound'] / max(1, sum(w['hits'].values())):.1f},"
+          f" all-full {f['loaded'] / max(1, sum(f['hits'].values())):.1f}); blocks stored {w['stored_blocks']}"
+          f" (all-full {f['stored_blocks']}); positions checked {w['positions']}")
+    n1 = len(prefixes)
+    # Phase 1 misses, phases 2 and 3 hit every prefix, both treatments alike,
+    # phase 3 after the window group's early blocks were invalidated.
+    assert all(w["hits"][n] == 0 for n in range(n1)), w["hits"]
+    assert all(w["hits"][n] == prefix_units * unit for n in range(n1, 3 * n1)), w["hits"]
+    assert w["hits"] == f["hits"]
+    assert w["stats"]["hit_keys_outside_window_total"] == 0
+    assert w["stats"]["hit_lookup_keys_total"] < f["stats"]["hit_lookup_keys_total"]
+    assert 0 < w["loaded"] <= w["bound"] and w["loaded"] < f["loaded"]
+    assert w["positions"] > 0 and f["positions"] > 0
+
+
+def zlib_seed(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+def test_a_load_shorter_than_the_hit_is_failed_not_guessed():
+    """The windows were looked up ending at the hit's end: a load that
+    ends earlier would move a window nobody looked up, so its blocks are
+    reported failed (vLLM recomputes) instead."""
+    hashes = hashes_for(8, 5)
+    m = KeyMapper(4, (4, 4), (None, 2))
+    present = {g: set(m.keys(hashes, g, range(8))) for g in (0, 1)}
+    daemon = PresenceDaemon(present)
+    sched = SchedulerSide("/nonexistent.sock", 1, 4, (4, 4), HB, client=daemon, group_windows=(None, 2))
+    try:
+        for rid, ext, jobs_keys in (("a", 7 * 4, 7 + 2), ("b", 5 * 4, 0)):
+            rec = _Lookup((0, 7, (1,)), hashes, False, 0.0)
+            sched._batch_fn([rec])(daemon)
+            assert rec.hit_units == 7
+            rec.answered_at = 1.0
+            sched._matched[rid] = rec
+            req = SimpleNamespace(request_id=rid, block_hashes=hashes, num_computed_tokens=0, num_tokens=32,
+                                  kv_transfer_params=None)
+            blocks = SimpleNamespace(get_block_ids=lambda: ([10 + i for i in range(8)],
+                                                            [0] * 5 + [20 + i for i in range(5, 8)]))
+            sched.update_state_after_alloc(req, blocks, ext)
+            jobs = sched._loads[rid]
+            assert sum(len(j.hashes) for j in jobs) == jobs_keys, (rid, jobs)
+            if rid == "b":
+                assert sum(len(j.block_ids) for j in jobs) > 0  # reported failed, without keys
+    finally:
+        sched.close()
