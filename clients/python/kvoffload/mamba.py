@@ -19,7 +19,7 @@ attention keeps KV (read at vLLM main 7cfb97e, docs/vllm.md, "Mamba"):
   the blocks behind a sliding window.
 
 In the shared rule of windowed groups (kvoffload.keys) such a group is a
-window of ``W = 1`` block. Every unit boundary is a block boundary of the
+window of ``W = 1`` block (``kvoffload.settings.group_window``). Every unit boundary is a block boundary of the
 group (the unit is the lcm of the groups' block sizes), so a unit-aligned hit
 is rounded down to a committed state exactly when the state block at its
 end is present.
@@ -39,7 +39,7 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Mapping, Sequence
 
-__all__ = ["is_mamba", "refusal", "state_identity", "window_blocks", "state_bytes", "check_registration"]
+__all__ = ["is_mamba", "refusal", "state_identity", "state_bytes", "check_registration"]
 
 # Element sizes of the dtypes vLLM gives Mamba state (torch names, with or
 # without the "torch." prefix).
@@ -108,8 +108,9 @@ def refusal(spec: Any, layer_names: Sequence[str], *, prefix_caching: bool, dcp:
 def state_identity(spec: Any) -> dict:
     """What shapes a Mamba block's bytes beyond the block size: each state
     tensor's shape and dtype, the kind of layer (Mamba1/2, gated delta net,
-    ...), the cache mode, the speculative blocks and the page padding. Two
-    models that differ in any of these never share blocks."""
+    ...), the cache mode and the speculative blocks (the block size and the
+    page padding are in every group's identity). Two models that differ in
+    any of these never share blocks."""
     return {
         "state_shapes": [[int(x) for x in s] for s in (getattr(spec, "shapes", None) or ())],
         "state_dtypes": [_dtype_name(d) for d in (getattr(spec, "dtypes", None) or ())],
@@ -117,14 +118,6 @@ def state_identity(spec: Any) -> dict:
         "mamba_cache_mode": str(getattr(spec, "mamba_cache_mode", None)),
         "num_speculative_blocks": int(getattr(spec, "num_speculative_blocks", 0) or 0),
     }
-
-
-def window_blocks(spec: Any) -> int | None:
-    """A Mamba group's window in the rule of windowed groups: 1 block (the
-    state at the hit's end) in align mode; None for any other spec."""
-    if getattr(spec, "mamba_cache_mode", None) == "align":
-        return 1
-    return None
 
 
 def check_registration(segments: Sequence[Any], region_layers: Sequence[str], group_layers: Sequence[Sequence[str]],
