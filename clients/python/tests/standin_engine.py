@@ -12,6 +12,11 @@ runner mixin, the output aggregator):
   decode context parallel (a scheduler block is ``dcp`` rank blocks, tokens
   interleaved over the DCP ranks), kernel blocks smaller than vLLM's blocks
   (FlashAttention-shaped tensors, NHD or HND) and MLA-shaped groups;
+- Mamba groups in mamba_cache_mode "align" as vLLM's MambaManager at 7cfb97e
+  has them (prefill chunks clipped to block boundaries, null blocks but the
+  last of a chunk, the one state block of a hit, earlier state blocks freed
+  and reused while the request runs), whose layers fold each token into the
+  state read from the blocks and sample from it;
 - vLLM's scheduling loop: running requests first (preempting the last one
   when blocks run out), then waiting ones, asking the connector
   ``get_num_new_matched_tokens`` for each (``None`` skips the request this
