@@ -87,9 +87,15 @@ class KeyMapper:
     that ends it, ``hashes[(i+1)*f - 1]`` (the hash names the whole prefix).
     Loads and stores move whole *units* of ``lcm(group block sizes)`` tokens
     so that every group ends on a block boundary.
+
+    ``windows[g]`` is group ``g``'s window in its blocks, None for full
+    attention (docs/vllm.md, hybrid models): a hit ending at unit ``N``
+    needs every block ``[0, N*bpu)`` of a full-attention group but only the
+    last ``W`` of them, ``[N*bpu - W, N*bpu)``, of a windowed one.
     """
 
-    def __init__(self, hash_block_size: int, group_block_sizes: Sequence[int]):
+    def __init__(self, hash_block_size: int, group_block_sizes: Sequence[int],
+                 windows: Sequence[int | None] | None = None):
         if hash_block_size <= 0 or not group_block_sizes:
             raise ValueError("need a positive hash block size and at least one group")
         for g, bs in enumerate(group_block_sizes):
@@ -100,6 +106,15 @@ class KeyMapper:
         self.factors = tuple(b // self.hash_block_size for b in self.block_sizes)
         self.unit_tokens = math.lcm(*self.block_sizes)
         self.blocks_per_unit = tuple(self.unit_tokens // b for b in self.block_sizes)
+        ws = tuple(windows) if windows else (None,) * len(self.block_sizes)
+        if len(ws) != len(self.block_sizes):
+            raise ValueError(f"{len(ws)} windows for {len(self.block_sizes)} groups")
+        for g, w in enumerate(ws):
+            if w is not None and int(w) <= 0:
+                raise ValueError(f"group {g} has a window of {w} blocks; a windowed group needs at least one")
+        self.windows: tuple[int | None, ...] = tuple(None if w is None else int(w) for w in ws)
+        self.full_groups = tuple(g for g, w in enumerate(self.windows) if w is None)
+        self.windowed_groups = tuple(g for g, w in enumerate(self.windows) if w is not None)
 
     @property
     def num_groups(self) -> int:
@@ -117,7 +132,34 @@ class KeyMapper:
         k = self.blocks_per_unit[group]
         return range(start_unit * k, end_unit * k)
 
-    def keys(self, hashes: Sequence[bytes], group: int, blocks: range) -> list[bytes]:
+    def window_blocks(self, group: int, end_unit: int) -> range:
+        """The blocks of ``group`` a hit ending at unit ``end_unit`` needs:
+        every block from 0 for a full-attention group, the last ``W`` for a
+        windowed one."""
+        k = self.blocks_per_unit[group]
+        w = self.windows[group]
+        stop = max(0, end_unit) * k
+        return range(0 if w is None else max(0, stop - w), stop)
+
+    def stores_block(self, group: int, i: int) -> bool:
+        """Whether block ``i`` of ``group`` is ever inside a hit's window
+        (hits end on unit boundaries): every block of a full-attention group,
+        and of a windowed one those among the last ``W`` of their unit."""
+        w = self.windows[group]
+        k = self.blocks_per_unit[group]
+        return w is None or w >= k or i % k >= k - w
+
+    def stored_blocks(self, group: int, start_unit: int, end_unit: int) -> list[int]:
+        """The blocks of ``group`` in units [start, end) that are stored
+        (:meth:`stores_block`), in order."""
+        return [i for i in self.block_range(group, start_unit, end_unit) if self.stores_block(group, i)]
+
+    def stored_per_unit(self, group: int) -> int:
+        """How many of a unit's blocks of ``group`` are stored."""
+        w, k = self.windows[group], self.blocks_per_unit[group]
+        return k if w is None else min(w, k)
+
+    def keys(self, hashes: Sequence[bytes], group: int, blocks: Sequence[int]) -> list[bytes]:
         f = self.factors[group]
         return [bytes(hashes[(i + 1) * f - 1]) for i in blocks]
 

@@ -81,6 +81,8 @@ class _Lookup:
     took: float = 0.0
     answered_at: float = 0.0
     task: Any = None  # the background call that answers it, once sent
+    keys_asked: int = 0  # keys looked up for the hit (not the local prefix's peek)
+    keys_outside: int = 0  # of those, windowed groups' keys outside the hit's windows
 
 
 @dataclass
@@ -125,6 +127,11 @@ class SchedulerSide:
             ``take_kv_events`` before the stream starts over.
         eagle_groups: per KV cache group, whether it holds EAGLE/MTP draft
             layers (vLLM's ``is_eagle_group``).
+        group_windows: per KV cache group, its window in blocks, None for
+            full attention (kvoffload.settings.group_window): lookups, loads
+            and stores of a windowed group cover only what a hit needs.
+        window_rounds: how many lookups a batch makes, at most, to find where
+            every windowed group's window is present (each one round trip).
     """
 
     def __init__(
@@ -151,13 +158,19 @@ class SchedulerSide:
         kv_events_max_blocks: int = 65536,
         kv_events_max_queued: int = 65536,
         eagle_groups: Sequence[bool] = (),
+        group_windows: Sequence[int | None] = (),
+        window_rounds: int = 4,
     ):
-        self.keys = KeyMapper(hash_block_size, group_block_sizes)
+        self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None)
+        self._window_rounds = max(1, int(window_rounds))
+        # The group whose blocks say where a hit's tokens come from: the
+        # first full-attention group (its blocks cover the whole hit).
+        self._tier_group = self.keys.full_groups[0] if self.keys.full_groups else 0
         # EAGLE/MTP draft groups: while a request decodes, the KV of its last
         # block is the draft's and is computed again (vLLM's offloading
         # connector leaves it out too): the last unit is not stored yet.
         self._eagle = any(eagle_groups)
-        self._hit_tiers: dict[str, list] = {}  # request -> tier of each offered block of group 0
+        self._hit_tiers: dict[str, list] = {}  # request -> tier of each offered block of the tier group
         self.num_ranks = int(num_ranks)
         self.hash_bytes = hash_bytes
         self.offer_hits = offer_hits
@@ -384,10 +397,15 @@ class SchedulerSide:
         return st
 
     def _jobs(self, hashes: Sequence[bytes], groups: Sequence[Sequence[int | None]], start: int, end: int,
-              leases: Mapping[int, int] | None = None, request: Any = None) -> list[GroupJob]:
+              leases: Mapping[int, int] | None = None, request: Any = None,
+              load: bool = False) -> list[GroupJob]:
+        """The jobs that move units [start, end) of a request. A windowed
+        group moves less: a load only the window ending at ``end`` (what the
+        hit was looked up for), a store only the blocks some hit's window
+        can contain (KeyMapper.stores_block). vLLM's null blocks never move."""
         jobs = []
         for g in range(self.keys.num_groups):
-            blocks = self.keys.block_range(g, start, end)
+            blocks = self._moved_blocks(g, start, end, load)
             ids = groups[g]
             keys = self.keys.keys(hashes, g, blocks)
             pairs = [(k, ids[i]) for k, i in zip(keys, blocks) if ids[i] is not None and ids[i] != self.null_block_id]
@@ -397,6 +415,28 @@ class SchedulerSide:
                 jobs.append(GroupJob(g, [k for k, _ in pairs], [int(b) for _, b in pairs],
                                      (leases or {}).get(g, 0)))
         return jobs
+
+    def _moved_blocks(self, g: int, start: int, end: int, load: bool) -> Sequence[int]:
+        rng = self.keys.block_range(g, start, end)
+        if self.keys.windows[g] is None:
+            return rng
+        if load:
+            w = self.keys.window_blocks(g, end)
+            return range(max(rng.start, w.start), rng.stop)
+        return [i for i in rng if self.keys.stores_block(g, i)]
+
+    def _outside_window(self, groups: Sequence[Sequence[int | None]], start: int, end: int) -> list[int]:
+        """Windowed groups whose allocation for a load of units [start, end)
+        has a real block outside the window ending at ``end``: a block vLLM
+        counts as computed that the load would not fill."""
+        bad = []
+        for g in self.keys.windowed_groups:
+            w = self.keys.window_blocks(g, end)
+            ids = groups[g]
+            if any(ids[i] is not None and ids[i] != self.null_block_id
+                   for i in self.keys.block_range(g, start, end) if i < w.start):
+                bad.append(g)
+        return bad
 
     def _remember(self, request: Any, hashes: Sequence[bytes], g: int, blocks: Sequence[int]) -> None:
         """Keeps what vLLM's BlockStored says of group ``g``'s blocks beyond
@@ -425,11 +465,35 @@ class SchedulerSide:
             rec.task = task
 
     def _batch_fn(self, batch: list[_Lookup]):
-        """What the background thread runs: every lookup of the batch in one
-        round trip. Per request and group, its keys in [start, end) with a
-        lease; and, when the engine already holds a local prefix, whether the
-        daemon holds it too (a peek)."""
+        """What the background thread runs: every lookup of the batch, in a
+        few round trips (docs/vllm.md, hybrid models). First, per request,
+        each full-attention group's keys in [start, end) with a lease, and,
+        when the engine already holds a local prefix, whether the daemon
+        holds it too (a peek of the blocks stores keep). The full-attention
+        groups' ready prefix is the candidate hit F (a model without them
+        starts from ``end``); then each windowed group's window ending at F,
+        its keys last first, so that the daemon's ready count is the
+        window's trailing run: a run short of the window moves F to the last
+        unit boundary at or before the block missing, and the windows ending
+        there are looked up next, at most ``window_rounds`` times."""
         keys, lease_ms, timeout = self.keys, self._lease_ms, self._rpc_timeout
+        full, windowed = keys.full_groups, keys.windowed_groups
+        bpu = keys.blocks_per_unit
+        rounds = self._window_rounds
+        tier_group = self._tier_group
+
+        def lookup(client: Client, calls: list) -> list:
+            try:
+                return client.lookup_many(calls, timeout=timeout)
+            except BaseException as e:
+                for rec in batch:
+                    if not rec.done:
+                        rec.error, rec.done = e, True
+                raise
+
+        def window_of(rec: _Lookup, g: int, f: int) -> range:
+            w = keys.window_blocks(g, f)
+            return range(max(w.start, rec.key[0] * bpu[g]), w.stop)
 
         def run(client: Client) -> None:
             t0 = time.monotonic()
@@ -437,39 +501,97 @@ class SchedulerSide:
             for rec in batch:
                 start, end, ns = rec.key
                 first = len(calls)
-                for g in range(keys.num_groups):
+                for g in full:
                     calls.append((ns, keys.keys(rec.hashes, g, keys.block_range(g, start, end)), g, lease_ms, rec.peek))
                 for g in range(keys.num_groups if start > 0 else 0):
-                    calls.append((ns, keys.keys(rec.hashes, g, keys.block_range(g, 0, start)), g, 0, True))
+                    calls.append((ns, keys.keys(rec.hashes, g, keys.stored_blocks(g, 0, start)), g, 0, True))
                 spans.append((first, len(calls)))
-            try:
-                results = client.lookup_many(calls, timeout=timeout)
-            except BaseException as e:
-                for rec in batch:
-                    rec.error, rec.done = e, True
-                raise
-            took = time.monotonic() - t0
+            results = lookup(client, calls)
             down = None
-            for rec, (a, b) in zip(batch, spans):
+            cand: dict[int, int] = {}  # batch index -> candidate end unit, windows not yet checked
+            asked: dict[int, list[list[int]]] = {}  # batch index -> per windowed group, the blocks asked
+            for n, (rec, (a, b)) in enumerate(zip(batch, spans)):
                 rs = results[a:b]
                 errs = [r for r in rs if isinstance(r, KVOffloadError)]
                 if errs:
                     rec.error = errs[0]
                     down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
-                else:
-                    start, end, _ = rec.key
-                    G = keys.num_groups
-                    rec.hit_units = min([end - start] + [rs[g].ready // keys.blocks_per_unit[g] for g in range(G)])
-                    rec.leases = {g: rs[g].lease_id for g in range(G) if rs[g].lease_id}
-                    rec.tiers = list(rs[0].tiers)
-                    rec.ready_before = min([start] + [r.ready // keys.blocks_per_unit[g]
-                                                      for g, r in enumerate(rs[G:])])
+                    continue
+                start, end, _ = rec.key
+                nf = len(full)
+                f = start + min([end - start] + [rs[i].ready // bpu[g] for i, g in enumerate(full)])
+                rec.keys_asked = sum(len(keys.block_range(g, start, end)) for g in full)
+                rec.leases = {g: rs[i].lease_id for i, g in enumerate(full) if rs[i].lease_id}
+                if full:
+                    rec.tiers = list(rs[full.index(tier_group)].tiers)
+                rec.ready_before = min([start] + [r.ready // keys.stored_per_unit(g) for g, r in enumerate(rs[nf:])])
+                rec.hit_units = f - start
+                if windowed and f > start:
+                    cand[n] = f
+                    asked[n] = [[] for _ in windowed]
+            for _ in range(rounds):
+                if not cand or down is not None:
+                    break
+                calls, order = [], []
+                for n, f in cand.items():
+                    rec = batch[n]
+                    for j, g in enumerate(windowed):
+                        blocks = window_of(rec, g, f)
+                        asked[n][j].extend(blocks)
+                        calls.append((rec.key[2], keys.keys(rec.hashes, g, blocks[::-1]), g, lease_ms, rec.peek))
+                    order.append(n)
+                results = lookup(client, calls)
+                nxt: dict[int, int] = {}
+                for k, n in enumerate(order):
+                    rec, f = batch[n], cand[n]
+                    rs = results[k * len(windowed):(k + 1) * len(windowed)]
+                    rec.keys_asked += sum(len(window_of(rec, g, f)) for g in windowed)
+                    errs = [r for r in rs if isinstance(r, KVOffloadError)]
+                    if errs:
+                        rec.error = errs[0]
+                        down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
+                        continue
+                    nf = f
+                    for j, g in enumerate(windowed):
+                        blocks = window_of(rec, g, f)
+                        if rs[j].ready < len(blocks):
+                            missing = f * bpu[g] - 1 - rs[j].ready
+                            nf = min(nf, missing // bpu[g])
+                    if nf == f:
+                        # Every window ending at f is there: the hit stands,
+                        # held by this round's leases.
+                        rec.hit_units = f - rec.key[0]
+                        rec.leases.update({g: rs[j].lease_id for j, g in enumerate(windowed) if rs[j].lease_id})
+                        if not full:
+                            rec.tiers = self._window_tiers(rs[windowed.index(tier_group)].tiers, f * bpu[tier_group])
+                        inside = [set(window_of(rec, g, f)) for g in windowed]
+                        rec.keys_outside = sum(1 for j in range(len(windowed)) for i in asked[n][j]
+                                               if i not in inside[j])
+                    elif nf <= rec.key[0]:
+                        rec.hit_units = 0
+                    else:
+                        nxt[n] = nf
+                cand = nxt
+            for n in cand:
+                batch[n].hit_units = 0  # not settled within the rounds: a miss
+            took = time.monotonic() - t0
+            for rec in batch:
+                if rec.error is not None or rec.hit_units <= 0:
+                    rec.leases = {}
                 rec.took = took
                 rec.done = True
             if down is not None:
                 raise down
 
         return run
+
+    @staticmethod
+    def _window_tiers(tiers: Sequence[Any], blocks: int) -> list:
+        """Where a hit's blocks are, from a windowed group's reversed window
+        (a model without full attention): the window's tiers in order, the
+        blocks before it taken as where the window's first block is."""
+        fwd = list(tiers)[::-1]
+        return ([fwd[0]] * max(0, blocks - len(fwd)) + fwd) if fwd else []
 
     def _answer(self, rid: str, rec: _Lookup) -> tuple[int, bool]:
         U = self.keys.unit_tokens
@@ -485,22 +607,24 @@ class SchedulerSide:
                     self._ns_next = 0.0  # namespaces may have changed: resolve again
             else:
                 self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
+                self.stats.lookup_keys(rec.keys_asked, rec.keys_outside if rec.hit_units > 0 else 0,
+                                       rec.hit_units > 0)
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
             self._hit_tiers.pop(rid, None)
             return 0, False
         self._matched[rid] = rec
-        self._hit_tiers[rid] = list(rec.tiers)[: self.keys.blocks_per_unit[0] * rec.hit_units]
+        self._hit_tiers[rid] = list(rec.tiers)[: self.keys.blocks_per_unit[self._tier_group] * rec.hit_units]
         return rec.hit_units * U, True
 
     def hit_sources(self, rid: str, num_external_tokens: int) -> dict[str, int]:
         """The tokens of a request's external hit by the tier they come
         from (``cpu``, ``disk``, ``remote``), as the lookup that offered them
-        said (by group 0's blocks)."""
+        said (by the first full-attention group's blocks)."""
         tiers = self._hit_tiers.get(rid)
         if not tiers or num_external_tokens <= 0:
             return {}
-        bs = self.keys.block_sizes[0]
+        bs = self.keys.block_sizes[self._tier_group]
         out: dict[str, int] = {}
         left = int(num_external_tokens)
         for t in tiers:
@@ -515,10 +639,10 @@ class SchedulerSide:
         return out
 
     def _tier_tokens(self, tiers: Sequence[Any], hit_units: int) -> dict[str, int]:
-        """Hit tokens by the tier group 0's blocks came from."""
+        """Hit tokens by the tier the tier group's blocks came from."""
         out: dict[str, int] = {}
-        n = self.keys.blocks_per_unit[0] * hit_units
-        bs = self.keys.block_sizes[0]
+        n = self.keys.blocks_per_unit[self._tier_group] * hit_units
+        bs = self.keys.block_sizes[self._tier_group]
         for t in list(tiers)[:n]:
             name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "remote" if t == Tier.REMOTE else "disk"
             out[name] = out.get(name, 0) + bs
@@ -629,9 +753,21 @@ class SchedulerSide:
         hashes = self._hashes(request) or []
         fits = (rec is not None and num_external_tokens % U == 0 and end <= start + rec.hit_units
                 and self.keys.units_in(len(hashes)) >= end
-                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)))
+                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups))
+                # A windowed group's window was looked up ending at the hit's
+                # end only: a shorter load would need another window.
+                and (not self.keys.windowed_groups or end == start + rec.hit_units))
+        outside = self._outside_window(groups, start, end) if fits else []
+        if outside:
+            # vLLM gave a windowed group real blocks the hit's window does not
+            # cover: they would hold nothing while vLLM takes them as computed.
+            # This vLLM keeps more of a window than settings.group_window says:
+            # this load fails (vLLM recomputes) and no hit is offered again.
+            self.disable(f"request {rid}: vLLM allocated blocks of KV cache groups {outside} outside the window "
+                         f"this connector computed for them (see docs/vllm.md, hybrid models)")
+            fits = False
         if fits:
-            jobs = self._jobs(hashes, groups, start, end, rec.leases, request=request)
+            jobs = self._jobs(hashes, groups, start, end, rec.leases, request=request, load=True)
         else:
             # vLLM now waits for this request's load. Nothing can be loaded,
             # so every block it allocated for those tokens is reported failed

@@ -23,6 +23,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from . import mamba as _mamba
 from .keys import BlockSizes, GroupShape, resolve_block_sizes
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "derive_fingerprint",
     "FINGERPRINT_PREFIX",
     "CONNECTOR_LAYOUT_VERSION",
+    "group_window",
 ]
 
 # kv_connector_extra_config keys this connector understands.
@@ -109,7 +111,7 @@ def _kind_of(spec: Any, spec_kind: Callable[[Any], Any] | None) -> str | None:
 
 
 def _is_mamba(spec: Any, kind: str | None) -> bool:
-    return kind == "MAMBA" if kind is not None else "Mamba" in _spec_kind(spec)
+    return _mamba.is_mamba(spec, kind)
 
 
 def _is_attention(spec: Any, kind: str | None = None) -> bool:
@@ -132,6 +134,66 @@ def _full_attention(spec: Any, kind: str | None = None) -> bool:
     return not any(w in name for w in ("Sliding", "Chunked", "Local", "RSWA"))
 
 
+def group_window(spec: Any, kind: str | None, block_size: int, eagle: bool = False) -> int | None:
+    """A KV cache group's window in its blocks (``block_size`` tokens each,
+    the scheduler's), or None for full attention: how many of its blocks
+    before a hit's end that hit needs (docs/vllm.md, hybrid models). The one
+    place a group's spec becomes its window; ``kind`` is vLLM's
+    ``get_kv_cache_spec_kind`` name (None: class names decide).
+
+    - a sliding window of S tokens: ceil((S - 1 + extra) / block_size), the
+      blocks vLLM's SlidingWindowManager keeps for a hit
+      (``get_num_skipped_tokens``; ``extra_retained_tokens`` for multi-module
+      MTP);
+    - chunked local attention of C tokens: ceil(C / block_size), the blocks
+      of the current chunk at most;
+    - EAGLE/MTP draft groups one block more, as vLLM's offloading connector
+      (``is_store_reachable_swa_chunk``);
+    - Mamba / linear-attention state in ``mamba_cache_mode`` "align": 1, the
+      state block at the hit's end (None in any other mode: such a group is
+      refused);
+    - everything else, R-SWA (a FULL_ATTENTION kind whose decode gap vLLM
+      frees, its prompt kept whole) included: full attention.
+    """
+    bs = int(block_size)
+    if kind is None:
+        names = [c.__name__ for c in type(spec).__mro__]
+        if any("Mamba" in n for n in names):
+            kind = "MAMBA"
+        elif any("FullAttention" in n for n in names):
+            kind = "FULL_ATTENTION"
+        elif any("ChunkedLocal" in n for n in names):
+            kind = "CHUNKED_LOCAL_ATTENTION"
+        elif any("SlidingWindow" in n for n in names):
+            kind = "SLIDING_WINDOW"
+    if kind == "MAMBA":
+        return 1 if getattr(spec, "mamba_cache_mode", "align") == "align" else None
+    if kind in ("SLIDING_WINDOW", "SLIDING_WINDOW_MLA"):
+        window = _spec_field(spec, "sliding_window")
+        if window is None:
+            return None  # unreadable: every block from 0, as full attention (safe, more keys)
+        tokens = window - 1 + (_spec_field(spec, "extra_retained_tokens") or 0)
+    elif kind == "CHUNKED_LOCAL_ATTENTION":
+        tokens = _spec_field(spec, "attention_chunk_size")
+        if tokens is None:
+            return None
+    else:
+        return None
+    return max(1, -(-tokens // bs)) + (1 if eagle else 0)
+
+
+def _spec_field(spec: Any, name: str) -> int | None:
+    """An int field of a spec, or the largest of its members' where vLLM
+    merged several layers' specs into one (UniformTypeKVCacheSpecs)."""
+    v = getattr(spec, name, None)
+    if v is None:
+        inner = getattr(spec, "kv_cache_specs", None)
+        vals = [getattr(x, name, None) for x in (inner.values() if isinstance(inner, Mapping) else ())]
+        vals = [int(x) for x in vals if x is not None]
+        return max(vals) if vals else None
+    return int(v)
+
+
 def _spec_identity(spec: Any, kind: str | None = None) -> dict:
     """The fields of a KV cache spec that shape a block's bytes."""
     out = {"kind": _spec_kind(spec)}
@@ -142,6 +204,12 @@ def _spec_identity(spec: Any, kind: str | None = None) -> dict:
         v = getattr(spec, k, None)
         if v is not None:
             out[k] = str(v)
+    for k in ("sliding_window", "attention_chunk_size"):
+        # A group vLLM merged (UniformTypeKVCacheSpecs) has its window on its members.
+        if k not in out and _spec_field(spec, k) is not None:
+            out[k] = str(_spec_field(spec, k))
+    if _is_mamba(spec, kind):
+        out.update(_mamba.state_identity(spec))
     return out
 
 
@@ -183,6 +251,9 @@ class ConnectorSettings:
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     eagle_groups: tuple[bool, ...] = ()  # groups of EAGLE/MTP draft layers (KVCacheGroupSpec.is_eagle_group)
+    mamba_specs: dict = field(default_factory=dict)  # group -> MambaSpec, of the Mamba groups (kvoffload.mamba)
+    # Each group's window in its blocks, None for full attention (group_window).
+    group_windows: tuple[int | None, ...] = ()
 
     @property
     def hash_block_size(self) -> int:
@@ -246,8 +317,11 @@ def settings_from_vllm(
     eagle = tuple(bool(getattr(g, "is_eagle_group", False)) for g in groups)
     for g, spec, kind in zip(groups, specs, kinds):
         if _is_mamba(spec, kind):
-            unsupported = (f"KV cache group of {_spec_kind(spec)} (layers {list(g.layer_names)[:2]}...) holds "
-                           "per-request state, not per-block KV; models with state-space layers are not supported")
+            unsupported = unsupported or _mamba.refusal(
+                spec, g.layer_names, prefix_caching=bool(getattr(cache, "enable_prefix_caching", True)),
+                dcp=int(getattr(par, "decode_context_parallel_size", 1) or 1),
+                pcp=int(getattr(par, "prefill_context_parallel_size", 1) or 1),
+                speculative=getattr(vllm_config, "speculative_config", None) is not None)
     shapes = [GroupShape(int(s.block_size), attention=_is_attention(s, k),
                          mamba_align=getattr(s, "mamba_cache_mode", "align") == "align",
                          prefix_cacheable=bool(getattr(s, "prefix_cacheable", True))) for s, k in zip(specs, kinds)]
@@ -318,6 +392,7 @@ def settings_from_vllm(
     hb = int(extra.get("hash_bytes", hash_bytes_for(algo)))
     rlf = extra.get("request_level_failures")
     full = all(_full_attention(s, k) for s, k in zip(specs, kinds))
+    windows = tuple(group_window(s, k, bs, e) for s, k, bs, e in zip(specs, kinds, sizes.groups, eagle))
     return ConnectorSettings(
         socket=str(extra.get("socket") or env.get("KVOFFLOADD_SOCKET") or default_socket()),
         block_sizes=sizes,
@@ -346,4 +421,6 @@ def settings_from_vllm(
         notes=notes,
         extra=extra,
         eagle_groups=eagle,
+        mamba_specs={g: s for g, (s, k) in enumerate(zip(specs, kinds)) if _is_mamba(s, k)},
+        group_windows=windows,
     )

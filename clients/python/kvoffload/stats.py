@@ -23,6 +23,7 @@ SAMPLE_KEYS = ("lookup_seconds", "load_seconds", "store_seconds")
 COUNTER_KEYS = (
     "lookups_total", "lookup_timeouts_total", "load_jobs_total", "store_jobs_total", "blocks_loaded_total",
     "blocks_stored_total", "bytes_loaded_total", "bytes_stored_total", "stores_skipped_total",
+    "lookup_keys_total", "hit_lookup_keys_total", "hit_keys_outside_window_total",
 )
 
 
@@ -52,6 +53,16 @@ class StatsRecorder:
             self._sample("lookup_seconds", seconds)
             for tier, n in by_tier.items():
                 self._data["hit_tokens"][tier] = self._data["hit_tokens"].get(tier, 0) + int(n)
+
+    def lookup_keys(self, keys: int, outside_window: int, hit: bool) -> None:
+        """Keys one request's lookup asked for (the local prefix's peek not
+        counted); for a hit, also under ``hit_lookup_keys_total``, and how
+        many of a windowed group's keys lay outside the hit's windows."""
+        with self._lock:
+            self._data["lookup_keys_total"] += int(keys)
+            if hit:
+                self._data["hit_lookup_keys_total"] += int(keys)
+                self._data["hit_keys_outside_window_total"] += int(outside_window)
 
     def lookup_timeout(self) -> None:
         with self._lock:

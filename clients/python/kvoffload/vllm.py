@@ -84,6 +84,7 @@ except ImportError:
 from . import stats as _stats
 from .kv_events import VLLMEventTypes, default_convert, event_group_specs
 from .plan import StepPlan
+from .mamba import check_registration as check_mamba_registration
 from .regions import regions_from_kv_caches
 from .scheduler_side import SchedulerSide
 from .settings import derive_fingerprint, namespace_fingerprint, settings_from_vllm
@@ -184,6 +185,9 @@ if KVConnectorPromMetrics is not None:
                                   ("direction",))
             self.failed = counter("vllm:kvoffload_failed_blocks", "Blocks that failed to load or store, by status.",
                                   ("direction", "status"))
+            self.lookup_keys = counter("vllm:kvoffload_lookup_keys",
+                                       "Keys looked up: all, for hits, and windowed keys outside a hit's window.",
+                                       ("kind",))
             self.skipped = counter("vllm:kvoffload_stores_skipped_blocks",
                                    "Blocks not stored because the daemon was down or vLLM reused them first.")
             self.latency = {k: hist(f"vllm:kvoffload_{k}", f"kvoffload {k.split('_')[0]} latency.")
@@ -209,6 +213,10 @@ if KVConnectorPromMetrics is not None:
             for key, n in (d.get("failed_blocks") or {}).items():
                 direction, _, status = key.partition(":")
                 self._labels(self.failed, engine_idx, direction, status).inc(n)
+            for kind, k in (("all", "lookup_keys_total"), ("hit", "hit_lookup_keys_total"),
+                            ("hit_outside_window", "hit_keys_outside_window_total")):
+                if d.get(k):
+                    self._labels(self.lookup_keys, engine_idx, kind).inc(d[k])
             if d.get("stores_skipped_total"):
                 self._labels(self.skipped, engine_idx).inc(d["stores_skipped_total"])
             for k, h in self.latency.items():
@@ -380,7 +388,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
-                eagle_groups=s.eagle_groups,
+                eagle_groups=s.eagle_groups, group_windows=s.group_windows,
             )
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
@@ -428,6 +436,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             groups = s.group_layers if any(s.group_layers) else (tuple(kv_caches),)
             kv = regions_from_kv_caches(kv_caches, groups, int(s.num_blocks), s.hash_bytes,
                                         group_block_sizes=s.rank_block_sizes)
+            if s.mamba_specs:
+                check_mamba_registration(kv.layout.segments, kv.region_layers, groups, s.mamba_specs)
         except Exception as e:
             # A layout this connector cannot map never kills the worker.
             self._worker_off = f"cannot map this worker's KV caches: {e}"

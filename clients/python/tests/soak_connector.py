@@ -3,7 +3,8 @@
     make soak-connector SOAK_MINUTES=10
     python3 clients/python/tests/soak_connector.py --minutes 10 --seed 1
 
-Cycles through every configuration of test_vllm_connector.CONFIGS and three
+Cycles through every configuration of test_vllm_connector.CONFIGS and
+test_mamba.SHAPES (Mamba state in align mode) and three
 daemons whose disks fail 1%, 5% and 10% of reads (``read-eio`` at that rate,
 plus ``bitflip`` at half of it: the checksum catches those), each run with a
 daemon restart mid-run (blocks come back from disk after it) and the daemon
@@ -33,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import conftest  # noqa: E402  (puts the package on sys.path, finds the daemon)
+import test_mamba as M  # noqa: E402
 import test_vllm_connector as T  # noqa: E402
 from standin_engine import quantile  # noqa: E402
 from standin_run import run  # noqa: E402
@@ -48,7 +50,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=400, help="steps of one run before it drains")
     ap.add_argument("--hang-s", type=float, default=1.0, help="how long each run's daemon is stopped")
-    ap.add_argument("--configs", help="comma-separated names from test_vllm_connector.CONFIGS (default: all)")
+    ap.add_argument("--configs", help="comma-separated names from test_vllm_connector.CONFIGS and test_mamba.SHAPES "
+                    "(default: all)")
     ap.add_argument("--json", help="write the summary here too")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -73,7 +76,7 @@ def main() -> int:
     failed = None
     try:
         while time.monotonic() < end and failed is None:
-            for name, cfg0, sw in [c for c in T.CONFIGS if not args.configs or c[0] in args.configs.split(",")]:
+            for name, cfg0, sw in [c for c in T.CONFIGS + M.SHAPES if not args.configs or c[0] in args.configs.split(",")]:
                 if time.monotonic() >= end:
                     break
                 rate = RATES[seed % len(RATES)]

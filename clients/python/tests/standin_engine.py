@@ -12,6 +12,11 @@ runner mixin, the output aggregator):
   decode context parallel (a scheduler block is ``dcp`` rank blocks, tokens
   interleaved over the DCP ranks), kernel blocks smaller than vLLM's blocks
   (FlashAttention-shaped tensors, NHD or HND) and MLA-shaped groups;
+- Mamba groups in mamba_cache_mode "align" as vLLM's MambaManager at 7cfb97e
+  has them (prefill chunks clipped to block boundaries, null blocks but the
+  last of a chunk, the one state block of a hit, earlier state blocks freed
+  and reused while the request runs), whose layers fold each token into the
+  state read from the blocks and sample from it;
 - vLLM's scheduling loop: running requests first (preempting the last one
   when blocks run out), then waiting ones, asking the connector
   ``get_num_new_matched_tokens`` for each (``None`` skips the request this
@@ -91,6 +96,12 @@ class Sequence:
         return self.tokens[p]
 
 
+def _token_of(state: bytes) -> int:
+    """The token sampled from a state: Sequence.token's rule (the state after
+    tokens [0, p] is Sequence.digest(p))."""
+    return int.from_bytes(state[:2], "little") % 5000 + 10
+
+
 WAITING, RUNNING, PREEMPTED, REMOTE, FINISHED = "WAITING", "RUNNING", "PREEMPTED", "WAITING_FOR_REMOTE_KVS", "FINISHED"
 
 
@@ -154,7 +165,7 @@ class Hasher:
 
 @dataclass
 class Group:
-    kind: str = "full"  # "full", "swa" or "mla"
+    kind: str = "full"  # "full", "swa", "mla" or "mamba" (vLLM's MambaManager, mamba_cache_mode)
     block_size: int = 4  # tokens per block on one rank
     layers: int = 2
     window: int = 0  # sliding window in tokens ("swa")
@@ -201,11 +212,21 @@ class Config:
     # Remember, for every block a plan stores, whose KV it should hold
     # (Engine.check_stored reads them back from the daemon).
     record_stores: bool = False
+    # Mamba groups: vLLM's cache_config.mamba_cache_mode; how the model runner
+    # hands each Mamba layer to register_kv_caches ("page": one int8
+    # (num_blocks, 1, 1, page) view, as vLLM's V1 runner at 7cfb97e;
+    # "states": a conv and an SSM state tensor viewing one page per block);
+    # further MambaSpec fields.
+    mamba_mode: str = "align"
+    mamba_tensors: str = "page"
+    mamba_spec: dict = field(default_factory=dict)
 
     def specs(self) -> list[Any]:
         out = []
         for g in self.groups:
-            if g.kind == "swa":
+            if g.kind == "mamba":
+                out.append(sv.MambaSpec(g.block_size, mamba_cache_mode=self.mamba_mode, **self.mamba_spec))
+            elif g.kind == "swa":
                 out.append(sv.SlidingWindowSpec(g.block_size, g.window, num_kv_heads=H, head_size=D))
             elif g.kind == "mla":
                 out.append(sv.MLAAttentionSpec(g.block_size, num_kv_heads=1, head_size=DM))
@@ -221,7 +242,8 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
                         use_mla=any(g.kind == "mla" for g in cfg.groups)),
         cache_config=ns(block_size=min(g.block_size for g in cfg.groups), cache_dtype="auto",
                         prefix_caching_hash_algo=cfg.hash_algo, enable_prefix_caching=cfg.prefix_caching,
-                        prefix_match_unit=cfg.prefix_match_unit, calculate_kv_scales=False),
+                        prefix_match_unit=cfg.prefix_match_unit, calculate_kv_scales=False,
+                        mamba_cache_mode=cfg.mamba_mode),
         parallel_config=ns(tensor_parallel_size=cfg.tp, pipeline_parallel_size=1, decode_context_parallel_size=cfg.dcp,
                            prefill_context_parallel_size=cfg.pcp),
         scheduler_config=ns(async_scheduling=cfg.async_scheduling),
@@ -264,6 +286,11 @@ class RankMemory:
             r = grp.block_size // kbs
             K = cfg.num_blocks * r
             for li in range(grp.layers):
+                if grp.kind == "mamba":
+                    P = cfg.specs()[g].page_size_bytes
+                    geo.append((g, li, f"g{g}.l{li}", off, (cfg.num_blocks, P), (P, 1)))
+                    off += cfg.num_blocks * P
+                    continue
                 if grp.kind == "mla":
                     shape = (K, kbs, DM)
                     strides = (kbs * DM, DM, 1)
@@ -281,7 +308,49 @@ class RankMemory:
         self.shm = shm_factory(off)
         self.layers = geo
         self.kv_caches = {name: FakeTensor(self.shm.address + base, shape, strides, element_size=E)
-                          for _, _, name, base, shape, strides in geo}
+                          if cfg.groups[g].kind != "mamba" else self._mamba_tensors(base, cfg.specs()[g])
+                          for g, _, name, base, shape, strides in geo}
+
+    # -- Mamba state (align mode): one page of state per block and layer --------
+
+    def _mamba_tensors(self, base: int, spec: Any) -> Any:
+        """What vLLM's model runner hands register_kv_caches for one Mamba layer."""
+        NB, P, addr = self.cfg.num_blocks, spec.page_size_bytes, self.shm.address + base
+        if self.cfg.mamba_tensors == "page":
+            return FakeTensor(addr, (NB, 1, 1, P), (P, P, P, 1), element_size=1)
+        out, off = [], 0
+        for shape, dtype in zip(spec.shapes, spec.dtypes):
+            es = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+            inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+            out.append(FakeTensor(addr + off, (NB, *shape), (P // es, *inner), element_size=es))
+            off += math.prod(shape) * es
+        return out
+
+    def _mamba_page(self, g: int, li: int, state: bytes) -> bytes:
+        P = self.layers[self._index(g, li)][4][1]
+        tag = bytes([(self.rank * 31 + g * 7 + li * 3 + self.weights * 101) & 0xFF])
+        raw = state + tag * 8
+        return (raw * (P // len(raw) + 1))[:P]
+
+    def mamba_write(self, g: int, block_id: int, state: bytes) -> None:
+        for li in range(self.cfg.groups[g].layers):
+            _, _, _, base, (_, P), _ = self.layers[self._index(g, li)]
+            off = base + block_id * P
+            self.shm.buf[off:off + P] = self._mamba_page(g, li, state)
+
+    def mamba_read(self, g: int, block_id: int) -> bytes:
+        """The state a forward starts from: what the block holds (layer 0)."""
+        _, _, _, base, (_, P), _ = self.layers[self._index(g, 0)]
+        off = base + block_id * P
+        return bytes(self.shm.buf[off:off + 8])
+
+    def mamba_check(self, g: int, block_id: int, state: bytes) -> bool:
+        for li in range(self.cfg.groups[g].layers):
+            _, _, _, base, (_, P), _ = self.layers[self._index(g, li)]
+            off = base + block_id * P
+            if bytes(self.shm.buf[off:off + P]) != self._mamba_page(g, li, state):
+                return False
+        return True
 
     def _slots(self, g: int, p: int) -> tuple[int, int] | None:
         """(rank-block index within the scheduler block, slot) of position p on
@@ -377,6 +446,11 @@ class KVCacheManager:
         self.free: deque[KVCacheBlock] = deque(self.pool[1:])
         self.cached: dict[tuple, KVCacheBlock] = {}
         self.tables: dict[str, list[list[KVCacheBlock]]] = {}
+        self.mamba = [g.kind == "mamba" for g in cfg.groups]
+        # Mamba blocks cached in this step: their state is written by this
+        # step's forward, so no other request may start from it before the
+        # next (vLLM's MambaManager.cached_blocks_this_step).
+        self.cached_this_step: set[tuple] = set()
 
     def _key(self, req: Request, g: int, i: int) -> tuple | None:
         n = (i + 1) * self.factors[g]
@@ -396,6 +470,8 @@ class KVCacheManager:
         while units < max_units:
             ok = True
             for g, s in enumerate(self.group_sizes):
+                if self.mamba[g]:
+                    continue
                 per = self.unit // s
                 for i in range(units * per, (units + 1) * per):
                     k = self._key(req, g, i)
@@ -404,9 +480,73 @@ class KVCacheManager:
             if not ok:
                 break
             units += 1
+        units = self._mamba_hit_units(req, units)
         hit = [[self.cached[self._key(req, g, i)] for i in range(units * (self.unit // s))]
+               if not self.mamba[g] else self._mamba_hit_blocks(req, g, units)
                for g, s in enumerate(self.group_sizes)]
         return hit, units * self.unit
+
+    # -- Mamba groups in align mode (vLLM's MambaManager at 7cfb97e) -------------
+
+    def _mamba_state_key(self, req: Request, g: int, units: int) -> tuple | None:
+        return self._key(req, g, units * (self.unit // self.group_sizes[g]) - 1)
+
+    def _mamba_hit_units(self, req: Request, units: int) -> int:
+        """find_longest_cache_hit: the longest hit of at most ``units`` whose
+        end state is cached in every Mamba group (right to left)."""
+        if not any(self.mamba):
+            return units
+        while units > 0:
+            keys = [self._mamba_state_key(req, g, units) for g in range(len(self.group_sizes)) if self.mamba[g]]
+            if all(k is not None and k in self.cached and k not in self.cached_this_step for k in keys):
+                return units
+            units -= 1
+        return 0
+
+    def _mamba_hit_blocks(self, req: Request, g: int, units: int) -> list[KVCacheBlock]:
+        """The hit of a Mamba group: null blocks, then the state block at its end."""
+        if units <= 0:
+            return []
+        n = units * (self.unit // self.group_sizes[g])
+        return [self.null] * (n - 1) + [self.cached[self._mamba_state_key(req, g, units)]]
+
+    def _mamba_new(self, table_g: list, total: int, bs: int) -> list:
+        """allocate_new_blocks in align mode (no speculative blocks): nulls up
+        to the block that will hold the running state at ``total``, then one
+        new block (None here)."""
+        required = -(-total // bs)
+        if required <= len(table_g):
+            return []
+        return [self.null] * (required - 1 - len(table_g)) + [None]
+
+    def _mamba_free(self, req: Request, processed: int) -> None:
+        """remove_skipped_blocks: a Mamba group keeps only the state of the last
+        processed token (get_num_skipped_tokens = processed - 1); earlier state
+        blocks go back to the pool and are reused while the request runs."""
+        table = self.tables.get(req.request_id)
+        if table is None or processed <= 0:
+            return
+        freed = []
+        for g, s in enumerate(self.group_sizes):
+            if not self.mamba[g]:
+                continue
+            for i in range(min((processed - 1) // s, len(table[g]))):
+                if not table[g][i].is_null:
+                    freed.append(table[g][i])
+                    table[g][i] = self.null
+        self._release(freed)
+
+    def mamba_state_live(self, req: Request) -> bool:
+        """Whether every Mamba group still holds the state at the request's
+        computed tokens (a recompute can start from it)."""
+        table = self.tables.get(req.request_id)
+        n = req.num_computed_tokens
+        if n <= 0 or not any(self.mamba):
+            return True
+        for g, s in enumerate(self.group_sizes):
+            if self.mamba[g] and (table is None or len(table[g]) < -(-n // s) or table[g][-(-n // s) - 1].is_null):
+                return False
+        return True
 
     def _skip(self, g: int, i: int, computed: int) -> bool:
         grp = self.cfg.groups[g]
@@ -422,8 +562,23 @@ class KVCacheManager:
             table = [list(b) for b in (computed_blocks or [[] for _ in self.group_sizes])]
         computed = req.num_computed_tokens if not fresh_table else num_local + num_external
         total = computed + num_new
-        need = 0
+        if not fresh_table:
+            self._mamba_free(req, min(computed, req.done_tokens))
+        elif num_external > 0:
+            for g, s in enumerate(self.group_sizes):
+                if self.mamba[g]:
+                    # add_local_computed_blocks drops the local hit below the
+                    # last computed token; allocate_external_computed_blocks
+                    # gives the state block at the external hit's end.
+                    skipped = (computed - 1) // s
+                    table[g] = [self.null] * skipped + table[g][skipped:]
+                    table[g] += [None] * max(0, -(-computed // s) - len(table[g]))
+        mamba_new = {g: self._mamba_new(table[g], total, s) for g, s in enumerate(self.group_sizes) if self.mamba[g]}
+        need = sum(1 for g, t in enumerate(table) if self.mamba[g] for b in t if b is None)
+        need += sum(1 for new in mamba_new.values() for b in new if b is None)
         for g, s in enumerate(self.group_sizes):
+            if self.mamba[g]:
+                continue
             for i in range(len(table[g]), -(-total // s)):
                 if not self._skip(g, i, computed):
                     need += 1
@@ -433,12 +588,23 @@ class KVCacheManager:
         if fresh_table:
             for grp in table:
                 for b in grp:
+                    if b is None:
+                        continue
                     if b.ref_cnt == 0 and b in self.free:
                         self.free.remove(b)
                     b.ref_cnt += 1
             self.tables[rid] = table
         new: list[list[KVCacheBlock]] = [[] for _ in self.group_sizes]
         for g, s in enumerate(self.group_sizes):
+            if self.mamba[g]:
+                table[g] = [self._take() if b is None else b for b in table[g]]
+                for b in mamba_new[g]:
+                    table[g].append(self._take() if b is None else b)
+                if fresh_table:
+                    new[g] = list(table[g])
+                else:
+                    new[g] = table[g][len(table[g]) - len(mamba_new[g]):]
+                continue
             for i in range(len(table[g]), -(-total // s)):
                 if self._skip(g, i, computed):
                     b = self.null
@@ -454,6 +620,14 @@ class KVCacheManager:
         if not delay_cache:
             self.cache_blocks(req, total)
         return KVCacheBlocks(tuple(new))
+
+    def _take(self) -> KVCacheBlock:
+        b = self.free.popleft()
+        if b.hash is not None:
+            self.cached.pop(b.hash, None)
+            b.hash = None
+        b.ref_cnt += 1
+        return b
 
     def remove_skipped(self, req: Request, computed: int) -> list[KVCacheBlock]:
         table = self.tables.get(req.request_id)
@@ -482,6 +656,8 @@ class KVCacheManager:
                     continue
                 b.hash = k
                 self.cached[k] = b
+                if self.mamba[g]:
+                    self.cached_this_step.add(k)
 
     def uncache(self, blocks: list[KVCacheBlock]) -> None:
         for b in blocks:
@@ -564,7 +740,7 @@ class Engine:
         sched_bs, hash_bs = sv.resolve_kv_cache_block_sizes(kcc, vcfg)
         self.hash_block_size = hash_bs
         self.block_size = sched_bs
-        self.group_sizes = [g.block_size * (cfg.dcp if g.kind != "swa" else 1) for g in cfg.groups]
+        self.group_sizes = [g.block_size * (cfg.dcp if g.kind not in ("swa", "mamba") else 1) for g in cfg.groups]
         self.hasher = Hasher(hash_bs, 16 if cfg.hash_algo.startswith("xxhash") else 32, seed)
         self.seed = hashlib.sha256(seed.encode()).digest()[:8]
         self.kvm = KVCacheManager(cfg, self.group_sizes, hash_bs, sched_bs)
@@ -686,8 +862,33 @@ class Engine:
 
     # -- the scheduler -------------------------------------------------------
 
+    def _mamba_split(self, req: Request, start: int, n: int) -> int:
+        """vLLM's _mamba_block_aligned_split (scheduler.py:374 at 7cfb97e,
+        without EAGLE, partial tails or shared-prefix junctions): a prefill
+        chunk ends on a block boundary of the Mamba groups (where their
+        state is committed), except the prompt's last chunk, and never runs
+        past the last block boundary of the request's tokens."""
+        bss = [s for g, s in enumerate(self.group_sizes) if self.kvm.mamba[g]]
+        if not bss or n <= 0:
+            return n
+        bs = bss[0]
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        last_cache = req.num_tokens - req.num_tokens % bs
+        end = start + n
+        if end < prefill_end:
+            limit = min(self.cfg.max_batched_tokens, self.cfg.long_prefill or self.cfg.max_batched_tokens)
+            aligned = end // bs * bs
+            if aligned > start or bs <= limit:
+                end = aligned
+        stops = ((start // bs + 1) * bs if start % bs else 0, last_cache)
+        end = min((x for x in stops if start < x < end), default=end)
+        return max(end - start, 0)
+
     def schedule(self) -> SchedulerOutput:
         self.step_seq += 1
+        self.kvm.cached_this_step.clear()
         cfg = self.cfg
         out = SchedulerOutput(seq=self.step_seq)
         budget = cfg.max_batched_tokens
@@ -704,6 +905,7 @@ class Engine:
             if cfg.long_prefill:
                 n = min(n, cfg.long_prefill)
             n = min(n, budget)
+            n = self._mamba_split(req, req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -760,6 +962,9 @@ class Engine:
                     if cfg.long_prefill:
                         n = min(n, cfg.long_prefill)
                     n = min(n, budget)
+                    n = self._mamba_split(req, computed, n)
+                    if n <= 0:
+                        break
                 # An async load holds its blocks with no progress: admit it
                 # only if the in-flight prefills can still finish (vLLM's
                 # _inflight_prefill_reserved_blocks), or loads deadlock.
@@ -917,6 +1122,10 @@ class Engine:
                 self._finish(req, "error")
                 continue
             req.num_computed_tokens = req.local_computed
+            if not self.kvm.mamba_state_live(req):
+                # The local hit's state block was dropped for the external hit
+                # (add_local_computed_blocks): nothing to recompute from.
+                req.num_computed_tokens = 0
             self.failed_recving.add(rid)
         live = []
         for rid in out.num_scheduled_tokens:
@@ -929,6 +1138,10 @@ class Engine:
         self.verify()
         for req in live:
             rid = req.request_id
+            if rid in out.samples and result["sampled"][rid] != req.seq.token(req.num_tokens):
+                self.counters["wrong_outputs"] = self.counters.get("wrong_outputs", 0) + 1
+                raise WrongKV(f"request {rid}: sampled token {result['sampled'][rid]} at position {req.num_tokens}, "
+                              f"a run without offloading samples {req.seq.token(req.num_tokens)}")
             if rid in out.samples:
                 req.num_output_placeholders -= 1
                 req.append(result["sampled"][rid])
@@ -1004,10 +1217,14 @@ class Engine:
                 c0 = starts[rid]
                 for p in range(c0, c0 + n):
                     for g, s in enumerate(self.group_sizes):
-                        mem.write(seq, p, g, tables[rid][g][p // s])
+                        if not self.kvm.mamba[g]:
+                            mem.write(seq, p, g, tables[rid][g][p // s])
+                state = self._mamba_forward(mem, seq, tables[rid], c0, n)
                 done[rid] = c0 + n
                 if rid in out.samples:
-                    sampled[rid] = seq.token(c0 + n)
+                    # A model with Mamba layers samples from their state: a
+                    # wrong or stale state is a wrong token.
+                    sampled[rid] = seq.token(c0 + n) if state is None else _token_of(state)
             t0 = time.perf_counter()
             for layer in mem.kv_caches:
                 w.wait_for_layer_load(layer)
@@ -1041,6 +1258,24 @@ class Engine:
         if self.cfg.gpu_s:
             time.sleep(self.cfg.gpu_s)
         return {"kv": kv, "sampled": sampled, "done": done, "worker_s": worst}
+
+    def _mamba_forward(self, mem: "RankMemory", seq: Sequence, table: list[list[int]], c0: int, n: int) -> bytes | None:
+        """The Mamba layers of one request's step in align mode: start from the
+        state in the block holding token c0's state (a loaded, cached or the
+        running block), fold in each scheduled token, write the state into
+        the block of the step's last token. None without Mamba groups."""
+        state = None
+        for g, s in enumerate(self.group_sizes):
+            if not self.kvm.mamba[g]:
+                continue
+            st = self.seed if c0 == 0 else mem.mamba_read(g, table[g][-(-c0 // s) - 1])
+            for p in range(c0, c0 + n):
+                st = _digest(st, seq.token(p))
+            dst = table[g][-(-(c0 + n) // s) - 1]
+            assert dst != 0, f"the running state block of tokens up to {c0 + n} is vLLM's null block"
+            mem.mamba_write(g, dst, st)
+            state = st if state is None else state
+        return state
 
     def _let_sender_run(self, r: int) -> None:
         """cfg.sender_lags: after handle_preemptions, the sender takes what is queued."""
@@ -1213,7 +1448,10 @@ class Engine:
             table = self.kvm.tables.get(req.request_id)
             if not table or req.done_tokens <= 0:
                 continue
+            checked += self._verify_mamba(req, table)
             for g, s in enumerate(self.group_sizes):
+                if self.kvm.mamba[g]:
+                    continue
                 for p in range(min(req.done_tokens, len(table[g]) * s)):
                     b = table[g][p // s]
                     if b.is_null:
@@ -1269,6 +1507,28 @@ class Engine:
         # cache says they hold.
         self.kvm.uncache(list(self.kvm.cached.values()))
         return out
+
+    def _verify_mamba(self, req: Request, table: list[list[KVCacheBlock]]) -> int:
+        """Every Mamba state block a request holds: the running block (the one
+        of its last computed token) holds the state after its computed tokens,
+        every earlier real block the state committed at its boundary."""
+        checked = 0
+        for g, s in enumerate(self.group_sizes):
+            if not self.kvm.mamba[g]:
+                continue
+            last = -(-req.done_tokens // s) - 1
+            for i, b in enumerate(table[g][:last + 1]):
+                if b.is_null:
+                    continue
+                n = req.done_tokens if i == last else (i + 1) * s
+                want = req.seq.digest(n - 1)
+                for mem in self.memory:
+                    if not mem.mamba_check(g, b.block_id, want):
+                        raise WrongKV(f"request {req.request_id} Mamba group {g} block {b.block_id} (index {i}) rank "
+                                      f"{mem.rank}: not the state after {n} tokens (status {req.status}, done "
+                                      f"{req.done_tokens}, computed {req.num_computed_tokens}, local {req.local_computed})")
+                checked += 1
+        return checked
 
     def close(self) -> None:
         for r in list(self._held):

@@ -348,9 +348,23 @@ class CacheHitSource(str, enum.Enum):
 
 
 class MambaSpec:
-    def __init__(self, block_size, mamba_cache_mode="align"):
+    """vLLM's MambaSpec (kv_cache_interface.py:668 at 7cfb97e): the state
+    tensors' shapes (without the block dimension) and dtypes, the cache
+    mode, speculative-decoding state blocks and page padding."""
+
+    def __init__(self, block_size, mamba_cache_mode="align", shapes=((4, 3), (2, 2, 4)), dtypes=("bfloat16", "float32"),
+                 num_speculative_blocks=0, page_size_padded=None, mamba_type="mamba2"):
         self.block_size, self.mamba_cache_mode = block_size, mamba_cache_mode
+        self.shapes, self.dtypes = tuple(tuple(s) for s in shapes), tuple(dtypes)
+        self.num_speculative_blocks, self.page_size_padded = num_speculative_blocks, page_size_padded
+        self.mamba_type = mamba_type
         self.prefix_cacheable = True
+
+    @property
+    def page_size_bytes(self):
+        size = {"bfloat16": 2, "float16": 2, "float32": 4}
+        n = sum(math.prod(s) * size[d] for s, d in zip(self.shapes, self.dtypes))
+        return self.page_size_padded if self.page_size_padded is not None else n
 
 
 def resolve_kv_cache_block_sizes(kv_cache_config, vllm_config):

@@ -296,15 +296,15 @@ def test_settings_warnings_and_refusals(daemon, caplog):
         assert mod.KVOffloadConnector.get_required_kvcache_layout(v) == "HND"
         v.model_config.use_mla = True
         assert mod.KVOffloadConnector.get_required_kvcache_layout(v) is None
-        # A state-space model: offloading is off, the engine starts.
+        # A state-space model outside align mode: offloading is off, the engine starts.
         mamba = kv_cache_config(Config())
-        mamba.kv_cache_groups.append(sv.ns(layer_names=["m.0"], kv_cache_spec=sv.MambaSpec(4)))
+        mamba.kv_cache_groups.append(sv.ns(layer_names=["m.0"], kv_cache_spec=sv.MambaSpec(4, mamba_cache_mode="none")))
         v.kv_transfer_config.kv_connector_extra_config.pop("sokcet")
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="kvoffload"):
             c = mod.KVOffloadConnector(v, sv.KVConnectorRole.SCHEDULER, mamba)
         c.shutdown()
-        assert any("state-space" in m for m in caplog.messages)
+        assert any("state-space" in m and "--mamba-cache-mode align" in m for m in caplog.messages)
 
 
 def test_loads_and_stores_carry_the_engines_ready_event(shm):
