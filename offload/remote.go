@@ -598,12 +598,107 @@ func rank(t Tier) int {
 	return [...]int{TierNone: 0, TierRemote: 1, TierDisk: 2, TierCPU: 3, TierCPUAndDisk: 4}[t]
 }
 
+// storeStamps is the generation records of a Store's blocks, read (one
+// round trip per store node, created where absent) while their copies run:
+// the stamp each block is published with. The Store's jobs complete, and
+// its result goes out, only once the read is done, so every Invalidate
+// that begins after a Store returned writes its records after they were
+// read: a block stored before an invalidation is stale after it, on every
+// node, however late it is published (docs/remote.md, Invalidation).
+type storeStamps struct {
+	mu     sync.Mutex
+	done   bool
+	then   []func()
+	stamps map[index.Key]remote.Stamp // those read
+}
+
+// readStamps starts the read of the stamps of the keys a Store claimed
+// (by group). Nil without remote publishing, or with nothing to read.
+func (rt *remoteTier) readStamps(ns *Namespace, keys [][]index.Key) *storeStamps {
+	if rt == nil || rt.pub == nil {
+		return nil
+	}
+	var ks []index.Key
+	for _, g := range keys {
+		ks = append(ks, g...)
+	}
+	if len(ks) == 0 {
+		return nil
+	}
+	names := make([]string, len(ks))
+	for i := range ks {
+		names[i] = rt.ks.Key(rt.ident(ns, &ks[i]))
+	}
+	st := &storeStamps{}
+	// Owned by the tier (close waits); bounded by the timeout, and by the
+	// Stores in flight.
+	rt.wg.Add(1)
+	go func() {
+		defer rt.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
+		got, ok := remote.ReadStamps(ctx, rt.store, names)
+		cancel()
+		m := make(map[index.Key]remote.Stamp, len(ks))
+		for i := range ks {
+			if ok[i] {
+				m[ks[i]] = got[i]
+			}
+		}
+		st.mu.Lock()
+		st.stamps, st.done = m, true
+		then := st.then
+		st.then = nil
+		st.mu.Unlock()
+		for _, f := range then {
+			f()
+		}
+	}()
+	return st
+}
+
+// after runs f once the stamps are read: at once if they are (or st is
+// nil), else on the reading goroutine.
+func (st *storeStamps) after(f func()) {
+	if st != nil {
+		st.mu.Lock()
+		if !st.done {
+			st.then = append(st.then, f)
+			st.mu.Unlock()
+			return
+		}
+		st.mu.Unlock()
+	}
+	f()
+}
+
+// of is k's stamp; false when it could not be read (nothing says which
+// invalidations came before the block: it is not published).
+func (st *storeStamps) of(k *index.Key) (remote.Stamp, bool) {
+	if st == nil {
+		return remote.Stamp{}, false
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	g, ok := st.stamps[*k]
+	return g, ok
+}
+
 // publishStored hands a block a Store just made ready to the publisher,
-// and lifts the key's fence. The caller still holds the store's pin on
-// slot. A store that did not make the block ready (invalidated or dropped
-// while its copy ran) lifts nothing: the key was invalidated after it.
-func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID) {
+// stamped with the records read while the Store ran. The caller still
+// holds the store's pin on slot. A store that did not make the block
+// ready (invalidated or dropped while its copy ran) publishes nothing, and
+// neither does one of a key whose invalidation on this node is still to
+// be recorded in the store (its stamp would be older than that record).
+func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID, stamps *storeStamps) {
 	s := rt.s
+	if rt.pub == nil {
+		return
+	}
+	stamp, ok := stamps.of(&k)
+	if !ok {
+		rt.m.Blocks.WithLabelValues("publish", "error").Inc()
+		return
+	}
 	payload := ns.Layout.PayloadBytes(k.Group)
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 		if !found || e.State != index.Ready {
@@ -611,10 +706,9 @@ func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID)
 		}
 		// Under the entry's lock: an Invalidate drops the entry (under
 		// this lock) before it fences the key and cancels its queued
-		// publishes, so the fence lifted here is one set before this
-		// store, and the item is queued before that Cancel (which then
+		// publishes, so the item is queued before that Cancel (which then
 		// cancels it) or belongs to a store after the Invalidate.
-		if !rt.stored(ns, &k) || rt.pub == nil || e.CPU != slot {
+		if !rt.stored(ns, &k) || e.CPU != slot {
 			return found
 		}
 		src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
@@ -627,7 +721,7 @@ func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID)
 			}
 			src.slot = slot
 		}
-		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
+		rt.pub.Publish(rt.ident(ns, &k), stamp, int(payload), src)
 		return found
 	})
 }

@@ -78,10 +78,6 @@ type keyFence struct {
 	// runs, or it failed and is in fence.retry). Not pending: it lingers
 	// for the fetches begun before it.
 	pending bool
-	// restored, while pending: this node stored the key again, in this
-	// namespace; the block is published once the record is written (a
-	// publish before would be stamped with the old generation).
-	restored *Namespace
 	// gen is the fence generation of the key's latest invalidation: only
 	// a record written for it (or later) ends pending.
 	gen uint64
@@ -260,29 +256,13 @@ func (rt *remoteTier) fencedSince(ns *Namespace, k *index.Key, start uint64) boo
 	return ok && (kf.pending || kf.gen > start)
 }
 
-// stored notes that this node has just stored key k again (the caller
-// holds its index entry, ready). It reports whether the block may be
-// published now: not while the key's record is still to be written (the
-// block is published after it).
+// stored reports whether a block of key k this node has just stored (the
+// caller holds its index entry, ready) may be published: not while its
+// key's or namespace's record is still to be written. Its stamp, read
+// while the Store ran, predates that record: the block stays local (a
+// store after the record is written publishes).
 func (rt *remoteTier) stored(ns *Namespace, k *index.Key) bool {
-	f := &rt.fence
-	if f.n.Load() == 0 {
-		return true
-	}
-	d := rt.digest(ns)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if nf, ok := f.whole[d]; ok && len(nf.pending) > 0 {
-		// Stamped now it would carry the namespace's old generation:
-		// this copy stays local (the next store of it publishes).
-		return false
-	}
-	kf, ok := f.keys[fenceKey{ns: d, group: k.Group, hash: k.Hash}]
-	if ok && kf.pending {
-		kf.restored = ns
-		return false
-	}
-	return true
+	return !rt.fenced(ns, k)
 }
 
 // wholeLocked invalidates namespace d whole in keyspace ks (its prefix):
@@ -458,7 +438,16 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 			ns := byID[k.NS]
 			d := rt.digest(ns)
 			if nf, ok := f.whole[d]; wholeNow[d] || ok && len(nf.pending) > 0 {
-				continue // invalidated whole, its record still to be written: it covers the key
+				// Invalidated whole, its records still to be written:
+				// they cover the key. Tried again now, so that the call
+				// answers for them (an error while they are missing).
+				if !wholeNow[d] {
+					wholeNow[d] = true
+					for _, ks := range nf.pending {
+						inv.writes = append(inv.writes, genWrite{ws: nsWrites(d, ks), ks: ks, ns: d, gen: nf.gen})
+					}
+				}
+				continue
 			}
 			fk := fenceKey{ns: d, group: k.Group, hash: k.Hash}
 			kf := f.keys[fk]
@@ -476,8 +465,7 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 			if !kf.pending {
 				f.perNS[d]++
 			}
-			// Fenced again if it was: a store since is undone.
-			kf.pending, kf.restored, kf.gen = true, nil, f.gen
+			kf.pending, kf.gen = true, f.gen
 			inv.writes = append(inv.writes, genWrite{
 				w:  remote.GenWrite{Key: remote.GenKey(kf.store), Gen: remote.NewGen(), Unlink: kf.store},
 				fk: fk, key: true, gen: f.gen,
@@ -523,10 +511,12 @@ func (rt *remoteTier) fenceInvalidated(nss []*Namespace, want map[index.Key]stru
 // written before. Those that failed are tried again in the background;
 // with a disk tier, they are on disk before it returns. It does not wait
 // for the publish batches in flight: what they send after is stamped with
-// the generations before and refused.
-func (inv *remoteInval) reach() error {
+// the generations before and refused. unrecorded wraps
+// ErrRemoteUnrecorded when some record was not written (other nodes may
+// load those blocks until a retry writes it); err is the fences file's.
+func (inv *remoteInval) reach() (unrecorded, err error) {
 	if inv == nil {
-		return nil
+		return nil, nil
 	}
 	rt := inv.rt
 	if len(inv.writes) > 0 {
@@ -534,22 +524,24 @@ func (inv *remoteInval) reach() error {
 		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
 		errs := rt.store.SetGens(ctx, ws)
 		cancel()
-		rt.settleWrites(inv.writes, joinErrs(len(inv.writes), of, errs), false)
+		failed, first := rt.settleWrites(inv.writes, joinErrs(len(inv.writes), of, errs), false)
+		if failed > 0 {
+			unrecorded = fmt.Errorf("%w: %d of the invalidation's %d generation records could not be written (%w); this node does not load the blocks, other nodes may until a retry (every %v, or this call again) writes them",
+				ErrRemoteUnrecorded, failed, len(inv.writes), first, sweepRetry)
+		}
 	}
-	return rt.saveFences()
+	return unrecorded, rt.saveFences()
 }
 
 // settleWrites records how record writes went: a key's written ends its
-// pending (its fence lingers, and the block is published if this node
-// stored it again since); one not written goes to the retry set (past its
-// namespace's bound, the namespace is invalidated whole). A namespace's
-// written ends its pending; one not written stays and is tried again.
-func (rt *remoteTier) settleWrites(ws []genWrite, errs []error, retried bool) {
+// pending (its fence lingers); one not written goes to the retry set (past
+// its namespace's bound, the namespace is invalidated whole). A
+// namespace's written ends its pending; one not written stays and is
+// tried again. It returns how many were not written, and the first error.
+func (rt *remoteTier) settleWrites(ws []genWrite, errs []error, retried bool) (failed int, first error) {
 	f := &rt.fence
-	var republish []*Namespace
-	var rkeys []fenceKey
 	var firstErr error
-	written, failed := 0, 0
+	written := 0
 	f.mu.Lock()
 	for i, w := range ws {
 		if !w.key {
@@ -577,11 +569,6 @@ func (rt *remoteTier) settleWrites(ws []genWrite, errs []error, retried bool) {
 			if kf != nil && kf.store == sk && kf.pending && kf.gen <= w.gen {
 				kf.pending = false
 				f.perNS[w.fk.ns]--
-				if kf.restored != nil {
-					republish = append(republish, kf.restored)
-					rkeys = append(rkeys, w.fk)
-					kf.restored = nil
-				}
 			}
 			continue
 		}
@@ -616,9 +603,7 @@ func (rt *remoteTier) settleWrites(ws []genWrite, errs []error, retried bool) {
 	if failed > 0 && !retried {
 		f.kick() // the sweeper tries again (and then every sweepRetry)
 	}
-	for i, ns := range republish {
-		rt.republish(ns, rkeys[i])
-	}
+	return failed, firstErr
 }
 
 func cmp(first, err error) error {
@@ -676,33 +661,6 @@ func (rt *remoteTier) retryWrites() bool {
 		}
 	}
 	return false
-}
-
-// republish publishes a block this node stored again while its record was
-// still to be written, now that it is: from whatever CPU slot holds it now
-// (none: not published). It queues the publish under the entry's lock, so
-// an Invalidate of the key cancels it (publishStored).
-func (rt *remoteTier) republish(ns *Namespace, fk fenceKey) {
-	s := rt.s
-	if rt.pub == nil || s.nsByID(ns.ID) != ns {
-		return
-	}
-	k := index.Key{NS: ns.ID, Group: fk.group, Hash: fk.hash}
-	payload := ns.Layout.PayloadBytes(k.Group)
-	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
-		if !found || e.State != index.Ready || e.CPU == index.NoSlot || rt.fenced(ns, &k) {
-			return found
-		}
-		src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
-		if rt.write == WriteAll {
-			if !s.cpu.Pin(e.CPU) {
-				return found
-			}
-			src.slot = e.CPU
-		}
-		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
-		return found
-	})
 }
 
 // sweeper tries the failed record writes again and sweeps the garbage of

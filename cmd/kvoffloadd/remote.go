@@ -36,7 +36,7 @@ func (r *remoteFlags) register(fs *flag.FlagSet) {
 	r.timeout = 500 * time.Millisecond
 	r.write = "all"
 	r.queue = 256
-	fs.Func("remote-redis", "seed nodes of a Redis Cluster (or Valkey) for the shared remote tier, host:port[,host:port...]; the rest of the cluster is learned from them. Without it there is no remote tier. A cluster that is down at start is a warning: the local tiers serve and the daemon keeps trying. An Invalidate writes generation records into the cluster that make every node refuse the old values; a write that fails is tried again until it goes through; with --disk-dir it is kept there and resumed after a restart, without one a restart forgets it.", func(v string) error {
+	fs.Func("remote-redis", "seed nodes of a Redis Cluster (or Valkey) for the shared remote tier, host:port[,host:port...]; the rest of the cluster is learned from them. Without it there is no remote tier. A cluster that is down at start is a warning: the local tiers serve and the daemon keeps trying. An Invalidate writes generation records into the cluster that make every node refuse the old values; a write that fails makes the Invalidate answer UNAVAILABLE (other nodes may load the blocks until it goes through) and is tried again until it does; with --disk-dir it is kept there and resumed after a restart, without one a restart forgets it.", func(v string) error {
 		for _, a := range strings.Split(v, ",") {
 			if a = strings.TrimSpace(a); a != "" {
 				r.addrs = append(r.addrs, a)
@@ -47,9 +47,9 @@ func (r *remoteFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&r.passwordFile, "remote-password-file", "", "file holding the cluster's password (requirepass / AUTH); surrounding whitespace is ignored. Must not be readable by others.")
 	fs.BoolVar(&r.tls, "remote-tls", false, "reach the cluster over TLS, verifying its nodes' certificates against the system roots or --remote-ca-file.")
 	fs.StringVar(&r.caFile, "remote-ca-file", "", "PEM file of the CA(s) that sign the cluster's certificates (with --remote-tls).")
-	fs.DurationVar(&r.timeout, "remote-timeout", r.timeout, "bound on one round trip to the cluster: a Lookup's check, one batch (at most 64MiB) of a Load, a publish batch, an Invalidate's writes of its generation records. A node slower than this costs IO_ERROR for its blocks, never a stall.")
+	fs.DurationVar(&r.timeout, "remote-timeout", r.timeout, "bound on one round trip to the cluster: a Lookup's check, one batch (at most 64MiB) of a Load, a publish batch, a Store's read of its blocks' generation records (while its copies run; its result waits for it), an Invalidate's writes of its generation records. A node slower than this costs IO_ERROR for its blocks, never a stall.")
 	fs.StringVar(&r.keyFile, "remote-key-file", "", "file of at least 32 bytes of secret key material shared by the fleet: every value carries a keyed BLAKE3 MAC and a value without a valid one is CORRUPT. Nodes with different keys (or none) use separate keyspaces. Must not be readable by others.")
-	fs.StringVar(&r.write, "remote-write", r.write, "which blocks this node publishes to the remote tier: all (every block a Store makes ready, deduplicated), kept (only those the CPU tier still holds when their turn in the publish queue comes) or none (read only).")
+	fs.StringVar(&r.write, "remote-write", r.write, "which blocks this node publishes to the remote tier, each stamped with the generation records read while its Store ran: all (every block a Store makes ready, deduplicated), kept (only those the CPU tier still holds when their turn in the publish queue comes) or none (read only).")
 	fs.IntVar(&r.queue, "remote-queue", r.queue, "blocks waiting to be published, at most; past it a publish is dropped and counted. With --remote-write=all each holds its CPU slot until sent.")
 }
 

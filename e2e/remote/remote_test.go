@@ -8,9 +8,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
@@ -170,6 +174,18 @@ func (e *engine) load(t *testing.T, hs [][]byte, blocks []uint32) []pb.BlockStat
 		}
 	}
 	return st
+}
+
+// invalidateMissed invalidates keys (nil: the namespace whole) on e's
+// node while some master misses the generation records: the call answers
+// UNAVAILABLE (other nodes may load the blocks until the records are
+// written: docs/api.md), having dropped them on the node all the same.
+func invalidateMissed(t *testing.T, e *engine, keys *pb.KeyList) {
+	t.Helper()
+	_, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, keys)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "not yet recorded in the remote tier") {
+		t.Fatalf("Invalidate with a master missing its records: %v; want UNAVAILABLE, not yet recorded in the remote tier", err)
+	}
 }
 
 func flush(t *testing.T, d *testenv.Daemon) {
