@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote/fence"
 )
 
 // Sentinel errors. Every error the Service returns wraps one of these (or
@@ -33,8 +35,8 @@ var (
 	// but some of their generation records could not be written to the
 	// remote tier (a master down, slow, failing over): other nodes may
 	// still load them until a retry (in the background, or the call again)
-	// writes them.
-	ErrRemoteUnrecorded = errors.New("invalidation not yet recorded in the remote tier")
+	// writes them. The remote tier's fences return it.
+	ErrRemoteUnrecorded = fence.ErrUnrecorded
 
 	// The disk tier could not record what a call needed recorded (the
 	// namespace catalog of a Register): the disk's fault, not the

@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote/fence"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
@@ -93,13 +94,11 @@ type remoteTier struct {
 	m       *remote.Metrics
 	log     *slog.Logger
 
-	fence  fence      // what this node must not read back (remote_inval.go)
-	saveMu sync.Mutex // orders the saves of the fences file (remote_fences.go)
+	fence *fence.Set // what this node must not read back, and the records it still has to write
 
-	fetches     chan fetchReq
-	wg          sync.WaitGroup // fetchers, the health checker and the sweeper
-	stop        chan struct{}
-	cancelSweep context.CancelFunc
+	fetches chan fetchReq
+	wg      sync.WaitGroup // fetchers, the health checker and the stamp reads
+	stop    chan struct{}
 }
 
 // remoteNS is a namespace's identity in the remote store, computed once.
@@ -155,11 +154,6 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 		batch: cfg.BatchBytes, maxAsks: cfg.MaxLookupKeys, m: m, log: s.log, store: remote.Instrument(cfg.Store, m),
 		fetches: make(chan fetchReq, fetchQueue), stop: make(chan struct{}),
 	}
-	rt.fence.init()
-	if err := rt.loadFences(); err != nil {
-		rt.store.Close()
-		return err
-	}
 	if cfg.Write != WriteNone {
 		rt.pub = remote.NewPublisher(remote.PublisherConfig{
 			Store: rt.store, Keyspace: rt.ks, MAC: cfg.MAC, Queue: cfg.Queue, Workers: cfg.Publishers,
@@ -173,6 +167,22 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 			},
 		})
 	}
+	fcfg := fence.Config{Store: rt.store, Keyspace: rt.ks, Timeout: cfg.Timeout, Metrics: m, Log: s.log}
+	if s.disk != nil {
+		fcfg.State = s.disk
+	}
+	if rt.pub != nil {
+		fcfg.Cancel = rt.pub.Cancel
+	}
+	fs, ferr := fence.Open(fcfg)
+	if ferr != nil {
+		if rt.pub != nil {
+			rt.pub.Close()
+		}
+		rt.store.Close()
+		return ferr
+	}
+	rt.fence = fs
 	if reg != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvoffload_remote_publish_queue_depth", Help: "Blocks queued or in flight to be published to the remote tier.",
@@ -204,14 +214,11 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 	err := rt.store.Ping(ctx)
 	cancel()
 	rt.setUp(err, true)
-	sweepCtx, cancelSweep := context.WithCancel(context.Background())
-	rt.cancelSweep = cancelSweep
-	rt.wg.Add(cfg.Fetchers + 2)
+	rt.wg.Add(cfg.Fetchers + 1)
 	for i := 0; i < cfg.Fetchers; i++ {
 		go rt.fetcher()
 	}
 	go rt.health(err == nil)
-	go rt.sweeper(sweepCtx)
 	s.rem = rt
 	return nil
 }
@@ -257,12 +264,8 @@ func (rt *remoteTier) health(up bool) {
 // queued for publishing (releasing its pins) and closes the store.
 func (rt *remoteTier) close() error {
 	close(rt.stop)
-	rt.cancelSweep()
 	rt.wg.Wait()
-	// The sweeper may have stopped between a delete and its save.
-	if err := rt.saveFences(); err != nil {
-		rt.log.Warn("remote tier: could not update the fences file at close; it lists deletes that went through since (the next start tries them again)", "err", err)
-	}
+	rt.fence.Close()
 	if rt.pub != nil {
 		rt.pub.Close()
 	}
@@ -522,7 +525,7 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 	}
 	// Filed under s.inval (read): an Invalidate either comes after and
 	// removes the entry, or has fenced the key since this fetch began and
-	// the block is MISSING (remote_inval.go).
+	// the block is MISSING (tiers/remote/fence).
 	s.inval.RLock()
 	for i, b := range batch {
 		if status[i] != OK {

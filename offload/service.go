@@ -960,7 +960,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		clock = s.disk.WriteClock() + 1
 	}
 	s.inval.Unlock()
-	unrecorded, remErr := rinv.reach()
+	unrecorded, remErr := rinv.Reach()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
 	if keys == nil {
