@@ -78,6 +78,11 @@ type RemoteConfig struct {
 	// all its namespaces (default 8192: 8192 blocks of 16 tokens is a
 	// 128k-token prompt); the prefix stops there.
 	MaxLookupKeys int
+	// StateDir, for a node without a disk tier, keeps the fences file
+	// (the invalidations whose records are still to be written) so that
+	// they outlive a restart; with a disk tier it is in every disk
+	// directory. "" without a disk tier: a restart forgets them.
+	StateDir string
 }
 
 // remoteTier is the service's side of the remote tier.
@@ -168,8 +173,11 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 		})
 	}
 	fcfg := fence.Config{Store: rt.store, Keyspace: rt.ks, Timeout: cfg.Timeout, Metrics: m, Log: s.log}
-	if s.disk != nil {
+	switch {
+	case s.disk != nil:
 		fcfg.State = s.disk
+	case cfg.StateDir != "":
+		fcfg.State = fence.DirState(cfg.StateDir)
 	}
 	if rt.pub != nil {
 		fcfg.Cancel = rt.pub.Cancel

@@ -187,13 +187,21 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 // as they are when Invalidate returned). Restarted before the master is
 // back, A fences them again: once the master is back with its data, A
 // never loads the old bytes it kept; the deletes and the sweep are resumed
-// and go through, and B finds nothing of them either.
+// and go through, and B finds nothing of them either. Without a disk tier,
+// --remote-state-dir keeps them the same way (they used to be forgotten).
 func TestFencesSurviveRestart(t *testing.T) {
-	for _, kill := range []bool{false, true} {
-		t.Run(map[bool]string{false: "SIGTERM", true: "kill-9"}[kill], func(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		kill, state bool
+	}{{"SIGTERM", false, false}, {"kill-9", true, false}, {"state-dir-kill-9", true, true}} {
+		kill := tc.kill
+		t.Run(tc.name, func(t *testing.T) {
 			c := rediscluster.ForTest(t)
 			dir := t.TempDir()
 			o := nodeOpts{timeout: 300 * time.Millisecond, diskDir: dir}
+			if tc.state {
+				o = nodeOpts{timeout: 300 * time.Millisecond, stateDir: dir}
+			}
 			a := startNode(t, c, o)
 			b := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
 			fp, fpWhole := fingerprint(t), fingerprint(t)
@@ -223,7 +231,11 @@ func TestFencesSurviveRestart(t *testing.T) {
 			}
 			a.Stop(t)
 
-			o.diskDir = restartDir
+			if tc.state {
+				o.stateDir = restartDir
+			} else {
+				o.diskDir = restartDir
+			}
 			a2 := startNode(t, c, o)
 			if k, n := a2.Svc.RemotePendingDeletes(); k != nOn || n != 1 {
 				t.Fatalf("pending after the restart: %d keys, %d namespaces; want %d and 1", k, n, nOn)

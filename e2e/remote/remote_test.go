@@ -47,6 +47,10 @@ type nodeOpts struct {
 	publishers int
 	wrapStore  func(remote.Store) remote.Store
 	wrap       func(dma.Engine) dma.Engine
+	// waitReplicas is RedisConfig.WaitReplicas (--remote-wait-replicas).
+	waitReplicas int
+	// stateDir is RemoteConfig.StateDir (--remote-state-dir).
+	stateDir string
 }
 
 // startNode starts a daemon whose remote tier is the shared cluster.
@@ -56,7 +60,7 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 		o.timeout = 2 * time.Second
 	}
 	var store remote.Store
-	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout})
+	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout, WaitReplicas: o.waitReplicas})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,6 +73,7 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 	// chunk's end REJECTED while the arena is mostly free.
 	opts := testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
 		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks, Publishers: o.publishers,
+		StateDir: o.stateDir,
 	}, Wrap: o.wrap}
 	switch {
 	case o.diskDir != "":

@@ -5,6 +5,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 
@@ -281,3 +284,55 @@ func nsPrefixOf(store string) string {
 	}
 	return store
 }
+
+// DirState is a StateFile in one directory of its own, for a node without
+// a disk tier (--remote-state-dir): each file is written like the disk
+// tier's (a temporary file written and synced, renamed over the old one,
+// the directory synced), so after a crash it holds the old or the new
+// contents, never a mix.
+type DirState string
+
+// SaveState implements StateFile.
+func (d DirState) SaveState(name string, data []byte) error {
+	dir := string(d)
+	tmp, err := os.CreateTemp(dir, "."+name+".tmp-*")
+	if err != nil {
+		return err
+	}
+	_, err = tmp.Write(data)
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), d.path(name))
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("save %s in %s: %w", name, dir, err)
+	}
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = f.Sync()
+	f.Close()
+	return err
+}
+
+// LoadState implements StateFile.
+func (d DirState) LoadState(name string) (map[string][]byte, error) {
+	p := d.path(name)
+	b, err := os.ReadFile(p)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return map[string][]byte{p: b}, nil
+}
+
+func (d DirState) path(name string) string { return filepath.Join(string(d), "kvoffload."+name) }
