@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote/fence"
 )
 
 // Sentinel errors. Every error the Service returns wraps one of these (or
@@ -29,6 +31,12 @@ var (
 	ErrLimit = errors.New("limit reached")
 	// ErrShuttingDown: the daemon is stopping and takes no new work.
 	ErrShuttingDown = errors.New("daemon is shutting down")
+	// ErrRemoteUnrecorded: an Invalidate dropped the blocks on this node,
+	// but some of their generation records could not be written to the
+	// remote tier (a master down, slow, failing over): other nodes may
+	// still load them until a retry (in the background, or the call again)
+	// writes them. The remote tier's fences return it.
+	ErrRemoteUnrecorded = fence.ErrUnrecorded
 
 	// The disk tier could not record what a call needed recorded (the
 	// namespace catalog of a Register): the disk's fault, not the

@@ -463,7 +463,7 @@ type diskRead struct {
 }
 
 func (lj *loadJob) copy() {
-	lj.r.runCopies(&lj.job, lj.refs, false, lj.readyEvent, lj.res, lj.start, lj.w, lj.wslot)
+	lj.r.runCopies(&lj.job, lj.refs, false, lj.readyEvent, lj.res, lj.start, lj.w, lj.wslot, nil)
 }
 
 // promote reads disk-only blocks into CPU slots. Each block is offered to
@@ -640,6 +640,10 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 		claimed += len(keys)
 	}
 	s.noteStore(claimed)
+	// The generation records the blocks are published with, read while
+	// their copies run; the jobs complete once both are done (remote.go,
+	// storeStamps). Nil without remote publishing.
+	stamps := s.rem.readStamps(r.ns, admit)
 	src := slotSource{s: s}
 	for j := range jobs {
 		job := &jobs[j]
@@ -691,14 +695,15 @@ func (r *Registration) startStores(jobs []Job, w *waiter, readyEvent []byte) {
 		for i := range forget {
 			s.forgetCPU(c, &forget[i])
 		}
-		r.runCopies(job, cl.refs, true, readyEvent, cl.res, start, w, j)
+		r.runCopies(job, cl.refs, true, readyEvent, cl.res, start, w, j, stamps)
 	}
 }
 
-// runCopies submits a job's copies and finishes the job when they drain.
-func (r *Registration) runCopies(job *Job, refs []blockRef, toArena bool, readyEvent []byte, res Result, start time.Time, w *waiter, slot int) {
+// runCopies submits a job's copies and finishes the job when they drain
+// (a store's: and its blocks' stamps, if any, are read).
+func (r *Registration) runCopies(job *Job, refs []blockRef, toArena bool, readyEvent []byte, res Result, start time.Time, w *waiter, slot int, stamps *storeStamps) {
 	if len(refs) == 0 {
-		r.complete(job, refs, nil, res, start, w, slot)
+		r.complete(job, refs, nil, res, start, w, slot, nil)
 		return
 	}
 	slotBytes := r.ns.Layout.PayloadBytes(job.Keys.Group)
@@ -713,7 +718,7 @@ func (r *Registration) runCopies(job *Job, refs []blockRef, toArena bool, readyE
 		Copies:     copies,
 		ReadyEvent: readyEvent,
 		Done: func(err error) {
-			r.complete(&jobCopy, refs, err, res, start, w, slot)
+			stamps.after(func() { r.complete(&jobCopy, refs, err, res, start, w, slot, stamps) })
 		},
 	}
 	if len(readyEvent) > 0 {
@@ -725,7 +730,7 @@ func (r *Registration) runCopies(job *Job, refs []blockRef, toArena bool, readyE
 // complete settles a job after its copies drained (or failed): a store's
 // blocks become ready (or go), every pin is dropped, and the result is
 // delivered.
-func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Result, start time.Time, w *waiter, slot int) {
+func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Result, start time.Time, w *waiter, slot int, stamps *storeStamps) {
 	s := r.s
 	op := res.Op
 	var forget []index.Key
@@ -789,7 +794,7 @@ func (r *Registration) complete(job *Job, refs []blockRef, copyErr error, res Re
 				s.noteDirty(r.ns.classes[job.Keys.Group], ref.key)
 			}
 			if s.rem != nil && copyErr == nil {
-				s.rem.publishStored(r.ns, ref.key, ref.slot)
+				s.rem.publishStored(r.ns, ref.key, ref.slot, stamps)
 			}
 		}
 		if op == OpLoad && copyErr != nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
+	"github.com/kvoffloadd/kvoffloadd/tiers/remote/fence"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
@@ -77,6 +78,11 @@ type RemoteConfig struct {
 	// all its namespaces (default 8192: 8192 blocks of 16 tokens is a
 	// 128k-token prompt); the prefix stops there.
 	MaxLookupKeys int
+	// StateDir, for a node without a disk tier, keeps the fences file
+	// (the invalidations whose records are still to be written) so that
+	// they outlive a restart; with a disk tier it is in every disk
+	// directory. "" without a disk tier: a restart forgets them.
+	StateDir string
 }
 
 // remoteTier is the service's side of the remote tier.
@@ -93,13 +99,11 @@ type remoteTier struct {
 	m       *remote.Metrics
 	log     *slog.Logger
 
-	fence  fence      // what this node must not read back (remote_inval.go)
-	saveMu sync.Mutex // orders the saves of the fences file (remote_fences.go)
+	fence *fence.Set // what this node must not read back, and the records it still has to write
 
-	fetches     chan fetchReq
-	wg          sync.WaitGroup // fetchers, the health checker and the sweeper
-	stop        chan struct{}
-	cancelSweep context.CancelFunc
+	fetches chan fetchReq
+	wg      sync.WaitGroup // fetchers, the health checker and the stamp reads
+	stop    chan struct{}
 }
 
 // remoteNS is a namespace's identity in the remote store, computed once.
@@ -155,11 +159,6 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 		batch: cfg.BatchBytes, maxAsks: cfg.MaxLookupKeys, m: m, log: s.log, store: remote.Instrument(cfg.Store, m),
 		fetches: make(chan fetchReq, fetchQueue), stop: make(chan struct{}),
 	}
-	rt.fence.init()
-	if err := rt.loadFences(); err != nil {
-		rt.store.Close()
-		return err
-	}
 	if cfg.Write != WriteNone {
 		rt.pub = remote.NewPublisher(remote.PublisherConfig{
 			Store: rt.store, Keyspace: rt.ks, MAC: cfg.MAC, Queue: cfg.Queue, Workers: cfg.Publishers,
@@ -173,6 +172,25 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 			},
 		})
 	}
+	fcfg := fence.Config{Store: rt.store, Keyspace: rt.ks, Timeout: cfg.Timeout, Metrics: m, Log: s.log}
+	switch {
+	case s.disk != nil:
+		fcfg.State = s.disk
+	case cfg.StateDir != "":
+		fcfg.State = fence.DirState(cfg.StateDir)
+	}
+	if rt.pub != nil {
+		fcfg.Cancel = rt.pub.Cancel
+	}
+	fs, ferr := fence.Open(fcfg)
+	if ferr != nil {
+		if rt.pub != nil {
+			rt.pub.Close()
+		}
+		rt.store.Close()
+		return ferr
+	}
+	rt.fence = fs
 	if reg != nil {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvoffload_remote_publish_queue_depth", Help: "Blocks queued or in flight to be published to the remote tier.",
@@ -204,14 +222,11 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 	err := rt.store.Ping(ctx)
 	cancel()
 	rt.setUp(err, true)
-	sweepCtx, cancelSweep := context.WithCancel(context.Background())
-	rt.cancelSweep = cancelSweep
-	rt.wg.Add(cfg.Fetchers + 2)
+	rt.wg.Add(cfg.Fetchers + 1)
 	for i := 0; i < cfg.Fetchers; i++ {
 		go rt.fetcher()
 	}
 	go rt.health(err == nil)
-	go rt.sweeper(sweepCtx)
 	s.rem = rt
 	return nil
 }
@@ -257,12 +272,8 @@ func (rt *remoteTier) health(up bool) {
 // queued for publishing (releasing its pins) and closes the store.
 func (rt *remoteTier) close() error {
 	close(rt.stop)
-	rt.cancelSweep()
 	rt.wg.Wait()
-	// The sweeper may have stopped between a delete and its save.
-	if err := rt.saveFences(); err != nil {
-		rt.log.Warn("remote tier: could not update the fences file at close; it lists deletes that went through since (the next start tries them again)", "err", err)
-	}
+	rt.fence.Close()
 	if rt.pub != nil {
 		rt.pub.Close()
 	}
@@ -522,7 +533,7 @@ func (rt *remoteTier) fetchBatch(lj *loadJob, c *slots.Class, payload uint64, ba
 	}
 	// Filed under s.inval (read): an Invalidate either comes after and
 	// removes the entry, or has fenced the key since this fetch began and
-	// the block is MISSING (remote_inval.go).
+	// the block is MISSING (tiers/remote/fence).
 	s.inval.RLock()
 	for i, b := range batch {
 		if status[i] != OK {
@@ -598,12 +609,107 @@ func rank(t Tier) int {
 	return [...]int{TierNone: 0, TierRemote: 1, TierDisk: 2, TierCPU: 3, TierCPUAndDisk: 4}[t]
 }
 
+// storeStamps is the generation records of a Store's blocks, read (one
+// round trip per store node, created where absent) while their copies run:
+// the stamp each block is published with. The Store's jobs complete, and
+// its result goes out, only once the read is done, so every Invalidate
+// that begins after a Store returned writes its records after they were
+// read: a block stored before an invalidation is stale after it, on every
+// node, however late it is published (docs/remote.md, Invalidation).
+type storeStamps struct {
+	mu     sync.Mutex
+	done   bool
+	then   []func()
+	stamps map[index.Key]remote.Stamp // those read
+}
+
+// readStamps starts the read of the stamps of the keys a Store claimed
+// (by group). Nil without remote publishing, or with nothing to read.
+func (rt *remoteTier) readStamps(ns *Namespace, keys [][]index.Key) *storeStamps {
+	if rt == nil || rt.pub == nil {
+		return nil
+	}
+	var ks []index.Key
+	for _, g := range keys {
+		ks = append(ks, g...)
+	}
+	if len(ks) == 0 {
+		return nil
+	}
+	names := make([]string, len(ks))
+	for i := range ks {
+		names[i] = rt.ks.Key(rt.ident(ns, &ks[i]))
+	}
+	st := &storeStamps{}
+	// Owned by the tier (close waits); bounded by the timeout, and by the
+	// Stores in flight.
+	rt.wg.Add(1)
+	go func() {
+		defer rt.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), rt.timeout)
+		got, ok := remote.ReadStamps(ctx, rt.store, names)
+		cancel()
+		m := make(map[index.Key]remote.Stamp, len(ks))
+		for i := range ks {
+			if ok[i] {
+				m[ks[i]] = got[i]
+			}
+		}
+		st.mu.Lock()
+		st.stamps, st.done = m, true
+		then := st.then
+		st.then = nil
+		st.mu.Unlock()
+		for _, f := range then {
+			f()
+		}
+	}()
+	return st
+}
+
+// after runs f once the stamps are read: at once if they are (or st is
+// nil), else on the reading goroutine.
+func (st *storeStamps) after(f func()) {
+	if st != nil {
+		st.mu.Lock()
+		if !st.done {
+			st.then = append(st.then, f)
+			st.mu.Unlock()
+			return
+		}
+		st.mu.Unlock()
+	}
+	f()
+}
+
+// of is k's stamp; false when it could not be read (nothing says which
+// invalidations came before the block: it is not published).
+func (st *storeStamps) of(k *index.Key) (remote.Stamp, bool) {
+	if st == nil {
+		return remote.Stamp{}, false
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	g, ok := st.stamps[*k]
+	return g, ok
+}
+
 // publishStored hands a block a Store just made ready to the publisher,
-// and lifts the key's fence. The caller still holds the store's pin on
-// slot. A store that did not make the block ready (invalidated or dropped
-// while its copy ran) lifts nothing: the key was invalidated after it.
-func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID) {
+// stamped with the records read while the Store ran. The caller still
+// holds the store's pin on slot. A store that did not make the block
+// ready (invalidated or dropped while its copy ran) publishes nothing, and
+// neither does one of a key whose invalidation on this node is still to
+// be recorded in the store (its stamp would be older than that record).
+func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID, stamps *storeStamps) {
 	s := rt.s
+	if rt.pub == nil {
+		return
+	}
+	stamp, ok := stamps.of(&k)
+	if !ok {
+		rt.m.Blocks.WithLabelValues("publish", "error").Inc()
+		return
+	}
 	payload := ns.Layout.PayloadBytes(k.Group)
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
 		if !found || e.State != index.Ready {
@@ -611,10 +717,9 @@ func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID)
 		}
 		// Under the entry's lock: an Invalidate drops the entry (under
 		// this lock) before it fences the key and cancels its queued
-		// publishes, so the fence lifted here is one set before this
-		// store, and the item is queued before that Cancel (which then
+		// publishes, so the item is queued before that Cancel (which then
 		// cancels it) or belongs to a store after the Invalidate.
-		if !rt.stored(ns, &k) || rt.pub == nil || e.CPU != slot {
+		if !rt.stored(ns, &k) || e.CPU != slot {
 			return found
 		}
 		src := &publishSource{s: s, key: k, slot: index.NoSlot, n: payload}
@@ -627,7 +732,7 @@ func (rt *remoteTier) publishStored(ns *Namespace, k index.Key, slot cpu.SlotID)
 			}
 			src.slot = slot
 		}
-		rt.pub.Publish(rt.ident(ns, &k), int(payload), src)
+		rt.pub.Publish(rt.ident(ns, &k), stamp, int(payload), src)
 		return found
 	})
 }

@@ -960,7 +960,7 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 		clock = s.disk.WriteClock() + 1
 	}
 	s.inval.Unlock()
-	remErr := rinv.reach()
+	unrecorded, remErr := rinv.Reach()
 	s.forget(dropped)
 	s.m.evictions.WithLabelValues("cpu", "invalidate").Add(float64(len(dropped)))
 	if keys == nil {
@@ -972,6 +972,11 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 	if remErr != nil {
 		s.log.Error("an invalidation's deletes from the remote tier still to go through could not be recorded on disk: after a restart this node may load those blocks from the cluster", "err", remErr)
 		return len(dropped), storageError(fmt.Errorf("the blocks are invalidated, but recording their deletes from the remote tier still to go through failed (after a restart this node may load them from the cluster): %w", remErr))
+	}
+	if unrecorded != nil {
+		// Not OK: the other nodes of the fleet may still load the
+		// blocks until the records are written (docs/api.md).
+		return len(dropped), unrecorded
 	}
 	return len(dropped), nil
 }

@@ -343,6 +343,9 @@ func (c *config) validate() error {
 		bad("--max-inflight-request-bytes %s: want at least the largest request, %s, and at most 1TiB", formatBytes(c.maxInflightRequestBytes), formatBytes(need))
 	}
 	c.remote.validate(bad)
+	if c.remote.stateDir != "" && len(c.diskDirs) > 0 {
+		bad("--remote-state-dir is for a node without --disk-dir: with one, the remote tier's fences file is kept in every disk directory")
+	}
 	if c.faultSpec != "" {
 		p, err := errorfs.ParsePlan(c.faultSpec)
 		if err != nil {

@@ -23,7 +23,7 @@ func TestHelpExplainsRemoteFlags(t *testing.T) {
 	if err := run(context.Background(), []string{"--help"}, io.Discard, &out); !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-remote-redis", "-remote-password-file", "-remote-tls", "-remote-ca-file", "-remote-timeout", "-remote-key-file", "-remote-write", "-remote-queue"} {
+	for _, f := range []string{"-remote-redis", "-remote-password-file", "-remote-tls", "-remote-ca-file", "-remote-timeout", "-remote-key-file", "-remote-write", "-remote-queue", "-remote-wait-replicas", "-remote-state-dir"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -58,6 +58,9 @@ func TestRemoteFlagsRefuseToStart(t *testing.T) {
 		{append(seed, "--remote-timeout", "2m"), "--remote-timeout 2m0s"},
 		{append(seed, "--remote-write", "sometimes"), "--remote-write"},
 		{append(seed, "--remote-queue", "0"), "--remote-queue 0"},
+		{append(seed, "--remote-wait-replicas", "-1"), "--remote-wait-replicas -1"},
+		{append(seed, "--remote-state-dir", dir, "--disk-dir", dir), "--remote-state-dir is for a node without --disk-dir"},
+		{[]string{"--remote-state-dir", dir}, "need a remote tier"},
 		{append(seed, "--remote-ca-file", private), "--remote-ca-file needs --remote-tls"},
 		{append(seed, "--remote-tls", "--remote-ca-file", filepath.Join(dir, "none")), "--remote-ca-file"},
 		{append(seed, "--remote-key-file", open), "lets others read it"},

@@ -391,14 +391,10 @@ func TestPendingBoundIsPerNamespace(t *testing.T) {
 	flush(t, a)
 	victim := victimOf(t, c, ea, hs[0])
 	up := down(t, victim)
-	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs[0])); err != nil {
-		t.Fatal(err)
-	}
+	invalidateMissed(t, ea, testenv.Keys(hs[0]))
 	// About a third of these are on the dead master: past 4096 pending.
 	for i := 0; i < 2; i++ {
-		if _, err := busy.c.Invalidate(ctx(t), []uint32{busy.reg.NamespaceId}, testenv.Keys(busy.hashes(uint64(2000+i), 8192)...)); err != nil {
-			t.Fatal(err)
-		}
+		invalidateMissed(t, busy, testenv.Keys(busy.hashes(uint64(2000+i), 8192)...))
 	}
 	keys, whole := a.Svc.RemotePendingDeletes()
 	if whole != 1 || keys < 1 || keys > 4096 {

@@ -110,8 +110,9 @@ func waitPending(t *testing.T, d *testenv.Daemon, keys, namespaces int) {
 // through once the master is back, and then node B (a second daemon, empty
 // local cache) gets MISSING for every key, never the old bytes. A never
 // offers them meanwhile; a key A stores again meanwhile stays fenced and
-// is published once its record has gone through. The fences of the keys
-// whose records went through at once are gone at once.
+// local: its stamp predates the record still to be written, so it is not
+// published, then or after (a store once the record is written is). The
+// fences of the keys whose records went through at once are gone at once.
 func TestFailedDeleteIsRetried(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	a := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
@@ -122,9 +123,9 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	nOn := onSome(t, on)
 
 	up := down(t, victim)
-	if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
-		t.Fatal(err)
-	}
+	// Not OK: B could load the dead master's blocks until their records
+	// are written. It used to answer OK.
+	invalidateMissed(t, ea, testenv.Keys(hs...))
 	if keys, _ := a.Svc.RemotePendingDeletes(); keys != nOn {
 		t.Fatalf("%d deletes pending after the invalidation, want %d (the dead master's)", keys, nOn)
 	}
@@ -135,8 +136,7 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 		t.Fatalf("A offers %d blocks it invalidated", lr.Ready)
 	}
 	// A's engine stores one of the dead master's blocks again: it stays
-	// fenced (the master still has the old value) and is not published
-	// until the delete has gone through.
+	// fenced (the master still has the old value) and is not published.
 	j := firstOn(on)
 	again := hs[j : j+1]
 	ea.store(t, again, seq(30, 1))
@@ -151,8 +151,8 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if n := inCluster(t, c, ea, rest); n != 0 {
 		t.Fatalf("%d invalidated blocks still in the cluster after the deletes went through", n)
 	}
-	if n := inCluster(t, c, ea, again); n != 1 {
-		t.Fatal("the block stored again while its delete was pending was not published once it went through")
+	if n := inCluster(t, c, ea, again); n != 0 {
+		t.Fatal("the block stored again while its record write was pending was published")
 	}
 	if keys, _ := a.Svc.RemoteFences(); keys != 0 {
 		t.Fatalf("A fences %d keys once their records went through, want 0", keys)
@@ -160,8 +160,8 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 	if st := eb.load(t, rest, seq(0, 23)); count(st)[missingSt] != 23 {
 		t.Fatalf("B loading blocks A invalidated: %v, want all MISSING", count(st))
 	}
-	if st := eb.load(t, again, seq(40, 1)); count(st)[okSt] != 1 {
-		t.Fatalf("B loading the block A stored again: %v", count(st))
+	if st := eb.load(t, again, seq(40, 1)); count(st)[missingSt] != 1 {
+		t.Fatalf("B loading the block A stored again while its record was pending: %v, want MISSING", count(st))
 	}
 	if st := ea.load(t, rest, seq(0, 23)); count(st)[missingSt] != 23 {
 		t.Fatalf("A loading blocks it invalidated: %v, want all MISSING", count(st))
@@ -187,13 +187,21 @@ func TestFailedDeleteIsRetried(t *testing.T) {
 // as they are when Invalidate returned). Restarted before the master is
 // back, A fences them again: once the master is back with its data, A
 // never loads the old bytes it kept; the deletes and the sweep are resumed
-// and go through, and B finds nothing of them either.
+// and go through, and B finds nothing of them either. Without a disk tier,
+// --remote-state-dir keeps them the same way (they used to be forgotten).
 func TestFencesSurviveRestart(t *testing.T) {
-	for _, kill := range []bool{false, true} {
-		t.Run(map[bool]string{false: "SIGTERM", true: "kill-9"}[kill], func(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		kill, state bool
+	}{{"SIGTERM", false, false}, {"kill-9", true, false}, {"state-dir-kill-9", true, true}} {
+		kill := tc.kill
+		t.Run(tc.name, func(t *testing.T) {
 			c := rediscluster.ForTest(t)
 			dir := t.TempDir()
 			o := nodeOpts{timeout: 300 * time.Millisecond, diskDir: dir}
+			if tc.state {
+				o = nodeOpts{timeout: 300 * time.Millisecond, stateDir: dir}
+			}
 			a := startNode(t, c, o)
 			b := startNode(t, c, nodeOpts{timeout: 300 * time.Millisecond})
 			fp, fpWhole := fingerprint(t), fingerprint(t)
@@ -212,12 +220,8 @@ func TestFencesSurviveRestart(t *testing.T) {
 			nOn := onSome(t, on)
 
 			up := down(t, victim)
-			if _, err := ea.c.Invalidate(ctx(t), []uint32{ea.reg.NamespaceId}, testenv.Keys(hs...)); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := ew.c.Invalidate(ctx(t), []uint32{ew.reg.NamespaceId}, nil); err != nil {
-				t.Fatal(err)
-			}
+			invalidateMissed(t, ea, testenv.Keys(hs...))
+			invalidateMissed(t, ew, nil)
 			if k, n := a.Svc.RemotePendingDeletes(); k != nOn || n != 1 {
 				t.Fatalf("pending before the restart: %d keys, %d namespaces; want %d and 1", k, n, nOn)
 			}
@@ -227,7 +231,11 @@ func TestFencesSurviveRestart(t *testing.T) {
 			}
 			a.Stop(t)
 
-			o.diskDir = restartDir
+			if tc.state {
+				o.stateDir = restartDir
+			} else {
+				o.diskDir = restartDir
+			}
 			a2 := startNode(t, c, o)
 			if k, n := a2.Svc.RemotePendingDeletes(); k != nOn || n != 1 {
 				t.Fatalf("pending after the restart: %d keys, %d namespaces; want %d and 1", k, n, nOn)

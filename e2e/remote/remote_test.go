@@ -8,9 +8,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
@@ -43,6 +47,10 @@ type nodeOpts struct {
 	publishers int
 	wrapStore  func(remote.Store) remote.Store
 	wrap       func(dma.Engine) dma.Engine
+	// waitReplicas is RedisConfig.WaitReplicas (--remote-wait-replicas).
+	waitReplicas int
+	// stateDir is RemoteConfig.StateDir (--remote-state-dir).
+	stateDir string
 }
 
 // startNode starts a daemon whose remote tier is the shared cluster.
@@ -52,7 +60,7 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 		o.timeout = 2 * time.Second
 	}
 	var store remote.Store
-	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout})
+	store, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: o.timeout, WaitReplicas: o.waitReplicas})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,6 +73,7 @@ func startNode(t *testing.T, c *rediscluster.Cluster, o nodeOpts) *testenv.Daemo
 	// chunk's end REJECTED while the arena is mostly free.
 	opts := testenv.Options{Quiet: true, CPUBytes: 64 << 20, ChunkBytes: 64 << 20, Remote: &offload.RemoteConfig{
 		Store: store, MAC: o.mac, Timeout: o.timeout, Write: o.write, Queue: o.queue, MaxLookupKeys: o.asks, Publishers: o.publishers,
+		StateDir: o.stateDir,
 	}, Wrap: o.wrap}
 	switch {
 	case o.diskDir != "":
@@ -170,6 +179,18 @@ func (e *engine) load(t *testing.T, hs [][]byte, blocks []uint32) []pb.BlockStat
 		}
 	}
 	return st
+}
+
+// invalidateMissed invalidates keys (nil: the namespace whole) on e's
+// node while some master misses the generation records: the call answers
+// UNAVAILABLE (other nodes may load the blocks until the records are
+// written: docs/api.md), having dropped them on the node all the same.
+func invalidateMissed(t *testing.T, e *engine, keys *pb.KeyList) {
+	t.Helper()
+	_, err := e.c.Invalidate(ctx(t), []uint32{e.reg.NamespaceId}, keys)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "not yet recorded in the remote tier") {
+		t.Fatalf("Invalidate with a master missing its records: %v; want UNAVAILABLE, not yet recorded in the remote tier", err)
+	}
 }
 
 func flush(t *testing.T, d *testenv.Daemon) {

@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
@@ -21,10 +24,15 @@ import (
 // few keys: recomputes (a store of a new version of a block, racing an
 // Invalidate of it), invalidations, loads, publishes whose SET is reported
 // timed out and lands later (after invalidations), and reshardings of the
-// slots the keys live in. Every block's bytes name its version. Whenever a
+// slots the keys live in; node B, sharing the namespace, invalidates
+// blocks A stored moments before (A's publish still to come). Every
+// block's bytes name its version. Whenever a
 // version's Invalidate began after its Store returned, that version is
 // dead: no load of A and no read of the cluster by a reader that checks
-// generations as every node does may return it. KVO_SOAK_ROUNDS makes it
+// generations as every node does may return it (B's invalidations: no
+// read of the cluster; A's own copies are A's). An Invalidate that
+// answers UNAVAILABLE (a record write met a resharding's MOVED) is
+// counted; the cluster is read once its records are written. KVO_SOAK_ROUNDS makes it
 // longer (the default is short for the package's tests).
 func TestInvalidationSoak(t *testing.T) {
 	rounds := 300
@@ -41,7 +49,10 @@ func TestInvalidationSoak(t *testing.T) {
 	c := rediscluster.ForTest(t)
 	late := &soakStore{held: map[int]func(){}}
 	a := startNode(t, c, nodeOpts{wrapStore: func(s remote.Store) remote.Store { late.Store = s; return late }})
-	ea := register(t, a, model, fingerprint(t))
+	fp := fingerprint(t)
+	ea := register(t, a, model, fp)
+	b := startNode(t, c, nodeOpts{})
+	eb := register(t, b, model, fp)
 	reader, err := remote.NewRedis(remote.RedisConfig{Addrs: c.Addrs()[:1], Timeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -55,8 +66,10 @@ func TestInvalidationSoak(t *testing.T) {
 		keys[i], _ = a.Svc.RemoteKey(ea.reg.NamespaceId, 0, h)
 	}
 	var version uint64
-	dead := map[uint64]bool{}         // versions invalidated after their store returned
+	dead := map[uint64]bool{}         // versions A invalidated after their store returned
+	deadRemote := map[uint64]bool{}   // versions B invalidated after their store returned
 	stored := make([][]uint64, nkeys) // versions whose store returned, not yet dead
+	unrecorded := 0                   // Invalidates answered UNAVAILABLE
 	fill := func(b int, k int, v uint64) {
 		ea.m.Fill(ea.r, b, hs[k])
 		binary.LittleEndian.PutUint64(ea.m.Segment(ea.r, 0, b), v)
@@ -72,6 +85,22 @@ func TestInvalidationSoak(t *testing.T) {
 			stored[k] = nil
 		}
 		_, err := ea.c.Invalidate(context.Background(), []uint32{ea.reg.NamespaceId}, testenv.Keys(list...))
+		if status.Code(err) == codes.Unavailable {
+			unrecorded++ // dropped on A; its records are retried
+			return nil
+		}
+		return err
+	}
+	// B invalidates key k: what A stored before is dead in the cluster.
+	invalidateB := func(k int) error {
+		for _, v := range stored[k] {
+			deadRemote[v] = true
+		}
+		_, err := eb.c.Invalidate(context.Background(), []uint32{eb.reg.NamespaceId}, testenv.Keys(hs[k]))
+		if status.Code(err) == codes.Unavailable {
+			unrecorded++
+			return nil
+		}
 		return err
 	}
 	check := func(round int) {
@@ -93,8 +122,10 @@ func TestInvalidationSoak(t *testing.T) {
 		// (until then a master that missed them serves the old values to
 		// the other nodes: docs/remote.md, What is not done).
 		waitFor(t, func() error {
-			if k, n := a.Svc.RemotePendingDeletes(); k+n != 0 {
-				return fmt.Errorf("%d keys and %d namespaces still to record", k, n)
+			for _, d := range []*testenv.Daemon{a, b} {
+				if k, n := d.Svc.RemotePendingDeletes(); k+n != 0 {
+					return fmt.Errorf("%d keys and %d namespaces still to record", k, n)
+				}
 			}
 			return nil
 		})
@@ -107,7 +138,7 @@ func TestInvalidationSoak(t *testing.T) {
 			if f.Err != nil || f.Size == 0 || f.Torn || !remote.StampOf(f.Head).Current(f.Gen, f.NSGen) {
 				continue // not served
 			}
-			if v := versionIn(f.Body); dead[v] {
+			if v := versionIn(f.Body); dead[v] || deadRemote[v] {
 				t.Fatalf("seed %d round %d: the cluster serves version %d of key %d, invalidated after it was stored", seed, round, v, k)
 			}
 		}
@@ -149,9 +180,26 @@ func TestInvalidationSoak(t *testing.T) {
 			}
 			version++
 			fill(k, k, version)
-			if r := ea.store(t, hs[k:k+1], []uint32{uint32(k)}); r.Ok {
+			if p >= 48 {
+				// A's publisher looks at the cluster only after B's
+				// invalidation, below.
+				late.holdLooks()
+			}
+			// Not ea.store: it fills the block again, over its version.
+			res, err := ea.c.Store(ctx(t), ea.reg.RegistrationId, []*pb.Job{testenv.Job(jobSeq.Add(1), hs[k:k+1], []uint32{uint32(k)})}, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res[0].Ok {
 				stored[k] = append(stored[k], version)
 			}
+			if p >= 48 {
+				// B invalidates it before A's publish is done.
+				if err := invalidateB(k); err != nil {
+					t.Fatal(err)
+				}
+			}
+			late.releaseLooks()
 		case p < 70: // invalidations
 			ks := rng.Perm(nkeys)[:1+rng.IntN(3)]
 			if err := invalidate(ks); err != nil {
@@ -191,16 +239,46 @@ func TestInvalidationSoak(t *testing.T) {
 	}
 	late.release()
 	check(rounds)
+	t.Logf("%d rounds: %d versions invalidated by A, %d by B, none loaded or served; %d Invalidates answered UNAVAILABLE (records retried)",
+		rounds, len(dead), len(deadRemote), unrecorded)
 }
 
 // soakStore holds, once armed, the next SETs: each reported timed out at
-// once and sent when release is called.
+// once and sent when release is called. Between holdLooks and
+// releaseLooks it holds the publisher's looks at the cluster (Gets of
+// headers only).
 type soakStore struct {
 	remote.Store
-	mu   sync.Mutex
-	hold int
-	seq  int
-	held map[int]func()
+	mu    sync.Mutex
+	hold  int
+	seq   int
+	held  map[int]func()
+	looks chan struct{} // closed by releaseLooks
+}
+
+func (s *soakStore) holdLooks() {
+	s.mu.Lock()
+	s.looks = make(chan struct{})
+	s.mu.Unlock()
+}
+
+func (s *soakStore) releaseLooks() {
+	s.mu.Lock()
+	if s.looks != nil {
+		close(s.looks)
+		s.looks = nil
+	}
+	s.mu.Unlock()
+}
+
+func (s *soakStore) Get(ctx context.Context, fs []remote.Fetch) error {
+	s.mu.Lock()
+	looks := s.looks
+	s.mu.Unlock()
+	if looks != nil && len(fs) > 0 && len(fs[0].Head) > 0 && fs[0].Body == nil {
+		<-looks
+	}
+	return s.Store.Get(ctx, fs)
 }
 
 func (s *soakStore) arm(n int) {

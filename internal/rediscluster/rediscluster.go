@@ -42,6 +42,9 @@ type Options struct {
 	// MaxMemory, when set, is every node's maxmemory (bytes), with
 	// maxmemory-policy allkeys-lru.
 	MaxMemory uint64
+	// Replicas is the replicas of each master (default none): Replicas()
+	// lists them, master by master.
+	Replicas int
 	// Server and CLI are the binaries; default redis-server and redis-cli
 	// from PATH.
 	Server, CLI string
@@ -51,13 +54,14 @@ type Options struct {
 
 // Cluster is a running cluster.
 type Cluster struct {
-	opt     Options
-	tls     *tlsFiles
-	dir     string
-	ownDir  bool
-	nodes   []*Node
-	closeMu sync.Mutex
-	closed  bool
+	opt      Options
+	tls      *tlsFiles
+	dir      string
+	ownDir   bool
+	nodes    []*Node
+	replicas []*Node
+	closeMu  sync.Mutex
+	closed   bool
 }
 
 // Node is one master.
@@ -169,10 +173,83 @@ func Start(ctx context.Context, opt Options) (*Cluster, error) {
 	if err := c.WaitOK(ctx); err != nil {
 		return nil, err
 	}
+	if err := c.addReplicas(ctx); err != nil {
+		return nil, err
+	}
 	opt.Log("redis cluster up: %s in %s", strings.Join(c.Addrs(), ","), c.dir)
 	ok = true
 	return c, nil
 }
+
+// addReplicas starts opt.Replicas replicas of every master, has each meet
+// the cluster and replicate its master, and waits until every master has
+// its replicas' links up and the cluster is ok again.
+func (c *Cluster) addReplicas(ctx context.Context) error {
+	r := c.opt.Replicas
+	if r <= 0 {
+		return nil
+	}
+	ports, err := freePorts(2 * r * len(c.nodes))
+	if err != nil {
+		return err
+	}
+	for i, m := range c.nodes {
+		mc := m.Client()
+		id, err := mc.Do(ctx, "cluster", "myid").Text()
+		mc.Close()
+		if err != nil {
+			return fmt.Errorf("node %s: CLUSTER MYID: %w", m.Addr(), err)
+		}
+		for j := 0; j < r; j++ {
+			k := 2 * (i*r + j)
+			n := &Node{Port: ports[k], BusPort: ports[k+1], dir: filepath.Join(c.dir, fmt.Sprintf("replica%d-%d", i, j)), c: c}
+			if err := os.MkdirAll(n.dir, 0o700); err != nil {
+				return err
+			}
+			if err := n.writeConfig(); err != nil {
+				return err
+			}
+			if err := n.start(); err != nil {
+				return err
+			}
+			c.replicas = append(c.replicas, n)
+			if err := n.waitPing(ctx); err != nil {
+				return err
+			}
+			nc := n.Client()
+			// The bus port is not port+10000 here: named.
+			err := nc.Do(ctx, "cluster", "meet", "127.0.0.1", m.Port, m.BusPort).Err()
+			if err == nil {
+				// Refused ("Unknown node") until the meeting has gossiped
+				// the master's id to the replica.
+				err = poll(ctx, 60*time.Second, func() error { return nc.Do(ctx, "cluster", "replicate", id).Err() })
+			}
+			nc.Close()
+			if err != nil {
+				return fmt.Errorf("replica %s of %s: %w", n.Addr(), m.Addr(), err)
+			}
+		}
+		want := fmt.Sprintf("connected_slaves:%d", r)
+		if err := poll(ctx, 60*time.Second, func() error {
+			mc := m.Client()
+			defer mc.Close()
+			info, err := mc.Info(ctx, "replication").Result()
+			if err != nil {
+				return err
+			}
+			if !strings.Contains(info, want) || strings.Contains(info, "state=wait_bgsave") || strings.Contains(info, "state=send_bulk") {
+				return fmt.Errorf("node %s: replicas not in sync yet", m.Addr())
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+	}
+	return c.WaitOK(ctx)
+}
+
+// Replicas are the replicas Options.Replicas asked for, master by master.
+func (c *Cluster) Replicas() []*Node { return c.replicas }
 
 // Addrs are the nodes' host:port, in node order.
 func (c *Cluster) Addrs() []string {
@@ -398,14 +475,15 @@ func (n *Node) signal(sig syscall.Signal) error {
 // every node, and sees all 16384 slots served.
 func (c *Cluster) WaitOK(ctx context.Context) error {
 	return poll(ctx, 60*time.Second, func() error {
-		for _, n := range c.nodes {
+		all := append(append([]*Node(nil), c.nodes...), c.replicas...)
+		for _, n := range all {
 			cl := n.Client()
 			info, err := cl.ClusterInfo(ctx).Result()
 			cl.Close()
 			if err != nil {
 				return fmt.Errorf("node %s: %w", n.Addr(), err)
 			}
-			for _, want := range []string{"cluster_state:ok", "cluster_slots_ok:16384", fmt.Sprintf("cluster_known_nodes:%d", len(c.nodes))} {
+			for _, want := range []string{"cluster_state:ok", "cluster_slots_ok:16384", fmt.Sprintf("cluster_known_nodes:%d", len(all))} {
 				if !strings.Contains(info, want) {
 					return fmt.Errorf("node %s: no %s yet", n.Addr(), want)
 				}
@@ -451,7 +529,7 @@ func (c *Cluster) Close() error {
 	}
 	c.closed = true
 	defer releaseSpawner()
-	for _, n := range c.nodes {
+	for _, n := range append(append([]*Node(nil), c.nodes...), c.replicas...) {
 		n.mu.Lock()
 		cmd, exited := n.cmd, n.exited
 		n.mu.Unlock()

@@ -244,6 +244,10 @@ func toStatus(err error) error {
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
 		code = codes.Unavailable
+	// The remote tier missed an invalidation's record (a master down):
+	// the call did its part here, and a retry of it may complete it.
+	case errors.Is(err, offload.ErrRemoteUnrecorded):
+		code = codes.Unavailable
 	// The disk's faults, by codes.go's litmus test: out of space is
 	// RESOURCE_EXHAUSTED ("the entire file system is out of space"); a
 	// directory that refuses writes will not accept a retry until someone

@@ -35,6 +35,11 @@ var (
 	// the value.
 	ErrUnavailable = errors.New("remote: store unavailable")
 
+	// ErrReplicas (with ErrUnavailable) means a generation record was
+	// written on its master but fewer of the master's replicas than
+	// RedisConfig.WaitReplicas acknowledged it in time.
+	ErrReplicas = errors.New("remote: too few replicas acknowledged the write")
+
 	// ErrQueueFull means the publisher's queue was full; the block is not
 	// published (counted, never an error to the engine).
 	ErrQueueFull = errors.New("remote: publish queue full")

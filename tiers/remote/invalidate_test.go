@@ -66,12 +66,12 @@ func TestPublisherCancelAndBarrier(t *testing.T) {
 		srcs[i] = &memSource{payload: vals[i][HeaderSize:]}
 	}
 	srcs[0].gate, srcs[0].reading = make(chan struct{}), make(chan struct{}, 1)
-	if err := p.Publish(ids[0], len(vals[0])-HeaderSize, srcs[0]); err != nil {
+	if err := p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, srcs[0]); err != nil {
 		t.Fatal(err)
 	}
 	<-srcs[0].reading // the worker's batch is in flight, reading block 0
 	for i := 1; i < 3; i++ {
-		if err := p.Publish(ids[i], len(vals[i])-HeaderSize, srcs[i]); err != nil {
+		if err := p.Publish(ids[i], stampOf(t, p, ids[i]), len(vals[i])-HeaderSize, srcs[i]); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -134,7 +134,7 @@ func TestGenerations(t *testing.T) {
 	}
 	publish := func(i int, payload []byte) {
 		t.Helper()
-		if err := p.Publish(ids[i], len(payload), &memSource{payload: payload}); err != nil {
+		if err := p.Publish(ids[i], stampOf(t, p, ids[i]), len(payload), &memSource{payload: payload}); err != nil {
 			t.Fatal(err)
 		}
 		if err := p.Flush(testCtx(t)); err != nil {

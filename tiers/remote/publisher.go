@@ -52,18 +52,20 @@ type PublisherConfig struct {
 // drops (and counts), a block queued or in flight is not queued twice, and
 // a block the store already holds is not sent again. A batch costs two
 // round trips: a look at what the store holds (each block's header and
-// generation record, created if absent, and each namespace's record), then
-// the SETs (NX: another writer's value is never overwritten; one found
-// stale is replaced), each value stamped with the generations read in the
-// first. Its workers run until Close.
+// its generation records), then the SETs (NX: another writer's value is
+// never overwritten; one found stale is replaced). Its workers run until
+// Close.
 //
-// Why the stamp is read by the publisher and not when the block was
-// stored: an item is cancelled (Cancel) before its invalidation's record
-// is written, and the publisher checks for that after it read the
-// records. So a record read that returns the invalidation's generation
-// comes after the Cancel, and the item is not sent; one that returns an
-// older generation stamps the value with it, and the invalidation makes it
-// stale wherever and whenever the SET lands.
+// Each block comes with its Stamp: the generation records its owner read
+// when the block was stored (ReadStamps), before the store was reported
+// done. The value is stamped with that, not with what the look reads: a
+// look that finds the records changed since means an invalidation (on any
+// node) came after the block was stored, and the block is not sent
+// (stale); one that finds them unchanged sends it with the stamp, which
+// any invalidation after the look makes stale wherever and whenever the
+// SET lands. Stamped with what the look read, a block stored before an
+// invalidation and published after it would be current (docs/remote.md,
+// Invalidation).
 type Publisher struct {
 	cfg   PublisherConfig
 	queue chan pubItem
@@ -91,6 +93,7 @@ type pubItem struct {
 	key   string
 	id    Ident
 	hash  [MaxHashLen]byte
+	stamp Stamp // the records read when the block was stored
 	size  int
 	src   Source
 	state *pubState
@@ -130,13 +133,14 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	return p
 }
 
-// Publish queues a block of size payload bytes. It never waits: a block
+// Publish queues a block of size payload bytes, stamped st (the
+// generation records read when it was stored: ReadStamps). It never waits: a block
 // already queued or in flight is released at once (duplicate), and so is
 // one that finds the queue full (dropped, ErrQueueFull). A block whose
 // queued item was cancelled (invalidated) is queued again: the item
 // cancelled holds the invalidated bytes and is not sent, this one is.
-func (p *Publisher) Publish(id Ident, size int, src Source) error {
-	it := pubItem{id: id, size: size, src: src, state: &pubState{}}
+func (p *Publisher) Publish(id Ident, st Stamp, size int, src Source) error {
+	it := pubItem{id: id, stamp: Stamp{Key: st.Key, NS: st.NS}, size: size, src: src, state: &pubState{}}
 	copy(it.hash[:], id.Hash)
 	it.key = p.cfg.Keyspace.Key(id)
 	m := p.cfg.Metrics.Blocks
@@ -312,8 +316,9 @@ func (p *Publisher) worker() {
 
 // publish sends one batch: a look at what the store holds and at the
 // generation records, then the SETs of the blocks the store does not hold
-// (current), each value assembled with one copy (the block's payload read
-// into place behind its header) and stamped with the records read.
+// (current) and whose records are still those of their stamps, each value
+// assembled with one copy (the block's payload read into place behind its
+// header) and stamped with its item's stamp.
 func (p *Publisher) publish(batch []pubItem) {
 	m := p.cfg.Metrics
 	defer func() {
@@ -324,7 +329,7 @@ func (p *Publisher) publish(batch []pubItem) {
 	fs := make([]Fetch, len(batch))
 	heads := make([]byte, len(batch)*HeaderSize)
 	for i := range batch {
-		fs[i] = Fetch{Key: batch[i].key, Head: heads[i*HeaderSize : (i+1)*HeaderSize], CreateGen: true}
+		fs[i] = Fetch{Key: batch[i].key, Head: heads[i*HeaderSize : (i+1)*HeaderSize]}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout)
 	err := p.cfg.Store.Get(ctx, fs)
@@ -343,15 +348,19 @@ func (p *Publisher) publish(batch []pubItem) {
 			it.src.Release()
 			p.ack(it)
 			continue
-		case cerr != nil, fs[i].Gen == 0, fs[i].NSGen == 0:
-			// Not known what the store holds or which generation
-			// to stamp: not worth a blind SET of megabytes into a
-			// failing node.
+		case cerr != nil:
+			// Not known what the store holds: not worth a blind
+			// SET of megabytes into a failing node.
 			m.Blocks.WithLabelValues("publish", "error").Inc()
 			it.src.Release()
 			continue
+		case !it.stamp.Current(fs[i].Gen, fs[i].NSGen):
+			// Invalidated (on some node) since it was stored, or
+			// its record lost: these bytes are not to be shared.
+			m.Blocks.WithLabelValues("publish", "stale").Inc()
+			it.src.Release()
+			continue
 		}
-		// Only after the records were read: see Publisher.
 		if p.cancelled(it) {
 			m.Blocks.WithLabelValues("publish", "cancelled").Inc()
 			it.src.Release()
@@ -365,7 +374,7 @@ func (p *Publisher) publish(batch []pubItem) {
 			m.Blocks.WithLabelValues("publish", "gone").Inc()
 			continue
 		}
-		st := Stamp{Key: fs[i].Gen, NS: fs[i].NSGen, Write: rand.Uint64()}
+		st := Stamp{Key: it.stamp.Key, NS: it.stamp.NS, Write: rand.Uint64()}
 		if err := EncodeHeader(*buf, id, st, p.cfg.MAC); err != nil {
 			p.bufs.Put(buf)
 			m.Blocks.WithLabelValues("publish", "error").Inc()
@@ -416,4 +425,24 @@ func (p *Publisher) buf(n int) *[]byte {
 	}
 	b := make([]byte, n)
 	return &b
+}
+
+// ReadStamps reads the generation records of the values keys (creating
+// them where absent), in one round trip per store node under ctx: the
+// stamps blocks stored now carry when they are published. ok[i] is false
+// for a key the store could not answer for (such a block is not
+// published: nothing says which invalidations came before it).
+func ReadStamps(ctx context.Context, s Store, keys []string) (stamps []Stamp, ok []bool) {
+	fs := make([]Fetch, len(keys))
+	for i, k := range keys {
+		fs[i] = Fetch{Key: k, CreateGen: true}
+	}
+	s.Get(ctx, fs) // per key: fs[i].Err
+	stamps, ok = make([]Stamp, len(keys)), make([]bool, len(keys))
+	for i := range fs {
+		if fs[i].Err == nil && fs[i].Gen != 0 && fs[i].NSGen != 0 {
+			stamps[i], ok[i] = Stamp{Key: fs[i].Gen, NS: fs[i].NSGen}, true
+		}
+	}
+	return stamps, ok
 }

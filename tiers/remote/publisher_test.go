@@ -45,6 +45,16 @@ func newPublisher(t *testing.T, s Store, mac *MAC, queue, workers int) (*Publish
 	return p, m
 }
 
+// stampOf reads the stamp a block of id stored now carries.
+func stampOf(t *testing.T, p *Publisher, id Ident) Stamp {
+	t.Helper()
+	st, ok := ReadStamps(testCtx(t), p.cfg.Store, []string{p.cfg.Keyspace.Key(id)})
+	if !ok[0] {
+		t.Fatal("the block's generation records could not be read")
+	}
+	return st[0]
+}
+
 func count(m *Metrics, result string) int {
 	return int(testutil.ToFloat64(m.Blocks.WithLabelValues("publish", result)))
 }
@@ -61,7 +71,7 @@ func TestPublisherPublishes(t *testing.T) {
 	srcs := make([]*memSource, len(ids))
 	for i, id := range ids {
 		srcs[i] = &memSource{payload: vals[i][HeaderSize:]}
-		if err := p.Publish(id, len(vals[i])-HeaderSize, srcs[i]); err != nil {
+		if err := p.Publish(id, stampOf(t, p, id), len(vals[i])-HeaderSize, srcs[i]); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -85,7 +95,7 @@ func TestPublisherPublishes(t *testing.T) {
 	}
 	// Again: every block is in the store already.
 	for i, id := range ids {
-		p.Publish(id, len(vals[i])-HeaderSize, &memSource{payload: vals[i][HeaderSize:]})
+		p.Publish(id, stampOf(t, p, id), len(vals[i])-HeaderSize, &memSource{payload: vals[i][HeaderSize:]})
 	}
 	p.Flush(testCtx(t))
 	if n, e := count(m, "published"), count(m, "exists"); n != len(ids) || e != len(ids) {
@@ -104,7 +114,7 @@ func TestPublisherDedupAndDrop(t *testing.T) {
 	ids, keys, vals := testBlocks(t, 6, 1000, nil)
 	gate := make(chan struct{})
 	first := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
-	if err := p.Publish(ids[0], len(vals[0])-HeaderSize, first); err != nil {
+	if err := p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, first); err != nil {
 		t.Fatal(err)
 	}
 	<-first.reading // the worker holds block 0; the queue is empty
@@ -112,7 +122,7 @@ func TestPublisherDedupAndDrop(t *testing.T) {
 	for i := 1; i < 6; i++ {
 		s := &memSource{payload: vals[i][HeaderSize:], gone: i == 3}
 		srcs = append(srcs, s)
-		err := p.Publish(ids[i], len(vals[i])-HeaderSize, s)
+		err := p.Publish(ids[i], stampOf(t, p, ids[i]), len(vals[i])-HeaderSize, s)
 		switch {
 		case i <= 3 && err != nil:
 			t.Fatalf("block %d: %v with room in the queue", i, err)
@@ -123,11 +133,11 @@ func TestPublisherDedupAndDrop(t *testing.T) {
 		}
 	}
 	dup := &memSource{payload: vals[1][HeaderSize:]}
-	if err := p.Publish(ids[1], len(vals[1])-HeaderSize, dup); err != nil || dup.released.Load() != 1 {
+	if err := p.Publish(ids[1], stampOf(t, p, ids[1]), len(vals[1])-HeaderSize, dup); err != nil || dup.released.Load() != 1 {
 		t.Fatalf("duplicate of a queued block: err %v, released %d", err, dup.released.Load())
 	}
 	dup0 := &memSource{payload: vals[0][HeaderSize:]}
-	if err := p.Publish(ids[0], len(vals[0])-HeaderSize, dup0); err != nil || dup0.released.Load() != 1 {
+	if err := p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, dup0); err != nil || dup0.released.Load() != 1 {
 		t.Fatalf("duplicate of a block in flight: err %v, released %d", err, dup0.released.Load())
 	}
 	if d := p.Depth(); d != 4 {
@@ -168,13 +178,13 @@ func TestPublisherCloseReleasesQueued(t *testing.T) {
 	ids, _, vals := testBlocks(t, 4, 100, nil)
 	gate := make(chan struct{})
 	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
-	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, held)
 	<-held.reading
 	var queued []*memSource
 	for i := 1; i < 4; i++ {
 		s := &memSource{payload: vals[i][HeaderSize:]}
 		queued = append(queued, s)
-		p.Publish(ids[i], len(vals[i])-HeaderSize, s)
+		p.Publish(ids[i], stampOf(t, p, ids[i]), len(vals[i])-HeaderSize, s)
 	}
 	var wg sync.WaitGroup
 	wg.Go(p.Close)
@@ -189,7 +199,7 @@ func TestPublisherCloseReleasesQueued(t *testing.T) {
 	if n := count(m, "dropped"); n != 3 {
 		t.Errorf("dropped %d at close, want 3", n)
 	}
-	if err := p.Publish(ids[1], 100, &memSource{}); !errors.Is(err, ErrQueueFull) {
+	if err := p.Publish(ids[1], stampOf(t, p, ids[1]), 100, &memSource{}); !errors.Is(err, ErrQueueFull) {
 		t.Errorf("publish after close: %v", err)
 	}
 	p.Flush(context.Background())
@@ -209,11 +219,11 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 	release := func() { open.Do(func() { close(gate) }) }
 	t.Cleanup(release) // before the publisher's Close, which waits for the worker
 	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
-	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, held)
 	<-held.reading // the one worker holds block 0
 	size := len(vals[1]) - HeaderSize
 	stale := &memSource{payload: bytes.Repeat([]byte{0xee}, size)} // what was invalidated
-	if err := p.Publish(ids[1], size, stale); err != nil {
+	if err := p.Publish(ids[1], stampOf(t, p, ids[1]), size, stale); err != nil {
 		t.Fatal(err)
 	}
 	if n := p.Cancel(func(k string) bool { return k == keys[1] }); n != 1 {
@@ -223,7 +233,7 @@ func TestPublisherRepublishesAfterCancel(t *testing.T) {
 		t.Fatalf("cancelling again matched %d, want 0", n)
 	}
 	fresh := &memSource{payload: vals[1][HeaderSize:]}
-	if err := p.Publish(ids[1], size, fresh); err != nil {
+	if err := p.Publish(ids[1], stampOf(t, p, ids[1]), size, fresh); err != nil {
 		t.Fatal(err)
 	}
 	if d := p.Depth(); d != 3 {
@@ -272,7 +282,7 @@ func TestPublisherAcked(t *testing.T) {
 	release := func() { open.Do(func() { close(gate) }) }
 	t.Cleanup(release)
 	held := &memSource{payload: vals[0][HeaderSize:], gate: gate, reading: make(chan struct{}, 1)}
-	p.Publish(ids[0], len(vals[0])-HeaderSize, held)
+	p.Publish(ids[0], stampOf(t, p, ids[0]), len(vals[0])-HeaderSize, held)
 	<-held.reading // its payload is being read: the Cancel comes too late to stop the SET
 	if n := p.Cancel(func(k string) bool { return k == keys[0] }); n != 1 {
 		t.Fatalf("cancel matched %d, want 1", n)
@@ -282,7 +292,7 @@ func TestPublisherAcked(t *testing.T) {
 	first := &memSource{payload: vals[1][HeaderSize:]}
 	again := &memSource{payload: vals[1][HeaderSize:]}
 	for _, src := range []*memSource{first, again} {
-		if err := p.Publish(ids[1], size, src); err != nil {
+		if err := p.Publish(ids[1], stampOf(t, p, ids[1]), size, src); err != nil {
 			t.Fatal(err)
 		}
 		if err := p.Flush(testCtx(t)); err != nil {
@@ -299,5 +309,56 @@ func TestPublisherAcked(t *testing.T) {
 	defer mu.Unlock()
 	if len(acked) != 2 || acked[0] != Source(first) || acked[1] != Source(again) {
 		t.Fatalf("acked %v; want the block published and the one found there, not the cancelled one (%p)", acked, held)
+	}
+}
+
+// TestPublisherStampsWhatWasReadAtStore: a block is stamped with the
+// records read when it was stored, not with what the publisher's look
+// reads. One whose key (or namespace) was invalidated between its store
+// and its turn is not sent (stale); the others are, and verify. Stamped
+// at the look, the invalidated one would be current.
+func TestPublisherStampsWhatWasReadAtStore(t *testing.T) {
+	c := cluster(t)
+	r := newRedis(t, c, 5*time.Second)
+	p, m := newPublisher(t, r, nil, 8, 1)
+	ids, keys, vals := testBlocks(t, 3, 1000, nil)
+	stamps := make([]Stamp, len(ids))
+	for i := range ids {
+		stamps[i] = stampOf(t, p, ids[i])
+	}
+	// Invalidated after the store: block 0's key, and block 1's
+	// namespace (its bucket's copy of the record).
+	gs := []GenWrite{{Key: GenKey(keys[0]), Gen: NewGen()}, {Key: NamespaceGenKeyOf(keys[1]), Gen: NewGen()}}
+	for _, err := range r.SetGens(testCtx(t), gs) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	srcs := make([]*memSource, len(ids))
+	for i := range ids {
+		srcs[i] = &memSource{payload: vals[i][HeaderSize:]}
+		if err := p.Publish(ids[i], stamps[i], len(vals[i])-HeaderSize, srcs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Flush(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	for result, want := range map[string]int{"published": 1, "stale": 2} {
+		if n := count(m, result); n != want {
+			t.Errorf("%s: %d, want %d", result, n, want)
+		}
+	}
+	have := make([]Presence, len(keys))
+	exists(testCtx(t), r, keys, have)
+	for i, h := range have {
+		if want := map[bool]Presence{true: Present, false: Absent}[i == 2]; h != want {
+			t.Errorf("block %d in the store: %v, want %v", i, h, want)
+		}
+	}
+	for i, s := range srcs {
+		if n := s.released.Load(); n != 1 {
+			t.Errorf("block %d released %d times", i, n)
+		}
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -34,6 +35,13 @@ type RedisConfig struct {
 	// one per node it touches for its round trip, and Lookups, loads and
 	// publishes run side by side.
 	PoolSize int
+	// WaitReplicas, when positive, makes each generation record write
+	// (SetGens) wait until that many replicas of its master acknowledged
+	// it (WAIT, on the write's own connection, within the call's
+	// deadline): fewer is a failed write (ErrReplicas), tried again like
+	// one that timed out. Without it a master that dies before
+	// replicating a record leaves its promoted replica with the old one.
+	WaitReplicas int
 }
 
 // Redis is a Store on Redis Cluster through go-redis's cluster client. A
@@ -43,8 +51,9 @@ type RedisConfig struct {
 // A node that just timed out or refused is left out of the next batches
 // for a while (breaker.go): its keys are unavailable at once.
 type Redis struct {
-	cc *redis.ClusterClient
-	br *breaker
+	cc           *redis.ClusterClient
+	br           *breaker
+	waitReplicas int
 }
 
 var _ Store = (*Redis)(nil)
@@ -101,7 +110,7 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		ReadBufferSize:  64 << 10,
 		WriteBufferSize: 64 << 10,
 	})
-	return &Redis{cc: cc, br: newBreaker()}, nil
+	return &Redis{cc: cc, br: newBreaker(), waitReplicas: cfg.WaitReplicas}, nil
 }
 
 // route finds the master of each key from the client's slot map, and
@@ -331,13 +340,17 @@ func (r *Redis) Set(ctx context.Context, items []Item) []error {
 }
 
 // SetGens implements Store: SET of each record, then UNLINK of the value
-// it makes stale, on the record's node (hash tag) in that order.
+// it makes stale, on the record's node (hash tag) in that order; with
+// WaitReplicas, then WAIT on the same connection (setGensReplicated).
 func (r *Redis) SetGens(ctx context.Context, gs []GenWrite) []error {
 	keys := make([]string, len(gs))
 	for i := range gs {
 		keys[i] = gs[i].Key
 	}
 	addrs, skip := r.route(ctx, keys)
+	if r.waitReplicas > 0 {
+		return r.setGensReplicated(ctx, gs, addrs, skip)
+	}
 	cmds := make([]*redis.StatusCmd, len(gs))
 	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, g := range gs {
@@ -358,6 +371,71 @@ func (r *Redis) SetGens(ctx context.Context, gs []GenWrite) []error {
 			errs[i] = unavailable(err)
 		}
 	}
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
+	return errs
+}
+
+// setGensReplicated writes the records one pipeline per master (all in
+// parallel, as the cluster client would), each ending in WAIT for
+// WaitReplicas replicas: WAIT counts the replicas that acknowledged every
+// write made on its connection before it, so it must share the writes'
+// connection, which a cluster pipeline cannot promise for a command with
+// no key. A master whose replicas fall short fails its records with
+// ErrReplicas (not a node failure: its breaker is not tripped).
+func (r *Redis) setGensReplicated(ctx context.Context, gs []GenWrite, addrs []string, skip []bool) []error {
+	errs := make([]error, len(gs))
+	byNode := map[string][]int{}
+	for i := range gs {
+		if skip[i] {
+			errs[i] = backoffErr(addrs[i])
+			continue
+		}
+		byNode[addrs[i]] = append(byNode[addrs[i]], i)
+	}
+	// WAIT's own timeout leaves the deadline room for its reply: one
+	// that ran out would read as the node's timeout.
+	waitMs := int64(1000)
+	if dl, ok := ctx.Deadline(); ok {
+		waitMs = max(1, time.Until(dl).Milliseconds()/2)
+	}
+	var wg sync.WaitGroup
+	for _, idx := range byNode {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := r.cc.MasterForKey(ctx, gs[idx[0]].Key)
+			if err != nil {
+				for _, i := range idx {
+					errs[i] = unavailable(err)
+				}
+				return
+			}
+			cmds := make([]*redis.StatusCmd, len(idx))
+			var wait *redis.Cmd
+			c.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for j, i := range idx {
+					cmds[j] = p.Set(ctx, gs[i].Key, genText(gs[i].Gen), 0)
+					if gs[i].Unlink != "" {
+						p.Unlink(ctx, gs[i].Unlink)
+					}
+				}
+				wait = p.Do(ctx, "wait", r.waitReplicas, waitMs)
+				return nil
+			})
+			acked, werr := wait.Int64()
+			for j, i := range idx {
+				switch err := cmds[j].Err(); {
+				case err != nil:
+					errs[i] = unavailable(err)
+				case werr != nil:
+					errs[i] = unavailable(werr)
+				case acked < int64(r.waitReplicas):
+					errs[i] = fmt.Errorf("%w: %w: %d of %d replicas acknowledged within %d ms", ErrUnavailable, ErrReplicas, acked, r.waitReplicas, waitMs)
+				}
+			}
+		}()
+	}
+	wg.Wait()
 	r.settle(addrs, skip, func(i int) error { return errs[i] })
 	return errs
 }
@@ -502,6 +580,9 @@ func ErrorKind(err error) string {
 	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE),
 		errors.Is(err, net.ErrClosed), errors.Is(err, redis.ErrClosed), errors.As(err, new(*net.OpError)):
 		return "connection"
+	}
+	if errors.Is(err, ErrReplicas) {
+		return "replicas"
 	}
 	msg := err.Error()
 	for _, p := range []struct{ sub, kind string }{

@@ -1,10 +1,13 @@
-package offload
+package fence
 
 import (
 	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 
@@ -67,7 +70,7 @@ type durableFences struct {
 }
 
 type durableKey struct {
-	fk    fenceKey
+	fk    Key
 	store string
 }
 
@@ -90,9 +93,9 @@ func encodeFences(df durableFences) []byte {
 	le.PutUint32(b[12:], uint32(len(df.keys)))
 	le.PutUint32(b[16:], uint32(len(df.spaces)))
 	for _, k := range df.keys {
-		b = append(b, k.fk.ns[:]...)
-		b = le.AppendUint32(b, k.fk.group)
-		b = append(b, k.fk.hash[:]...)
+		b = append(b, k.fk.NS[:]...)
+		b = le.AppendUint32(b, k.fk.Group)
+		b = append(b, k.fk.Hash[:]...)
 		b = le.AppendUint16(b, uint16(len(k.store)))
 		b = append(b, k.store...)
 	}
@@ -150,9 +153,9 @@ func decodeFences(b []byte) (durableFences, error) {
 			return bad("key %d of %d is cut short", i, nk)
 		}
 		var k durableKey
-		copy(k.fk.ns[:], rest)
-		k.fk.group = le.Uint32(rest[32:])
-		copy(k.fk.hash[:], rest[36:68])
+		copy(k.fk.NS[:], rest)
+		k.fk.Group = le.Uint32(rest[32:])
+		copy(k.fk.Hash[:], rest[36:68])
 		rest = rest[68:]
 		var ok bool
 		if k.store, ok = str(); !ok {
@@ -179,15 +182,15 @@ func decodeFences(b []byte) (durableFences, error) {
 	return df, nil
 }
 
-// saveFences writes the fences file if what it keeps changed since the
-// last save. Without a disk tier there is nowhere to keep it.
-func (rt *remoteTier) saveFences() error {
-	if rt.s.disk == nil {
+// save writes the fences file if what it keeps changed since the last
+// save. Without a disk tier there is nowhere to keep it.
+func (s *Set) save() error {
+	if s.cfg.State == nil {
 		return nil
 	}
-	rt.saveMu.Lock()
-	defer rt.saveMu.Unlock()
-	f := &rt.fence
+	s.saveMu.Lock()
+	defer s.saveMu.Unlock()
+	f := &s.f
 	f.mu.Lock()
 	if f.version == f.saved {
 		f.mu.Unlock()
@@ -204,7 +207,7 @@ func (rt *remoteTier) saveFences() error {
 		}
 	}
 	f.mu.Unlock()
-	if err := rt.s.disk.SaveState(fencesState, encodeFences(df)); err != nil {
+	if err := s.cfg.State.SaveState(fencesState, encodeFences(df)); err != nil {
 		return err
 	}
 	f.mu.Lock()
@@ -213,19 +216,18 @@ func (rt *remoteTier) saveFences() error {
 	return nil
 }
 
-// loadFences brings the fences file back at start (the caller has not
-// started the sweeper yet): the keys and namespaces fenced again and their
-// records written. An unreadable copy is an error: the daemon refuses to
-// start.
-func (rt *remoteTier) loadFences() error {
-	if rt.s.disk == nil {
+// load brings the fences file back at start (before the sweeper runs):
+// the keys and namespaces fenced again and their records written. An
+// unreadable copy is an error: the daemon refuses to start.
+func (s *Set) load() error {
+	if s.cfg.State == nil {
 		return nil
 	}
-	copies, err := rt.s.disk.LoadState(fencesState)
+	copies, err := s.cfg.State.LoadState(fencesState)
 	if err != nil {
 		return fmt.Errorf("remote tier: %w; it lists invalidations not yet recorded in the cluster, and without it this node could load those blocks; refusing to start (move the file away to start without it)", err)
 	}
-	f := &rt.fence
+	f := &s.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	keys, spaces := 0, 0
@@ -234,9 +236,9 @@ func (rt *remoteTier) loadFences() error {
 		if err != nil {
 			return fmt.Errorf("remote tier: %s: %w; it lists invalidations not yet recorded in the cluster, and without it this node could load those blocks; refusing to start (move the file away to start without it)", path, err)
 		}
-		for _, s := range df.spaces {
-			if nf := f.whole[s.ns]; nf == nil || !containsString(nf.pending, s.keyspace) {
-				rt.wholeLocked(s.ns, s.keyspace)
+		for _, sp := range df.spaces {
+			if nf := f.whole[sp.ns]; nf == nil || !containsString(nf.pending, sp.keyspace) {
+				s.wholeLocked(sp.ns, sp.keyspace)
 				spaces++
 			}
 		}
@@ -244,17 +246,17 @@ func (rt *remoteTier) loadFences() error {
 			if _, ok := f.retry[k.store]; ok {
 				continue
 			}
-			if _, ok := f.whole[k.fk.ns]; ok {
+			if _, ok := f.whole[k.fk.NS]; ok {
 				continue // invalidated whole
 			}
 			f.retry[k.store] = k.fk
 			keys++
 			// Fenced for reading in this node's keyspace only: a key
 			// of another (the key file changed) is only recorded.
-			if strings.HasPrefix(k.store, rt.ks.Prefix()) {
+			if strings.HasPrefix(k.store, s.cfg.Keyspace.Prefix()) {
 				f.gen++
 				f.keys[k.fk] = &keyFence{store: k.store, pending: true, gen: f.gen}
-				f.perNS[k.fk.ns]++
+				f.perNS[k.fk.NS]++
 			}
 		}
 	}
@@ -264,7 +266,7 @@ func (rt *remoteTier) loadFences() error {
 	}
 	f.version, f.saved = 1, 0 // the copies are rewritten alike at the next save
 	f.kick()
-	rt.log.Warn("remote tier: invalidations not yet recorded in the cluster brought back from disk: their records are written again; until then this node does not read those blocks from the cluster",
+	s.cfg.Log.Warn("remote tier: invalidations not yet recorded in the cluster brought back from disk: their records are written again; until then this node does not read those blocks from the cluster",
 		"keys", keys, "namespaces", spaces)
 	return nil
 }
@@ -282,3 +284,55 @@ func nsPrefixOf(store string) string {
 	}
 	return store
 }
+
+// DirState is a StateFile in one directory of its own, for a node without
+// a disk tier (--remote-state-dir): each file is written like the disk
+// tier's (a temporary file written and synced, renamed over the old one,
+// the directory synced), so after a crash it holds the old or the new
+// contents, never a mix.
+type DirState string
+
+// SaveState implements StateFile.
+func (d DirState) SaveState(name string, data []byte) error {
+	dir := string(d)
+	tmp, err := os.CreateTemp(dir, "."+name+".tmp-*")
+	if err != nil {
+		return err
+	}
+	_, err = tmp.Write(data)
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), d.path(name))
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("save %s in %s: %w", name, dir, err)
+	}
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = f.Sync()
+	f.Close()
+	return err
+}
+
+// LoadState implements StateFile.
+func (d DirState) LoadState(name string) (map[string][]byte, error) {
+	p := d.path(name)
+	b, err := os.ReadFile(p)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return map[string][]byte{p: b}, nil
+}
+
+func (d DirState) path(name string) string { return filepath.Join(string(d), "kvoffload."+name) }

@@ -1,4 +1,4 @@
-package offload
+package fence
 
 import (
 	"encoding/binary"
@@ -15,9 +15,9 @@ func testFences() durableFences {
 	ks := remote.NewKeyspace(nil)
 	var df durableFences
 	for i := 0; i < 3; i++ {
-		var fk fenceKey
-		fk.ns[0], fk.group, fk.hash[0], fk.hash[15] = byte(i), uint32(i), 0xab, byte(i)
-		df.keys = append(df.keys, durableKey{fk: fk, store: ks.Key(remote.Ident{NS: fk.ns, Group: fk.group, Hash: fk.hash[:16]})})
+		var fk Key
+		fk.NS[0], fk.Group, fk.Hash[0], fk.Hash[15] = byte(i), uint32(i), 0xab, byte(i)
+		df.keys = append(df.keys, durableKey{fk: fk, store: ks.Key(remote.Ident{NS: fk.NS, Group: fk.Group, Hash: fk.Hash[:16]})})
 	}
 	var d [32]byte
 	d[31] = 9
@@ -82,7 +82,7 @@ func TestFencesFile(t *testing.T) {
 func TestNSPrefixOf(t *testing.T) {
 	df := testFences()
 	for _, k := range df.keys {
-		want := remote.NewKeyspace(nil).NamespacePrefix(k.fk.ns)
+		want := remote.NewKeyspace(nil).NamespacePrefix(k.fk.NS)
 		if got := nsPrefixOf(k.store); got != want {
 			t.Fatalf("nsPrefixOf(%q) = %q, want %q", k.store, got, want)
 		}
