@@ -32,9 +32,21 @@ pytestmark = pytest.mark.skipif(
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose cluster bus port (port + 10000, redis-cli's
+    --cluster create assumes it) is free too: an ephemeral port above 55535
+    has no bus port, and redis-server then does not start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as b:
+            try:
+                b.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
 
 
 def _cli(port: int, *args: str, timeout: float = 10) -> str:
