@@ -783,37 +783,13 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 	}
 	var out []*pb.JobResult
 	var moved uint64
-	take := func(jr *pb.JobResult, now time.Duration) error {
-		if !want[jr.GetJobId()] {
-			return fmt.Errorf("completion for job %d, which is not in flight", jr.GetJobId())
-		}
-		delete(want, jr.GetJobId())
-		op.Latencies = append(op.Latencies, now)
+	err = awaitResults(ctx, d.c, d.id, op, want, resp.GetResults(), t0, func(jr *pb.JobResult, at time.Duration) {
+		op.Latencies = append(op.Latencies, at)
 		moved += jr.GetBytes()
 		out = append(out, jr)
-		return nil
-	}
-	now := time.Since(t0)
-	for _, jr := range resp.GetResults() {
-		if err := take(jr, now); err != nil {
-			return nil, err
-		}
-	}
-	for len(want) > 0 {
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("%d jobs still unfinished: %w", len(want), err)
-		}
-		cr, err := d.c.Completions(ctx, d.id, 1000)
-		op.Completions++
-		if err != nil {
-			return nil, fmt.Errorf("completions: %w", err)
-		}
-		now := time.Since(t0)
-		for _, jr := range cr.GetResults() {
-			if err := take(jr, now); err != nil {
-				return nil, err
-			}
-		}
+	})
+	if err != nil {
+		return nil, err
 	}
 	op.Busy += time.Since(t0)
 	p.stop()
@@ -821,6 +797,40 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 	op.Blocks += blocks
 	op.Bytes += moved
 	return out, nil
+}
+
+// awaitResults hands take the result of every job in want, with the time
+// since t0 it came at: the reply's first, then Completions' until no job is
+// unfinished. A result of a job not in want is an error.
+func awaitResults(ctx context.Context, c *client.Client, id uint64, op *Op, want map[uint64]bool, reply []*pb.JobResult, t0 time.Time, take func(jr *pb.JobResult, at time.Duration)) error {
+	put := func(jrs []*pb.JobResult) error {
+		at := time.Since(t0)
+		for _, jr := range jrs {
+			if !want[jr.GetJobId()] {
+				return fmt.Errorf("completion for job %d, which is not in flight", jr.GetJobId())
+			}
+			delete(want, jr.GetJobId())
+			take(jr, at)
+		}
+		return nil
+	}
+	if err := put(reply); err != nil {
+		return err
+	}
+	for len(want) > 0 {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("%d jobs still unfinished: %w", len(want), err)
+		}
+		cr, err := c.Completions(ctx, id, 1000)
+		op.Completions++
+		if err != nil {
+			return fmt.Errorf("completions (%d jobs unfinished): %w", len(want), err)
+		}
+		if err := put(cr.GetResults()); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func statusName(s pb.BlockStatus) string {

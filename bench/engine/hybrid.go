@@ -455,31 +455,12 @@ func (d *hybridDriver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, sen
 		return nil, err
 	}
 	var out []*pb.JobResult
-	take := func(jr *pb.JobResult) error {
-		if !want[jr.GetJobId()] {
-			return fmt.Errorf("completion for job %d, which is not in flight", jr.GetJobId())
-		}
-		delete(want, jr.GetJobId())
+	err = awaitResults(ctx, d.c, d.id, op, want, resp.GetResults(), t0, func(jr *pb.JobResult, _ time.Duration) {
 		op.Bytes += jr.GetBytes()
 		out = append(out, jr)
-		return nil
-	}
-	for _, jr := range resp.GetResults() {
-		if err := take(jr); err != nil {
-			return nil, err
-		}
-	}
-	for len(want) > 0 {
-		cr, err := d.c.Completions(ctx, d.id, 1000)
-		op.Completions++
-		if err != nil {
-			return nil, fmt.Errorf("completions (%d jobs unfinished): %w", len(want), err)
-		}
-		for _, jr := range cr.GetResults() {
-			if err := take(jr); err != nil {
-				return nil, err
-			}
-		}
+	})
+	if err != nil {
+		return nil, err
 	}
 	el := time.Since(t0)
 	op.Busy += el

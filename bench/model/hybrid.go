@@ -342,14 +342,8 @@ func NewHybridRegion(dir string, h Hybrid, blocks int) (*HybridRegion, error) {
 
 // Close unmaps and removes the region file.
 func (r *HybridRegion) Close() error {
-	if r.Mem == nil {
-		return nil
-	}
-	err := unix.Munmap(r.Mem)
+	err := unmapRemove(r.Mem, r.Path)
 	r.Mem = nil
-	if rerr := os.Remove(r.Path); rerr != nil && err == nil {
-		err = rerr
-	}
 	return err
 }
 

@@ -119,12 +119,19 @@ func NewRegion(dir string, s Shape, blocks int) (*Region, error) {
 
 // Close unmaps and removes the region file.
 func (r *Region) Close() error {
-	if r.Mem == nil {
+	err := unmapRemove(r.Mem, r.Path)
+	r.Mem = nil
+	return err
+}
+
+// unmapRemove unmaps a region file's mapping (none: nothing to do) and
+// removes the file.
+func unmapRemove(mem []byte, path string) error {
+	if mem == nil {
 		return nil
 	}
-	err := unix.Munmap(r.Mem)
-	r.Mem = nil
-	if rerr := os.Remove(r.Path); rerr != nil && err == nil {
+	err := unix.Munmap(mem)
+	if rerr := os.Remove(path); rerr != nil && err == nil {
 		err = rerr
 	}
 	return err
