@@ -765,12 +765,7 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 // Completions until each job has finished; with Config.Wait the call waits
 // for its results and returns them (one round trip instead of two or more).
 func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func(*pb.TransferRequest) (*pb.TransferResponse, error)) ([]*pb.JobResult, error) {
-	want := map[uint64]bool{}
-	blocks := 0
-	for _, j := range jobs {
-		want[j.JobId] = true
-		blocks += len(j.BlockIds)
-	}
+	want, blocks := inFlight(jobs)
 	var p *probe
 	if d.probing {
 		p = d.startProbe(&d.res.BusyLookup, &d.res.BusyEmpty)
@@ -797,6 +792,17 @@ func (d *driver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func
 	op.Blocks += blocks
 	op.Bytes += moved
 	return out, nil
+}
+
+// inFlight is the ids of jobs, to wait for, and how many blocks they name.
+func inFlight(jobs []*pb.Job) (map[uint64]bool, int) {
+	want := make(map[uint64]bool, len(jobs))
+	blocks := 0
+	for _, j := range jobs {
+		want[j.JobId] = true
+		blocks += len(j.BlockIds)
+	}
+	return want, blocks
 }
 
 // awaitResults hands take the result of every job in want, with the time

@@ -443,12 +443,7 @@ func (d *hybridDriver) store(ctx context.Context, t *hybridTreatment, reqs []*hr
 // transfer sends one Load or Store that waits for its jobs, reads
 // Completions for any the reply did not carry, and times the whole.
 func (d *hybridDriver) transfer(ctx context.Context, op *Op, jobs []*pb.Job, send func(*pb.TransferRequest) (*pb.TransferResponse, error)) ([]*pb.JobResult, error) {
-	want := map[uint64]bool{}
-	blocks := 0
-	for _, j := range jobs {
-		want[j.JobId] = true
-		blocks += len(j.BlockIds)
-	}
+	want, blocks := inFlight(jobs)
 	t0 := time.Now()
 	resp, err := send(&pb.TransferRequest{RegistrationId: d.id, Jobs: jobs, Wait: true})
 	if err != nil {

@@ -153,22 +153,60 @@ func (b *bench) restart(ctx context.Context) error {
 // fillDisk stores n distinct blocks, E per job, waiting after each job
 // until its disk writes have landed, and returns the keys written to disk.
 func (b *bench) fillDisk(ctx context.Context, d *daemon.Daemon, fingerprint []byte, n, E int) ([][]byte, error) {
+	return b.fill(ctx, d, fingerprint, "kvbench-restart", b.o.seed, n, E, func(c *client.Client, reg *pb.RegisterResponse, kl *pb.KeyList, keys [][]byte) error {
+		// Write-through: the disk writes run behind the store. Wait
+		// until every key of the job has its disk copy.
+		for {
+			lr, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, kl, 0)
+			if err != nil {
+				return err
+			}
+			onDisk := 0
+			for _, t := range lr.Tiers {
+				if t == pb.Tier_TIER_DISK || t == pb.Tier_TIER_CPU_AND_DISK {
+					onDisk++
+				}
+			}
+			if onDisk == len(keys) {
+				return nil
+			}
+			m, err := d.Metrics(ctx)
+			if err != nil {
+				return err
+			}
+			if failed := daemon.Sum(m, "kvoffload_disk_demotions_total", `result="failed"`) + daemon.Sum(m, "kvoffload_disk_demotions_total", `result="no_space"`) +
+				daemon.Sum(m, "kvoffload_disk_demotions_total", `result="dropped"`) + daemon.Sum(m, "kvoffload_disk_demotions_total", `result="rejected"`); failed > 0 {
+				return fmt.Errorf("fill: %g blocks did not reach the disk (see kvoffload_disk_demotions_total)", failed)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+	})
+}
+
+// fill stores n distinct blocks (restartKey(seed, i)), per to a job, each
+// job waited for and then handed to settle (nil: nothing more), and returns
+// their keys.
+func (b *bench) fill(ctx context.Context, d *daemon.Daemon, fingerprint []byte, name string, seed uint64, n, per int, settle func(c *client.Client, reg *pb.RegisterResponse, kl *pb.KeyList, keys [][]byte) error) ([][]byte, error) {
 	r := b.region
 	c, err := client.Dial(d.Socket)
 	if err != nil {
 		return nil, err
 	}
 	defer c.Close()
-	reg, err := c.Register(ctx, fingerprint, b.o.shape.Layout(), r.Wire(), "kvbench-restart")
+	reg, err := c.Register(ctx, fingerprint, b.o.shape.Layout(), r.Wire(), name)
 	if err != nil {
 		return nil, err
 	}
 	var written [][]byte
-	for i := 0; i < n; i += E {
-		keys := make([][]byte, 0, E)
-		blocks := make([]uint32, 0, E)
-		for j := i; j < min(i+E, n); j++ {
-			k := restartKey(b.o.seed, j)
+	for i := 0; i < n; i += per {
+		keys := make([][]byte, 0, per)
+		blocks := make([]uint32, 0, per)
+		for j := i; j < min(i+per, n); j++ {
+			k := restartKey(seed, j)
 			r.Fill(len(keys), k)
 			keys, blocks = append(keys, k), append(blocks, uint32(len(keys)))
 		}
@@ -183,34 +221,9 @@ func (b *bench) fillDisk(ctx context.Context, d *daemon.Daemon, fingerprint []by
 		if len(res[0].Failures) > 0 {
 			return nil, fmt.Errorf("fill: %d blocks not stored: %v", len(res[0].Failures), res[0].Failures[0].Status)
 		}
-		// Write-through: the disk writes run behind the store. Wait
-		// until every key of the job has its disk copy.
-		for {
-			lr, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, kl, 0)
-			if err != nil {
+		if settle != nil {
+			if err := settle(c, reg, kl, keys); err != nil {
 				return nil, err
-			}
-			onDisk := 0
-			for _, t := range lr.Tiers {
-				if t == pb.Tier_TIER_DISK || t == pb.Tier_TIER_CPU_AND_DISK {
-					onDisk++
-				}
-			}
-			if onDisk == len(keys) {
-				break
-			}
-			m, err := d.Metrics(ctx)
-			if err != nil {
-				return nil, err
-			}
-			if failed := daemon.Sum(m, "kvoffload_disk_demotions_total", `result="failed"`) + daemon.Sum(m, "kvoffload_disk_demotions_total", `result="no_space"`) +
-				daemon.Sum(m, "kvoffload_disk_demotions_total", `result="dropped"`) + daemon.Sum(m, "kvoffload_disk_demotions_total", `result="rejected"`); failed > 0 {
-				return nil, fmt.Errorf("fill: %g blocks did not reach the disk (see kvoffload_disk_demotions_total)", failed)
-			}
-			select {
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			case <-time.After(2 * time.Millisecond):
 			}
 		}
 		written = append(written, keys...)

@@ -17,7 +17,6 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/bench/report"
 	"github.com/kvoffloadd/kvoffloadd/layout"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
-	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
 	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
@@ -113,39 +112,7 @@ func (b *bench) restartCPU(ctx context.Context) (*report.CPURecovery, error) {
 // fillCPU stores n distinct blocks, a region's worth per job, each job
 // waited for, and returns their keys.
 func (b *bench) fillCPU(ctx context.Context, d *daemon.Daemon, fingerprint []byte, n int) ([][]byte, error) {
-	r := b.region
-	c, err := client.Dial(d.Socket)
-	if err != nil {
-		return nil, err
-	}
-	defer c.Close()
-	reg, err := c.Register(ctx, fingerprint, b.o.shape.Layout(), r.Wire(), "kvbench-restart-cpu")
-	if err != nil {
-		return nil, err
-	}
-	var written [][]byte
-	for i := 0; i < n; i += r.Blocks {
-		keys := make([][]byte, 0, r.Blocks)
-		blocks := make([]uint32, 0, r.Blocks)
-		for j := i; j < min(i+r.Blocks, n); j++ {
-			k := restartKey(b.o.seed^0x435055, j)
-			r.Fill(len(keys), k)
-			keys, blocks = append(keys, k), append(blocks, uint32(len(keys)))
-		}
-		kl, err := client.Keys(0, model.HashBytes, keys...)
-		if err != nil {
-			return nil, err
-		}
-		res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{{JobId: uint64(i + 1), Keys: kl, BlockIds: blocks}}, true)
-		if err != nil {
-			return nil, err
-		}
-		if len(res[0].Failures) > 0 {
-			return nil, fmt.Errorf("fill: %d blocks not stored: %v", len(res[0].Failures), res[0].Failures[0].Status)
-		}
-		written = append(written, keys...)
-	}
-	return written, nil
+	return b.fill(ctx, d, fingerprint, "kvbench-restart-cpu", b.o.seed^0x435055, n, b.region.Blocks, nil)
 }
 
 // hashArena hashes n payloads of payload bytes, one per slot of slotBytes
