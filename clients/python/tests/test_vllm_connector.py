@@ -426,8 +426,15 @@ def test_sync_stores_true_waits_at_the_end_of_every_step_for_every_model(fresh_d
         try:
             assert ws.sync_stores
             eng.add_request("a0", list(range(4500, 4516)), 20)
-            for _ in range(2):
+            # Pause only once the request runs and stored its prompt: on a
+            # loaded machine its lookup can take several steps, and a paused
+            # daemon then keeps it waiting past the 30 steps below with no
+            # store to wait on.
+            for _ in range(1000):
+                if "a0" in ws._store_seen:
+                    break
                 eng.step()
+            assert "a0" in ws._store_seen, "the request never stored its prompt"
             d.pause()
             waited = []
             start = eng.step_seq
