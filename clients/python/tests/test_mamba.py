@@ -345,9 +345,12 @@ def test_a_state_block_reused_while_its_store_waits_is_never_stored_with_other_b
         try:
             for i, p in enumerate(prompts):
                 eng.add_request(f"a{i}", p, 8)
-            for _ in range(3):
-                eng.step()
             w = eng.workers[0]._worker
+            for _ in range(1000):  # until stores run: on a loaded machine lookups can take steps
+                if w._store_seen:
+                    break
+                eng.step()
+            assert w._store_seen, "no request stored anything"
             start = eng.step_seq
             d.pause()
 
