@@ -465,19 +465,38 @@ func (s *Service) registerCPURecoveryGauges(reg prometheus.Registerer) {
 	if reg == nil {
 		return
 	}
-	r := &s.crec
-	reg.MustRegister(
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_cpu_recovery_state",
-			Help: "The CPU tier's recovery from a persistent arena (--cpu-arena-dir): 0 none, 1 running, 2 done, 3 stopped by shutdown."},
-			func() float64 { return float64(r.state.Load()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_cpu_recovered_blocks",
-			Help: "Blocks the CPU tier's recovery verified and brought back from the persistent arena."},
-			func() float64 { return float64(r.blocks.Load()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_cpu_recovery_dropped_blocks",
-			Help: "Records the CPU tier's recovery dropped: damaged or torn, stale, of an unknown namespace, or whose payload failed its checksum."},
-			func() float64 { return float64(r.bad.Load()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvoffload_cpu_recovery_seconds",
-			Help: "How long the CPU tier's recovery took, once it ended."},
-			func() float64 { return time.Duration(r.took.Load()).Seconds() }),
-	)
+	reg.MustRegister(cpuRecoveryCollector{&s.crec})
+}
+
+// cpuRecoveryCollector reports the recovery's gauges from one reading:
+// the state first, then the counts, which are final before the state says
+// done. (Separate gauge functions are read in any order, concurrently: a
+// scrape could say "done" beside the count from before the last chunk.)
+type cpuRecoveryCollector struct{ r *cpuRecovery }
+
+var (
+	cpuRecoveryStateDesc = prometheus.NewDesc("kvoffload_cpu_recovery_state",
+		"The CPU tier's recovery from a persistent arena (--cpu-arena-dir): 0 none, 1 running, 2 done, 3 stopped by shutdown.", nil, nil)
+	cpuRecoveredBlocksDesc = prometheus.NewDesc("kvoffload_cpu_recovered_blocks",
+		"Blocks the CPU tier's recovery verified and brought back from the persistent arena.", nil, nil)
+	cpuRecoveryDroppedDesc = prometheus.NewDesc("kvoffload_cpu_recovery_dropped_blocks",
+		"Records the CPU tier's recovery dropped: damaged or torn, stale, of an unknown namespace, or whose payload failed its checksum.", nil, nil)
+	cpuRecoverySecondsDesc = prometheus.NewDesc("kvoffload_cpu_recovery_seconds",
+		"How long the CPU tier's recovery took, once it ended.", nil, nil)
+)
+
+func (c cpuRecoveryCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- cpuRecoveryStateDesc
+	ch <- cpuRecoveredBlocksDesc
+	ch <- cpuRecoveryDroppedDesc
+	ch <- cpuRecoverySecondsDesc
+}
+
+func (c cpuRecoveryCollector) Collect(ch chan<- prometheus.Metric) {
+	state := c.r.state.Load()
+	blocks, bad, took := c.r.blocks.Load(), c.r.bad.Load(), c.r.took.Load()
+	ch <- prometheus.MustNewConstMetric(cpuRecoveryStateDesc, prometheus.GaugeValue, float64(state))
+	ch <- prometheus.MustNewConstMetric(cpuRecoveredBlocksDesc, prometheus.GaugeValue, float64(blocks))
+	ch <- prometheus.MustNewConstMetric(cpuRecoveryDroppedDesc, prometheus.GaugeValue, float64(bad))
+	ch <- prometheus.MustNewConstMetric(cpuRecoverySecondsDesc, prometheus.GaugeValue, time.Duration(took).Seconds())
 }
