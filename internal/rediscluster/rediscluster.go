@@ -11,6 +11,7 @@
 package rediscluster
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -455,8 +456,56 @@ func (n *Node) DropSnapshot() error {
 // that was down refuses wants Kill, not Pause). It lasts until the test
 // resumes it, not for a time that a loaded machine may outrun; resume it
 // on cleanup too, and well under cluster-node-timeout (15 s), or the other
-// masters vote it failed.
-func (n *Node) Pause() error { return n.signal(syscall.SIGSTOP) }
+// masters vote it failed. It returns once every thread of the process is
+// stopped: a stop is not synchronous (on a loaded VM a stopped process
+// answered commands for up to 18 ms after the signal).
+func (n *Node) Pause() error {
+	if err := n.signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	pid := n.cmd.Process.Pid
+	n.mu.Unlock()
+	return waitStopped(pid, 10*time.Second)
+}
+
+// waitStopped waits until every thread of process pid is stopped (state T
+// or t in /proc/pid/task/*/stat).
+func waitStopped(pid int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		stopped, err := allStopped(pid)
+		if err != nil || stopped {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("rediscluster: process %d not stopped %v after SIGSTOP", pid, timeout)
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+func allStopped(pid int) (bool, error) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return false, err
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, t.Name()))
+		if err != nil {
+			continue // the thread exited
+		}
+		// pid (comm) state ...: comm may hold spaces and parentheses.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) {
+			return false, fmt.Errorf("rediscluster: unreadable /proc/%d/task/%s/stat", pid, t.Name())
+		}
+		if st := b[i+2]; st != 'T' && st != 't' {
+			return false, nil
+		}
+	}
+	return true, nil
+}
 
 // Resume continues a paused node (SIGCONT); a running node is unaffected.
 func (n *Node) Resume() error { return n.signal(syscall.SIGCONT) }

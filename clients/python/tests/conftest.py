@@ -61,6 +61,25 @@ def daemon_help() -> str:
     return r.stdout + r.stderr
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Waits until every thread of ``pid`` is stopped (state T or t)."""
+    end = time.monotonic() + timeout
+    while True:
+        states = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue  # the thread exited
+            states.append(st[st.rindex(")") + 2])
+        if states and all(x in "Tt" for x in states):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"process {pid} not stopped {timeout}s after SIGSTOP: thread states {states}")
+        time.sleep(0.0002)
+
+
 class Daemon:
     """A running kvoffloadd. ``restart`` starts a new process on the same
     socket and flags (and disk directory, when the flags name one);
@@ -127,7 +146,12 @@ class Daemon:
             time.sleep(0.02)
 
     def pause(self) -> None:
+        """SIGSTOP, then waits until every thread of the daemon is stopped:
+        a stop is not synchronous (on a loaded VM a stopped daemon answered
+        calls for up to 18 ms after the signal, and tests of a hung daemon
+        then saw it answer)."""
         self.proc.send_signal(signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
 
     def resume(self) -> None:
         if self.proc.poll() is None:
