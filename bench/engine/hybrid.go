@@ -26,6 +26,10 @@ type HybridConfig struct {
 	StepTimeout time.Duration
 	// MaxRounds bounds the windowed lookup's rounds (0: 4).
 	MaxRounds int
+	// Probes is how many candidates below the next one each round after
+	// the first also looks up (peeks), for a model whose windows all fit
+	// in one unit (the Python connector's window_probes; 0: none).
+	Probes int
 	// Progress, if set, is called after every step.
 	Progress func(done, total int)
 	// OneStore sends a step's stores of every group in one Store, as a
@@ -233,7 +237,7 @@ func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) 
 		at[string(k)] = i
 	}
 	sent := make([][]int, len(t.w))
-	ask := func(g int, hashes [][]byte) (int, error) {
+	ask := func(g int, hashes [][]byte, probe bool) (int, error) {
 		if t.w[g] != 0 {
 			for _, h := range hashes {
 				sent[g] = append(sent[g], at[string(h)])
@@ -243,7 +247,7 @@ func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) 
 		if err != nil {
 			return 0, err
 		}
-		lr, err := d.c.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: []uint32{d.ns}, Keys: keys, Peek: t.peek})
+		lr, err := d.c.API.Lookup(ctx, &pb.LookupRequest{NamespaceIds: []uint32{d.ns}, Keys: keys, Peek: t.peek || probe})
 		if err != nil {
 			return 0, fmt.Errorf("lookup %s group %d: %w", r.req.ID, g, err)
 		}
@@ -270,23 +274,22 @@ func (d *hybridDriver) lookup(ctx context.Context, t *hybridTreatment, r *hreq) 
 			windowed++
 			continue
 		}
-		ready, err := ask(g, r.req.Keys[:maxUnits*t.bpu[g]])
+		ready, err := ask(g, r.req.Keys[:maxUnits*t.bpu[g]], false)
 		if err != nil {
 			return err
 		}
 		f = min(f, ready/t.bpu[g])
 	}
-	hit, asked, err := resolveHit(f, t.bpu, t.w, d.cfg.MaxRounds, func(g, start, end int) (int, error) {
+	hit, _, rounds, err := resolveHit(f, t.bpu, t.w, d.cfg.MaxRounds, d.cfg.Probes, func(g, start, end int, probe bool) (int, error) {
 		rev := slices.Clone(r.req.Keys[start:end])
 		slices.Reverse(rev)
-		return ask(g, rev)
+		return ask(g, rev, probe)
 	})
 	if err != nil {
 		return err
 	}
-	// Every round asks each windowed group once.
-	if len(asked) > 0 {
-		res.Retries += len(asked)/windowed - 1
+	if windowed > 0 && f > 0 {
+		res.Retries += rounds - 1
 	}
 	for g, idx := range sent {
 		res.WindowKeys += len(idx)

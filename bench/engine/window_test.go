@@ -42,7 +42,7 @@ func TestResolveHitMatchesBruteForce(t *testing.T) {
 			}
 			f = min(f, run/bpu[g])
 		}
-		trail := func(g, start, end int) (int, error) {
+		trail := func(g, start, end int, _ bool) (int, error) {
 			r := 0
 			for i := end - 1; i >= start && presence[g][i]; i-- {
 				r++
@@ -50,22 +50,76 @@ func TestResolveHitMatchesBruteForce(t *testing.T) {
 			return r, nil
 		}
 		want := bruteHit(maxUnits, bpu, w, presence)
-		got, asked, err := resolveHit(f, bpu, w, 1<<20, trail)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got != want {
-			t.Fatalf("trial %d (seed %d): bpu %v w %v presence %v: hit %d, brute force %d", trial, seed, bpu, w, presence, got, want)
-		}
-		for _, a := range asked {
-			if a.Start < 0 || a.End > maxUnits*bpu[a.Group] || w[a.Group] == 0 || a.End-a.Start > w[a.Group] || a.End%bpu[a.Group] != 0 {
-				t.Fatalf("trial %d (seed %d): lookup %+v outside a window of %d blocks (bpu %d)", trial, seed, a, w[a.Group], bpu[a.Group])
+		for _, probes := range []int{0, 8} {
+			got, asked, _, err := resolveHit(f, bpu, w, 1<<20, probes, trail)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got != want {
+				t.Fatalf("trial %d (seed %d): bpu %v w %v presence %v probes %d: hit %d, brute force %d", trial, seed, bpu, w, presence, probes, got, want)
+			}
+			for _, a := range asked {
+				if a.Start < 0 || a.End > maxUnits*bpu[a.Group] || w[a.Group] == 0 || a.End-a.Start > w[a.Group] || a.End%bpu[a.Group] != 0 {
+					t.Fatalf("trial %d (seed %d): lookup %+v outside a window of %d blocks (bpu %d)", trial, seed, a, w[a.Group], bpu[a.Group])
+				}
+			}
+			got4, _, _, _ := resolveHit(f, bpu, w, 4, probes, trail)
+			if got4 != want && got4 != 0 {
+				t.Fatalf("trial %d (seed %d): 4 rounds of %d probes give %d, the longest valid hit is %d", trial, seed, probes, got4, want)
 			}
 		}
-		got4, _, _ := resolveHit(f, bpu, w, 4, trail)
-		if got4 != want && got4 != 0 {
-			t.Fatalf("trial %d (seed %d): 4 rounds give %d, the longest valid hit is %d", trial, seed, got4, want)
+	}
+}
+
+// Windows of one unit or less (Mamba's state block): within 4 rounds,
+// probes settle every case one candidate per round settles, and more.
+func TestProbesSettleMoreWithinTheBound(t *testing.T) {
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 2))
+	cut := map[int]int{}
+	for trial := range 5000 {
+		bpu := []int{1 + rng.IntN(2), 1 + rng.IntN(4)}
+		w := []int{0, 1 + rng.IntN(bpu[1])}
+		maxUnits := 4 + rng.IntN(20)
+		presence := [][]bool{make([]bool, maxUnits*bpu[0]), make([]bool, maxUnits*bpu[1])}
+		for i := range presence[0] {
+			presence[0][i] = true
 		}
+		p := []float64{0.2, 0.5, 0.8}[rng.IntN(3)]
+		for i := range presence[1] {
+			presence[1][i] = rng.Float64() < p
+		}
+		peeks := 0
+		trail := func(g, start, end int, probe bool) (int, error) {
+			if probe {
+				peeks++
+			}
+			r := 0
+			for i := end - 1; i >= start && presence[g][i]; i-- {
+				r++
+			}
+			return r, nil
+		}
+		want := bruteHit(maxUnits, bpu, w, presence)
+		got := map[int]int{}
+		for _, probes := range []int{0, 8} {
+			peeks = 0
+			got[probes], _, _, _ = resolveHit(maxUnits, bpu, w, 4, probes, trail)
+			if probes == 0 && peeks != 0 {
+				t.Fatalf("trial %d (seed %d): %d probes with probes off", trial, seed, peeks)
+			}
+			if got[probes] != want {
+				cut[probes]++
+			}
+		}
+		if got[0] == want && got[8] != want {
+			t.Fatalf("trial %d (seed %d): bpu %v w %v presence %v: one candidate a round finds %d, probes %d", trial, seed, bpu, w, presence, want, got[8])
+		}
+	}
+	t.Logf("cut to 0 within 4 rounds: %d of 5000 without probes, %d with 8", cut[0], cut[8])
+	if cut[8] >= cut[0] {
+		t.Errorf("probes settled no more cases: %v", cut)
 	}
 }
 

@@ -66,7 +66,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 		cpu = avail / 2 / (64 << 20) * (64 << 20)
 		capped = fmt.Sprintf(" (capped at half the available memory: the working set is %s)", model.FormatBytes(D))
 	}
-	desc := fmt.Sprintf("cpu tier %s%s, at most %d lookup rounds", model.FormatBytes(cpu), capped, o.hybridRounds)
+	desc := fmt.Sprintf("cpu tier %s%s, at most %d lookup rounds of %d probes", model.FormatBytes(cpu), capped, o.hybridRounds, o.hybridProbes)
 	if o.hybridExpand > 1 {
 		desc += fmt.Sprintf(", every workload block cut into %d", o.hybridExpand)
 	}
@@ -110,6 +110,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 		Fingerprint: fmt.Appendf(nil, "kvbench/%s/%s/seed=%d/pid=%d/%d", name, h.Kinds(), o.seed, os.Getpid(), time.Now().UnixNano()),
 		Progress:    func(int, int) { b.prog.advance(1) },
 		MaxRounds:   o.hybridRounds,
+		Probes:      o.hybridProbes,
 		OneStore:    o.hybridOneStore,
 	})
 	b.meter.End(mk)

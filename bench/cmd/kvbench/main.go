@@ -77,6 +77,7 @@ type options struct {
 	seedGiven      bool
 	hybridModels   []string
 	hybridRounds   int
+	hybridProbes   int
 	hybridOneStore bool
 	hybridExpand   int
 	hybridCPUShare float64
@@ -149,6 +150,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.wait, "wait", true, "every Load and Store waits for its results in its reply, one round trip each; --wait=false reads them through Completions instead, as a connector that polls does.")
 	hybridModels := fs.String("hybrid-models", "hybrid-swa,hybrid-mamba", "the hybrid scenario's model shapes, comma-separated: hybrid-swa (32 Llama-8B-sized layers, every 4th full attention, the rest a 128-token sliding window; 2 MiB per 16-token block of every group) and hybrid-mamba (1 attention layer beside 6 Mamba2 layers in vLLM's align mode; 272-token blocks, 7.4 MiB per block of every group).")
 	fs.IntVar(&o.hybridRounds, "hybrid-rounds", 4, "the hybrid scenario's most lookup rounds per request: a round looks up every windowed group's window at the candidate hit, and a missing block moves the candidate before it; a request not settled after them gets no hit.")
+	fs.IntVar(&o.hybridProbes, "hybrid-probes", 8, "the hybrid scenario's probes: for a model whose windows all fit in one unit (hybrid-mamba), how many candidates below the next one each round after the first also looks up, as peeks (the connector's window_probes); 0 looks up one candidate per round.")
 	fs.IntVar(&o.hybridExpand, "hybrid-expand", 1, "the hybrid scenario cuts every block of the workload into this many blocks (chained keys kept): prompts this many times longer in tokens, and as many times the memory (hybrid-swa's working set is about 0.8 GiB per unit of it).")
 	fs.Float64Var(&o.hybridCPUShare, "hybrid-cpu-share", 1.25, "the hybrid scenario's CPU tier: this share of the model's working set plus two engine-fulls of blocks; under 1 the daemon evicts, and the two treatments' hit rates show what each loses to it.")
 	fs.BoolVar(&o.hybridOneStore, "hybrid-one-store", false, "the hybrid scenario sends each step's stores of every group in one Store (a connector's one call per step) instead of one Store per group (before 5409db1 the daemon then evicted blocks of groups that share a block size while its CPU tier had room: docs/benchmarks.md).")
@@ -227,6 +229,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.hybridRounds < 1 || o.hybridRounds > 1024 {
 		bad("--hybrid-rounds %d: want 1..1024", o.hybridRounds)
+	}
+	if o.hybridProbes < 0 || o.hybridProbes > 1024 {
+		bad("--hybrid-probes %d: want 0..1024", o.hybridProbes)
 	}
 	if o.engineBlocks < 0 || o.engineBlocks > 1<<16 {
 		bad("--engine-blocks %d: want 0..65536", o.engineBlocks)

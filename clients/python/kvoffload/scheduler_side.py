@@ -42,6 +42,8 @@ log = logging.getLogger("kvoffload.scheduler")
 # Requests whose undrained stores one engine block keeps apart in the fence
 # table (SchedulerSide._note_reads).
 _MAX_READERS = 8
+# Probe Lookups per request in a lookup round (window_probes).
+_PROBE_CALLS = 24
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,13 @@ class SchedulerSide:
             and stores of a windowed group cover only what a hit needs.
         window_rounds: how many lookups a batch makes, at most, to find where
             every windowed group's window is present (each one round trip).
+        window_probes: for a model whose windows all fit in one unit (Mamba
+            in align mode: one state block), how many candidates below the
+            next one each round after the first also asks about, as peeks
+            without a lease: a run of missing states costs one round per
+            ``window_probes`` + 1 units instead of one per unit. Each probe
+            is one Lookup per windowed group, at most 24 per request a round
+            (fewer probes for a model with more than 3 windowed groups).
     """
 
     def __init__(
@@ -160,9 +169,11 @@ class SchedulerSide:
         eagle_groups: Sequence[bool] = (),
         group_windows: Sequence[int | None] = (),
         window_rounds: int = 4,
+        window_probes: int = 8,
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None)
         self._window_rounds = max(1, int(window_rounds))
+        self._window_probes = max(0, int(window_probes))
         # The group whose blocks say where a hit's tokens come from: the
         # first full-attention group (its blocks cover the whole hit).
         self._tier_group = self.keys.full_groups[0] if self.keys.full_groups else 0
@@ -475,12 +486,22 @@ class SchedulerSide:
         its keys last first, so that the daemon's ready count is the
         window's trailing run: a run short of the window moves F to the last
         unit boundary at or before the block missing, and the windows ending
-        there are looked up next, at most ``window_rounds`` times."""
+        there are looked up next, at most ``window_rounds`` times. Where
+        every window fits in one unit (the windows of two candidates never
+        overlap), each round after the first also peeks at the windows of
+        the ``window_probes`` units below the candidate; the next candidate
+        is the longest one no block known missing rules out, settled at
+        once when a probe found it whole and no lease is asked for."""
         keys, lease_ms, timeout = self.keys, self._lease_ms, self._rpc_timeout
         full, windowed = keys.full_groups, keys.windowed_groups
         bpu = keys.blocks_per_unit
         rounds = self._window_rounds
         tier_group = self._tier_group
+        probes = 0
+        if windowed and all(keys.windows[g] <= bpu[g] for g in windowed):
+            # Each probe is a Lookup per windowed group: at most
+            # _PROBE_CALLS of them per request a round.
+            probes = min(self._window_probes, max(1, _PROBE_CALLS // len(windowed)))
 
         def lookup(client: Client, calls: list) -> list:
             try:
@@ -494,6 +515,9 @@ class SchedulerSide:
         def window_of(rec: _Lookup, g: int, f: int) -> range:
             w = keys.window_blocks(g, f)
             return range(max(w.start, rec.key[0] * bpu[g]), w.stop)
+
+        def ruled_out(rec: _Lookup, c: int, missing: list[set[int]]) -> bool:
+            return any(not missing[j].isdisjoint(window_of(rec, g, c)) for j, g in enumerate(windowed))
 
         def run(client: Client) -> None:
             t0 = time.monotonic()
@@ -510,6 +534,7 @@ class SchedulerSide:
             down = None
             cand: dict[int, int] = {}  # batch index -> candidate end unit, windows not yet checked
             asked: dict[int, list[list[int]]] = {}  # batch index -> per windowed group, the blocks asked
+            missing: dict[int, list[set[int]]] = {}  # batch index -> per windowed group, blocks known missing
             for n, (rec, (a, b)) in enumerate(zip(batch, spans)):
                 rs = results[a:b]
                 errs = [r for r in rs if isinstance(r, KVOffloadError)]
@@ -529,44 +554,65 @@ class SchedulerSide:
                 if windowed and f > start:
                     cand[n] = f
                     asked[n] = [[] for _ in windowed]
-            for _ in range(rounds):
+                    missing[n] = [set() for _ in windowed]
+            nw = len(windowed)
+            for round_no in range(rounds):
                 if not cand or down is not None:
                     break
                 calls, order = [], []
                 for n, f in cand.items():
                     rec = batch[n]
-                    for j, g in enumerate(windowed):
-                        blocks = window_of(rec, g, f)
-                        asked[n][j].extend(blocks)
-                        calls.append((rec.key[2], keys.keys(rec.hashes, g, blocks[::-1]), g, lease_ms, rec.peek))
-                    order.append(n)
+                    # The candidate (with the lease), then the probes below
+                    # it (peeks): from the second round, when the first
+                    # candidate already missed.
+                    cs = [f]
+                    if probes and round_no > 0:
+                        cs += [c for c in range(f - 1, max(rec.key[0], f - 1 - probes), -1)
+                               if not ruled_out(rec, c, missing[n])]
+                    for i, c in enumerate(cs):
+                        for j, g in enumerate(windowed):
+                            blocks = window_of(rec, g, c)
+                            asked[n][j].extend(blocks)
+                            rec.keys_asked += len(blocks)
+                            calls.append((rec.key[2], keys.keys(rec.hashes, g, blocks[::-1]), g,
+                                          lease_ms if i == 0 else 0, rec.peek or i > 0))
+                    order.append((n, cs))
                 results = lookup(client, calls)
                 nxt: dict[int, int] = {}
-                for k, n in enumerate(order):
-                    rec, f = batch[n], cand[n]
-                    rs = results[k * len(windowed):(k + 1) * len(windowed)]
-                    rec.keys_asked += sum(len(window_of(rec, g, f)) for g in windowed)
+                at = 0
+                for n, cs in order:
+                    rec = batch[n]
+                    rs = results[at:at + nw * len(cs)]
+                    at += nw * len(cs)
                     errs = [r for r in rs if isinstance(r, KVOffloadError)]
                     if errs:
                         rec.error = errs[0]
                         down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
                         continue
-                    nf = f
-                    for j, g in enumerate(windowed):
-                        blocks = window_of(rec, g, f)
-                        if rs[j].ready < len(blocks):
-                            missing = f * bpu[g] - 1 - rs[j].ready
-                            nf = min(nf, missing // bpu[g])
-                    if nf == f:
-                        # Every window ending at f is there: the hit stands,
-                        # held by this round's leases.
-                        rec.hit_units = f - rec.key[0]
-                        rec.leases.update({g: rs[j].lease_id for j, g in enumerate(windowed) if rs[j].lease_id})
+                    whole = {}  # candidate -> its windows' answers, where every window is there
+                    for i, c in enumerate(cs):
+                        crs = rs[i * nw:(i + 1) * nw]
+                        for j, g in enumerate(windowed):
+                            blocks = window_of(rec, g, c)
+                            if crs[j].ready < len(blocks):
+                                missing[n][j].add(blocks.stop - 1 - crs[j].ready)
+                        if all(crs[j].ready >= len(window_of(rec, g, c)) for j, g in enumerate(windowed)):
+                            whole[c] = crs
+                    # The longest candidate no block known missing rules out
+                    # (every one above the last candidate was ruled out).
+                    f = cs[0]
+                    nf = next((c for c in range(f, rec.key[0], -1) if not ruled_out(rec, c, missing[n])), rec.key[0])
+                    if nf in whole and (nf == f or not lease_ms):
+                        # Every window ending at nf is there: the hit stands,
+                        # held by this round's leases (a probe's hit asks
+                        # for none: none was asked for).
+                        crs = whole[nf]
+                        rec.hit_units = nf - rec.key[0]
+                        rec.leases.update({g: crs[j].lease_id for j, g in enumerate(windowed) if crs[j].lease_id})
                         if not full:
-                            rec.tiers = self._window_tiers(rs[windowed.index(tier_group)].tiers, f * bpu[tier_group])
-                        inside = [set(window_of(rec, g, f)) for g in windowed]
-                        rec.keys_outside = sum(1 for j in range(len(windowed)) for i in asked[n][j]
-                                               if i not in inside[j])
+                            rec.tiers = self._window_tiers(crs[windowed.index(tier_group)].tiers, nf * bpu[tier_group])
+                        inside = [set(window_of(rec, g, nf)) for g in windowed]
+                        rec.keys_outside = sum(1 for j in range(nw) for i in asked[n][j] if i not in inside[j])
                     elif nf <= rec.key[0]:
                         rec.hit_units = 0
                     else:

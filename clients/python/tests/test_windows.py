@@ -160,6 +160,93 @@ def test_lookup_rule_matches_brute_force_model():
     print(f"seed={seed}: {settled_first} hits settled in the first round, {cut} cases cut to 0 by the 4-round bound")
 
 
+def run_lookup_probes(sizes, windows, hashes, present, start, end, hb, rounds, probes, lease_ms=0):
+    daemon = PresenceDaemon(present)
+    sched = SchedulerSide("/nonexistent.sock", 1, hb, sizes, HB, client=daemon, group_windows=windows,
+                          window_rounds=rounds, window_probes=probes, lease_ms=lease_ms)
+    try:
+        rec = _Lookup((start, end, (1,)), hashes, False, 0.0)
+        sched._batch_fn([rec])(daemon)
+    finally:
+        sched.close()
+    return rec, daemon
+
+
+@pytest.mark.parametrize("lease_ms", [0, 100])
+def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
+    """Mamba in align mode (a one-block window per unit) beside full
+    attention: the last 10 states are gone (evicted), the one below them is
+    there. One round per unit cannot reach it in 4; with probes it is found
+    in 3, and a lease covers what the load moves."""
+    m = KeyMapper(4, (4, 4), (None, 1))
+    hashes = hashes_for(16, 9)
+    gone = set(m.keys(hashes, 1, range(6, 16)))
+    present = {0: set(m.keys(hashes, 0, range(16))), 1: set(m.keys(hashes, 1, range(16))) - gone}
+    rec, _ = run_lookup_probes((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, 0)
+    assert rec.hit_units == 0  # the old rule: one unit per round
+    rec, daemon = run_lookup_probes((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, 8, lease_ms=lease_ms)
+    assert rec.hit_units == 6
+    rounds = [c for c in daemon.calls if c[0] == 1]
+    # Round 1: state block 15; round 2: 14 and probes 13..6 (peeks), all
+    # gone; round 3: 5 (the candidate, with the lease) and probes 4..0.
+    assert [c[1] for c in rounds] == [m.keys(hashes, 1, [i]) for i in range(15, -1, -1)]
+    assert [c[2] for c in rounds] == [False, False] + [True] * 8 + [False] + [True] * 5
+    if lease_ms:
+        g, pinned = daemon.leases[rec.leases[1]]
+        assert g == 1 and pinned == m.keys(hashes, 1, [5])
+        g, pinned = daemon.leases[rec.leases[0]]
+        assert set(m.keys(hashes, 0, range(6))) <= set(pinned)
+    else:
+        assert rec.leases == {}
+
+
+def test_probes_never_change_the_hit_and_settle_more_within_the_bound():
+    """Random small-window models (every window within one unit): with any
+    number of rounds the hit is the brute-force one with and without
+    probes; within 4 rounds probes never lose a hit the old rule found."""
+    seed = int(os.environ.get("KVO_WINDOW_SEED", random.randrange(1 << 30)))
+    print(f"test_probes seed={seed} (KVO_WINDOW_SEED={seed} repeats it)")
+    rng = random.Random(seed)
+    cut = {0: 0, 8: 0}
+    cases = 0
+    while cases < 600:
+        hb = rng.choice([2, 4])
+        G = rng.randint(2, 3)
+        sizes = [hb * rng.choice([1, 2]) for _ in range(G)]
+        windows = [None] + [rng.randint(1, s // hb) for s in sizes[1:]]
+        m = KeyMapper(hb, sizes, windows)
+        units = rng.randint(4, 24)
+        hashes = hashes_for(units * m.unit_tokens // hb, rng.randrange(256))
+        present = {}
+        for g in range(G):
+            nblocks = units * m.blocks_per_unit[g]
+            keys = m.keys(hashes, g, range(nblocks))
+            density = 1.0 if windows[g] is None else rng.choice([0.2, 0.5, 0.8])
+            present[g] = {k for k in keys if rng.random() < density}
+        start = rng.choice([0, 0, rng.randint(0, units - 1)])
+        has = lambda g, i: m.keys(hashes, g, [i])[0] in present[g]  # noqa: E731
+        want = brute_hit(m, has, start, units)
+        ctx = f"seed={seed} case={cases} sizes={sizes} windows={windows} start={start} units={units}"
+        cases += 1
+        for lease_ms in (0, 100):
+            rec, daemon = run_lookup_probes(sizes, windows, hashes, present, start, units, hb, 1000, 8, lease_ms)
+            assert rec.error is None and rec.hit_units == want, ctx
+            for g in range(G) if want and lease_ms else ():
+                need = [i for i in m.window_blocks(g, start + want) if i >= start * m.blocks_per_unit[g]]
+                if need:  # a probe's hit is leased before it is settled
+                    lg, pinned = daemon.leases[rec.leases[g]]
+                    assert lg == g and set(m.keys(hashes, g, need)) <= set(pinned), ctx
+        got = {}
+        for probes in (0, 8):
+            rec, _ = run_lookup_probes(sizes, windows, hashes, present, start, units, hb, 4, probes)
+            assert rec.hit_units in (0, want), ctx
+            got[probes] = rec.hit_units
+            cut[probes] += rec.hit_units != want
+        assert not (got[0] == want and got[8] != want), ctx
+    print(f"seed={seed}: {cases} cases, cut to 0 by 4 rounds: {cut[0]} without probes, {cut[8]} with")
+    assert cut[8] < cut[0], cut
+
+
 def test_window_keys_are_asked_last_first():
     """The daemon counts leading keys: a window asked in reverse gives its
     trailing run, so one missing block early in the window moves the hit
