@@ -101,10 +101,10 @@ def random_case(rng: random.Random):
     return m, sizes, windows, hashes, present, start, units
 
 
-def run_lookup(sizes, windows, hashes, present, start, end, hb, rounds, lease_ms=0):
+def run_lookup(sizes, windows, hashes, present, start, end, hb, rounds, lease_ms=0, probes=8):
     daemon = PresenceDaemon(present)
     sched = SchedulerSide("/nonexistent.sock", 1, hb, sizes, HB, client=daemon, group_windows=windows,
-                          window_rounds=rounds, lease_ms=lease_ms)
+                          window_rounds=rounds, window_probes=probes, lease_ms=lease_ms)
     try:
         rec = _Lookup((start, end, (1,)), hashes, False, 0.0)
         sched._batch_fn([rec])(daemon)
@@ -160,18 +160,6 @@ def test_lookup_rule_matches_brute_force_model():
     print(f"seed={seed}: {settled_first} hits settled in the first round, {cut} cases cut to 0 by the 4-round bound")
 
 
-def run_lookup_probes(sizes, windows, hashes, present, start, end, hb, rounds, probes, lease_ms=0):
-    daemon = PresenceDaemon(present)
-    sched = SchedulerSide("/nonexistent.sock", 1, hb, sizes, HB, client=daemon, group_windows=windows,
-                          window_rounds=rounds, window_probes=probes, lease_ms=lease_ms)
-    try:
-        rec = _Lookup((start, end, (1,)), hashes, False, 0.0)
-        sched._batch_fn([rec])(daemon)
-    finally:
-        sched.close()
-    return rec, daemon
-
-
 @pytest.mark.parametrize("lease_ms", [0, 100])
 def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
     """Mamba in align mode (a one-block window per unit) beside full
@@ -182,9 +170,9 @@ def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
     hashes = hashes_for(16, 9)
     gone = set(m.keys(hashes, 1, range(6, 16)))
     present = {0: set(m.keys(hashes, 0, range(16))), 1: set(m.keys(hashes, 1, range(16))) - gone}
-    rec, _ = run_lookup_probes((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, 0)
+    rec, _ = run_lookup((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, probes=0)
     assert rec.hit_units == 0  # the old rule: one unit per round
-    rec, daemon = run_lookup_probes((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, 8, lease_ms=lease_ms)
+    rec, daemon = run_lookup((4, 4), (None, 1), hashes, present, 0, 16, 4, 4, lease_ms=lease_ms)
     assert rec.hit_units == 6
     rounds = [c for c in daemon.calls if c[0] == 1]
     # Round 1: state block 15; round 2: 14 and probes 13..6 (peeks), all
@@ -229,7 +217,7 @@ def test_probes_never_change_the_hit_and_settle_more_within_the_bound():
         ctx = f"seed={seed} case={cases} sizes={sizes} windows={windows} start={start} units={units}"
         cases += 1
         for lease_ms in (0, 100):
-            rec, daemon = run_lookup_probes(sizes, windows, hashes, present, start, units, hb, 1000, 8, lease_ms)
+            rec, daemon = run_lookup(sizes, windows, hashes, present, start, units, hb, 1000, lease_ms)
             assert rec.error is None and rec.hit_units == want, ctx
             for g in range(G) if want and lease_ms else ():
                 need = [i for i in m.window_blocks(g, start + want) if i >= start * m.blocks_per_unit[g]]
@@ -238,7 +226,7 @@ def test_probes_never_change_the_hit_and_settle_more_within_the_bound():
                     assert lg == g and set(m.keys(hashes, g, need)) <= set(pinned), ctx
         got = {}
         for probes in (0, 8):
-            rec, _ = run_lookup_probes(sizes, windows, hashes, present, start, units, hb, 4, probes)
+            rec, _ = run_lookup(sizes, windows, hashes, present, start, units, hb, 4, probes=probes)
             assert rec.hit_units in (0, want), ctx
             got[probes] = rec.hit_units
             cut[probes] += rec.hit_units != want
