@@ -20,10 +20,16 @@ HERE = Path(__file__).resolve().parent
 # the wakeup fd that Python's C-level handler writes to: a time.sleep(600)
 # entered just after that handler ran (the test signals as soon as it reads
 # the line) slept on, the Python handler never ran, and the test waited 30 s
-# for nothing (1 of 14 runs of the suite under load; issue 26).
+# for nothing (1 of 14 runs of the suite under load; issue 26). SIGTERM and
+# SIGHUP are set back to their defaults before tmpdirs is imported: tmpdirs
+# leaves a signal the session ignores alone (a session under nohup keeps
+# running on SIGHUP), and a suite run under nohup passed that on, so the
+# SIGHUP case waited 30 s for an owner that ignored it.
 OWNER = r"""
 import os, select, signal, subprocess, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 sys.path.insert(0, sys.argv[1])
 import tmpdirs
 d = tmpdirs.make("t-")
