@@ -199,6 +199,12 @@ func testEventsZMQRemote(t *testing.T, ctx context.Context, rc *rediscluster.Clu
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The call returns before the daemon has subscribed the stream; its
+	// snapshot (CAUGHT_UP at its end) says it has. A remote change is in
+	// no snapshot: one made before would never reach this stream (under
+	// load the load below settled first, and the test waited for events
+	// that were never the stream's).
+	awaitCaughtUp(t, watchB)
 	hs2 := [][]byte{m.Hash(8, 0), m.Hash(8, 1)}
 	store(hs2)
 	until("BlockStored STORAGE/REMOTE for the blocks to lose", func() bool { return remoteHeld[name(hs2[0])] && remoteHeld[name(hs2[1])] })
@@ -235,6 +241,23 @@ func testEventsZMQRemote(t *testing.T, ctx context.Context, rc *rediscluster.Clu
 					t.Fatalf("the loading node's stream: %v TIER_REMOTE of namespace %d, %x", e.Kind, e.NamespaceId, e.Hash)
 				}
 				gone[string(e.Hash)] = true
+			}
+		}
+	}
+}
+
+// awaitCaughtUp reads a new WatchEvents stream up to the end of its
+// snapshot: from there on every change reaches it.
+func awaitCaughtUp(t *testing.T, w pb.KVOffload_WatchEventsClient) {
+	t.Helper()
+	for {
+		r, err := w.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range r.Events {
+			if e.Kind == pb.EventKind_EVENT_KIND_CAUGHT_UP {
+				return
 			}
 		}
 	}
