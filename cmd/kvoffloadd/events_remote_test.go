@@ -63,6 +63,7 @@ func testEventsZMQRemote(t *testing.T, ctx context.Context, rc *rediscluster.Clu
 	if err != nil {
 		t.Fatal(err)
 	}
+	awaitCaughtUp(t, watch)
 	nextID := uint64(1)
 	store := func(hs [][]byte) {
 		t.Helper()
@@ -347,6 +348,7 @@ func TestRemoteEventsRaceInvalidate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	awaitCaughtUp(t, watch)
 	hs := make([][]byte, 8)
 	for i := range hs {
 		hs[i] = m.Hash(3, i)
