@@ -188,6 +188,21 @@ def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
         assert rec.leases == {}
 
 
+@pytest.mark.parametrize("lease_ms,reach", [(0, 27), (100, 19)])
+def test_four_rounds_of_probes_reach_a_state_this_far_back_and_no_further(lease_ms, reach):
+    """The bound docs/vllm.md states: with the last k states gone, 4 rounds
+    of 8 probes find the state k units back for k up to 27 (19 with a
+    lease: a probe's find takes a round more to lease), and a miss beyond."""
+    m = KeyMapper(4, (4, 4), (None, 1))
+    units = 45
+    hashes = hashes_for(units, 9)
+    for k in (reach, reach + 1):
+        gone = set(m.keys(hashes, 1, range(units - k, units)))
+        present = {0: set(m.keys(hashes, 0, range(units))), 1: set(m.keys(hashes, 1, range(units))) - gone}
+        rec, _ = run_lookup((4, 4), (None, 1), hashes, present, 0, units, 4, 4, lease_ms=lease_ms)
+        assert rec.hit_units == (units - k if k == reach else 0), (k, rec.hit_units)
+
+
 def test_probes_never_change_the_hit_and_settle_more_within_the_bound():
     """Random small-window models (every window within one unit): with any
     number of rounds the hit is the brute-force one with and without
