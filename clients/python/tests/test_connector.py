@@ -541,6 +541,14 @@ def test_a_store_planned_in_the_step_its_block_is_given_out_again_leaves_it_out(
     assert client.lookup([ns], hs[1:3], group=1).ready == 2
 
 
+def _prefill_with_the_daemon_stopped(h, d, toks: list[int]) -> None:
+    """Stops the daemon, then prefills request f0 (engine blocks 1-5):
+    returns once each rank's Store of it is with the stopped daemon."""
+    d.pause()
+    prefill(h, Request("f0", toks), [1, 2, 3, 4, 5])
+    assert wait_for(lambda: all(not w._queue for w in h.workers))
+
+
 def test_a_fence_waits_for_each_ranks_own_stores_and_nothing_else(fresh_daemon, shm, fingerprint):
     # Two ranks, each with its own jobs. The daemon is stopped while both
     # ranks' stores of request f0 run; vLLM preempts f0 (and frees its
@@ -551,9 +559,7 @@ def test_a_fence_waits_for_each_ranks_own_stores_and_nothing_else(fresh_daemon, 
     h = Harness(d, shm, fingerprint, tp=2)
     try:
         toks = list(range(1400, 1417))
-        d.pause()
-        prefill(h, Request("f0", toks), [1, 2, 3, 4, 5])
-        assert wait_for(lambda: all(not w._queue for w in h.workers))  # each rank's Store is with the daemon
+        _prefill_with_the_daemon_stopped(h, d, toks)
 
         def step_in_thread(out):
             res = {}
@@ -681,9 +687,7 @@ def test_a_fence_outlives_a_cache_reset(fresh_daemon, shm, fingerprint):
     d = fresh_daemon()
     h = Harness(d, shm, fingerprint)
     try:
-        d.pause()
-        prefill(h, Request("f0", list(range(1900, 1917))), [1, 2, 3, 4, 5])
-        assert wait_for(lambda: not h.workers[0]._queue)  # the Store is with the stopped daemon
+        _prefill_with_the_daemon_stopped(h, d, list(range(1900, 1917)))
         h.sched.reset()  # False: the stopped daemon cannot confirm; the new identity holds
         h.workers[0].switch_identity(b"new identity")
         f1 = Request("f1", list(range(2000, 2005)))
@@ -707,9 +711,7 @@ def test_a_fence_never_waits_for_stores_of_a_registration_that_is_gone(fresh_dae
     d = fresh_daemon()
     h = Harness(d, shm, fingerprint)
     try:
-        d.pause()
-        prefill(h, Request("f0", list(range(2100, 2117))), [1, 2, 3, 4, 5])
-        assert wait_for(lambda: not h.workers[0]._queue)
+        _prefill_with_the_daemon_stopped(h, d, list(range(2100, 2117)))
         d.proc.kill()
         d.proc.wait(timeout=20)
         assert wait_for(lambda: h.workers[0].pending() == 0)
