@@ -45,6 +45,16 @@ def serve(eng: Engine, rid: str, prompt: list[int], max_tokens: int = 1, **kw) -
     eng.drain()
 
 
+def serve_once(cfg: Config, mod, daemon, shm, prompt: list[int]) -> None:
+    """Serves ``prompt`` (6 tokens out) on an engine of its own, then closes
+    it: its blocks stay in the daemon for the next engine."""
+    eng = Engine(cfg, mod, daemon.socket, shm)
+    try:
+        serve(eng, "a", prompt, 6)
+    finally:
+        eng.close()
+
+
 def test_repeated_prefixes_hit_and_every_state_is_right(daemon, shm):
     """A prompt served once is a hit for the next engine (an empty GPU
     cache): the whole prompt but its last block boundary comes from the
@@ -53,11 +63,7 @@ def test_repeated_prefixes_hit_and_every_state_is_right(daemon, shm):
     cfg = hybrid(model="mamba-repeat", extra={"lookup_deadline_ms": 2000})
     prompt = list(range(100, 127))  # 27 tokens: states committed at 4, ..., 24
     with connector_module() as mod:
-        eng = Engine(cfg, mod, daemon.socket, shm)
-        try:
-            serve(eng, "a", prompt, 6)
-        finally:
-            eng.close()
+        serve_once(cfg, mod, daemon, shm, prompt)
         eng = Engine(cfg, mod, daemon.socket, shm)
         try:
             serve(eng, "b", prompt, 6)
@@ -104,11 +110,7 @@ def test_a_failed_state_block_load_fails_the_request_and_is_not_offered_again(da
     cfg = hybrid(model=f"mamba-fail-{policy}", policy=policy, extra={"lookup_deadline_ms": 2000})
     prompt = list(range(300, 327))
     with connector_module() as mod:
-        eng = Engine(cfg, mod, daemon.socket, shm)
-        try:
-            serve(eng, "a", prompt, 6)
-        finally:
-            eng.close()
+        serve_once(cfg, mod, daemon, shm, prompt)
         eng = Engine(cfg, mod, daemon.socket, shm)
         try:
             sc = eng.sched_conn
