@@ -42,8 +42,11 @@ log = logging.getLogger("kvoffload.scheduler")
 # Requests whose undrained stores one engine block keeps apart in the fence
 # table (SchedulerSide._note_reads).
 _MAX_READERS = 8
-# Probe Lookups per request in a lookup round (window_probes).
+# Probe Lookups per request in a lookup round (window_probes), and per
+# batch: a batch of many requests whose states are gone (a daemon that lost
+# its tier) probes for the first of them, the rest step down as without.
 _PROBE_CALLS = 24
+_PROBE_BATCH_CALLS = 256
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ class SchedulerSide:
             without a lease: a run of missing states costs one round per
             ``window_probes`` + 1 units instead of one per unit. Each probe
             is one Lookup per windowed group, at most 24 per request a round
-            (fewer probes for a model with more than 3 windowed groups).
+            (fewer probes for a model with more than 3 windowed groups) and
+            256 per batch a round (requests past that get none that round).
     """
 
     def __init__(
@@ -560,6 +564,7 @@ class SchedulerSide:
                 if not cand or down is not None:
                     break
                 calls, order = [], []
+                budget = _PROBE_BATCH_CALLS
                 for n, f in cand.items():
                     rec = batch[n]
                     # The candidate (with the lease), then the probes below
@@ -568,7 +573,8 @@ class SchedulerSide:
                     cs = [f]
                     if probes and round_no > 0:
                         cs += [c for c in range(f - 1, max(rec.key[0], f - 1 - probes), -1)
-                               if not ruled_out(rec, c, missing[n])]
+                               if not ruled_out(rec, c, missing[n])][:budget // len(windowed)]
+                        budget -= (len(cs) - 1) * len(windowed)
                     for i, c in enumerate(cs):
                         for j, g in enumerate(windowed):
                             blocks = window_of(rec, g, c)

@@ -203,6 +203,34 @@ def test_four_rounds_of_probes_reach_a_state_this_far_back_and_no_further(lease_
         assert rec.hit_units == (units - k if k == reach else 0), (k, rec.hit_units)
 
 
+def test_a_batch_of_many_requests_whose_states_are_gone_bounds_its_probes():
+    """60 requests, every state gone (a daemon that lost its tier): each
+    round's probe Lookups stay within the batch's 256, every request gets
+    its candidate every round, and every one is a miss."""
+    m = KeyMapper(4, (4, 4), (None, 1))
+    recs, present = [], {0: set(), 1: set()}
+    for i in range(60):
+        hashes = hashes_for(20, i)
+        present[0] |= set(m.keys(hashes, 0, range(20)))
+        recs.append(_Lookup((0, 20, (1,)), hashes, False, 0.0))
+    daemon = PresenceDaemon(present)
+    batches = []
+    real = daemon.lookup_many
+    daemon.lookup_many = lambda calls, timeout=None: (batches.append(list(calls)), real(calls))[1]
+    sched = SchedulerSide("/nonexistent.sock", 1, 4, (4, 4), HB, client=daemon, group_windows=(None, 1))
+    try:
+        sched._batch_fn(recs)(daemon)
+    finally:
+        sched.close()
+    rounds = batches[1:]  # the first call is the full-attention prefixes
+    assert len(rounds) == 4
+    for k, calls in enumerate(rounds):
+        peeks = sum(1 for c in calls if c[4])
+        assert peeks <= 256 and len(calls) - peeks == 60, (k, peeks, len(calls))
+    assert sum(1 for c in rounds[1] if c[4]) == 256  # the budget is used, not left idle
+    assert all(r.hit_units == 0 and r.error is None for r in recs)
+
+
 def test_probes_never_change_the_hit_and_settle_more_within_the_bound():
     """Random small-window models (every window within one unit): with any
     number of rounds the hit is the brute-force one with and without
