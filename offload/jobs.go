@@ -97,6 +97,7 @@ type Registration struct {
 	reg  *layout.Regions
 	peer dma.Peer
 	name string
+	key  string // the registration key peers find it by (FindRegistrations); guarded by Service.mu
 	jobs sync.WaitGroup
 
 	mu struct {

@@ -70,7 +70,7 @@ func maximalRequests(lim offload.Limits) []proto.Message {
 	lookup := &pb.LookupRequest{NamespaceIds: nsIDs, Keys: &pb.KeyList{Group: big32, Hashes: hashes(lim.MaxKeysPerLookup)}, LeaseMs: big32, Peek: true}
 	invalidate := &pb.InvalidateRequest{NamespaceIds: nsIDs, Keys: lookup.Keys}
 	register := &pb.RegisterRequest{Fingerprint: make([]byte, lim.MaxFingerprint), ClientName: strings.Repeat("c", lim.MaxClientName),
-		Layout: &pb.Layout{HashBytes: big32}}
+		Layout: &pb.Layout{HashBytes: big32}, RegistrationKey: make([]byte, lim.MaxFingerprint)}
 	for i := 0; i < layout.MaxSegments; i++ {
 		register.Layout.Segments = append(register.Layout.Segments, &pb.Segment{Group: big32, Bytes: big64})
 		r := &pb.Region{Offset: big64, BlockStride: big64, NumBlocks: big32}
@@ -88,6 +88,7 @@ func maximalRequests(lim offload.Limits) []proto.Message {
 	for i := 0; i < lim.MaxNamespaces; i++ {
 		resolve.Fingerprints = append(resolve.Fingerprints, make([]byte, lim.MaxFingerprint))
 	}
-	return []proto.Message{transfer, lookup, invalidate, register, resolve,
+	find := &pb.FindRegistrationsRequest{Keys: resolve.Fingerprints}
+	return []proto.Message{transfer, lookup, invalidate, register, resolve, find,
 		&pb.CompletionsRequest{RegistrationId: big64, WaitMs: big32, MaxJobs: big32}, &pb.UnregisterRequest{RegistrationId: big64}}
 }

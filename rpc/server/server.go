@@ -304,8 +304,17 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		}
 		specs[i] = sp
 	}
+	if max := s.svc.Limits().MaxFingerprint; len(req.GetRegistrationKey()) > max {
+		return nil, invalid("registration_key is longer than " + strconv.Itoa(max) + " bytes")
+	}
 	reg, joined, err := s.svc.Register(req.GetFingerprint(), lay, specs, info.Peer, req.GetClientName())
 	if err != nil {
+		return nil, toStatus(err)
+	}
+	if err := s.svc.SetRegistrationKey(reg, req.GetRegistrationKey()); err != nil {
+		if uerr := s.svc.Unregister(reg.ID); uerr != nil {
+			s.log.Warn("releasing a registration whose key was refused", "registration", reg.ID, "err", uerr)
+		}
 		return nil, toStatus(err)
 	}
 	if !s.conns.addRegistration(info, reg.ID) {
@@ -340,6 +349,19 @@ func (s *Server) Resolve(ctx context.Context, req *pb.ResolveRequest) (*pb.Resol
 		return nil, toStatus(err)
 	}
 	return &pb.ResolveResponse{NamespaceIds: ids}, nil
+}
+
+// FindRegistrations implements pb.KVOffloadServer.
+func (s *Server) FindRegistrations(ctx context.Context, req *pb.FindRegistrationsRequest) (*pb.FindRegistrationsResponse, error) {
+	found, err := s.svc.FindRegistrations(req.GetKeys())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	out := &pb.FindRegistrationsResponse{Found: make([]*pb.FoundRegistrations, len(found))}
+	for i, fps := range found {
+		out.Found[i] = &pb.FoundRegistrations{Fingerprints: fps}
+	}
+	return out, nil
 }
 
 func keysOf(k *pb.KeyList) offload.Keys {

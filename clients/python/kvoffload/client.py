@@ -331,10 +331,12 @@ class Client:
 
     def register(
         self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = "", *,
-        timeout: float | None = None,
+        timeout: float | None = None, registration_key: bytes = b"",
     ) -> Registration:
         """Maps ``regions`` (one per layout segment, same order) and joins or
-        creates the namespace named by ``fingerprint`` (1 to 256 bytes)."""
+        creates the namespace named by ``fingerprint`` (1 to 256 bytes).
+        ``registration_key`` (at most 256 bytes) lets peers find the
+        fingerprint with :meth:`find_registrations`."""
         req = pb.RegisterRequest(
             fingerprint=bytes(fingerprint),
             layout=pb.Layout(
@@ -343,6 +345,7 @@ class Client:
             ),
             regions=[_region_pb(r) for r in regions],
             client_name=client_name,
+            registration_key=bytes(registration_key),
         )
         r = self._call("Register", req, timeout=timeout)
         # A new registration's cursor starts at 0. Its id may be one an
@@ -356,6 +359,13 @@ class Client:
         """The namespace id of each fingerprint, 0 where none is registered."""
         r = self._call("Resolve", pb.ResolveRequest(fingerprints=[bytes(f) for f in fingerprints]), timeout=timeout)
         return list(r.namespace_ids)
+
+    def find_registrations(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[list[bytes]]:
+        """For each registration key, the distinct fingerprints of the live
+        registrations made with it (sorted; empty where none)."""
+        r = self._call("FindRegistrations", pb.FindRegistrationsRequest(keys=[bytes(k) for k in keys]),
+                       timeout=timeout)
+        return [list(f.fingerprints) for f in r.found]
 
     def unregister(self, registration_id: int, *, timeout: float | None = None) -> None:
         """Waits for the registration's jobs to drain, unmaps its regions and

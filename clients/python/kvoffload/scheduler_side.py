@@ -205,6 +205,8 @@ class SchedulerSide:
         self.disabled: str | None = None
         self.stores_off = False  # no worker can store: plan none
         self._fingerprints: dict[tuple, bytes] | None = None  # of the current identity
+        self._rank_keys: dict[tuple, bytes] = {}  # rank -> registration key (discover_workers)
+        self._discovery_misses = 0
         self._base_fps: dict[tuple, bytes] | None = None  # as the workers registered them at start
         # The engine's identity: generation 0 is the workers' own
         # fingerprints; each reset_cache makes a new one (a fresh token every
@@ -284,6 +286,77 @@ class SchedulerSide:
             self.disable(f"workers {sorted(failed, key=str)} could not register their KV caches with the daemon")
             self.stores_off = True
             return
+        self._adopt(by_rank)
+        self._ns_task = None  # a discovery in flight is not needed any more
+        self.namespace_ids()  # resolve now, before the first request asks
+
+    def discover_workers(self, keys: Mapping[tuple, bytes]) -> None:
+        """Finds the workers' fingerprints in the daemon, by the registration
+        key each rank registered with (one per rank): the path that does not
+        depend on vLLM's handshake, which a MultiConnector hands only its
+        first child's. Asked once now (vLLM builds the scheduler after the
+        workers registered), then on the background thread every
+        ``namespace_retry_s`` until every rank has exactly one live
+        registration; what set_worker_fingerprints brings first wins."""
+        if len(keys) != self.num_ranks:
+            self.disable(f"{len(keys)} registration keys for an engine of {self.num_ranks} ranks")
+            return
+        self._rank_keys = dict(keys)
+        try:
+            found = self._find_workers(self._client)
+        except KVOffloadError as e:
+            log.info("kvoffload: finding the workers' registrations: %s", e)
+            found = None
+        self._take_found(found, self._clock())
+
+    def _find_workers(self, c: Client) -> tuple[dict, list[int], list]:
+        """(fingerprint by rank, their namespace ids, ranks without exactly
+        one live registration)."""
+        keys = self._rank_keys
+        ranks = sorted(keys, key=str)
+        found = c.find_registrations([keys[r] for r in ranks], timeout=self._rpc_timeout)
+        by_rank = {r: fps[0] for r, fps in zip(ranks, found) if len(fps) == 1}
+        missing = [r for r in ranks if r not in by_rank]
+        if missing:
+            return by_rank, [], missing
+        return by_rank, c.resolve([by_rank[r] for r in sorted(by_rank)], timeout=self._rpc_timeout), []
+
+    def _take_found(self, found: tuple | None, now: float) -> list[int] | None:
+        if found is not None and self._fingerprints is None:
+            by_rank, ids, missing = found
+            if not missing and ids and all(ids):
+                self._adopt(by_rank)
+                if self._gen:  # a cache reset came first: its fingerprints are resolved anew
+                    return self.namespace_ids()
+                self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                return self._ns_ids
+            self._discovery_misses += 1
+            if self._discovery_misses in (1, 30):
+                log.warning("kvoffload: the daemon holds no single live registration of workers %s of this engine "
+                            "yet; no external hits until it does (asking again every %.1fs)",
+                            sorted(missing, key=str), self._ns_retry)
+        if self._fingerprints is None:
+            self._ns_next = now + self._ns_retry
+        return None
+
+    def _discover(self) -> list[int] | None:
+        """namespace_ids before the fingerprints are known: one background
+        task finds them (FindRegistrations) and resolves their namespaces."""
+        now = self._clock()
+        t = self._ns_task
+        if t is not None and t.done.is_set():
+            self._ns_task = None
+            if t.error is not None:
+                log.info("kvoffload: finding the workers' registrations: %s", t.error)
+            ids = self._take_found(t.result if t.error is None else None, t.finished_at or now)
+            if ids is not None:
+                return ids
+        if self._ns_task is None and now >= self._ns_next and self._io.healthy():
+            self._ns_task = self._io.submit(self._find_workers)
+        return None
+
+    def _adopt(self, by_rank: Mapping[tuple, bytes]) -> None:
+        """The workers' fingerprints are known: look blocks up under them."""
         self._base_fps = {r: bytes(fp) for r, fp in by_rank.items()}
         self._fingerprints = self._derive(self._base_fps)
         self._ns_ids, self._ns_next = None, 0.0
@@ -294,12 +367,13 @@ class SchedulerSide:
             if self.events is None:
                 self.events = EventFeed(self._client, lambda: self._events_fp, max_queued=self._events_max_queued,
                                         rpc_timeout_s=self._rpc_timeout)
-        self.namespace_ids()  # resolve now, before the first request asks
         log.info("kvoffload: %d workers registered; looking up blocks in their namespaces", len(by_rank))
 
     def namespace_ids(self) -> list[int] | None:
         """Every rank's namespace id, resolved on the background thread and
         refreshed every ``namespace_refresh_s``; None until all resolve."""
+        if self._fingerprints is None and self._rank_keys and self.disabled is None:
+            return self._discover()
         if self._fingerprints is None:
             self._asked_blind += 1
             if self._asked_blind == 1000:

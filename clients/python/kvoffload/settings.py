@@ -33,6 +33,8 @@ __all__ = [
     "hash_bytes_for",
     "namespace_fingerprint",
     "derive_fingerprint",
+    "engine_of",
+    "registration_key",
     "FINGERPRINT_PREFIX",
     "CONNECTOR_LAYOUT_VERSION",
     "group_window",
@@ -58,6 +60,31 @@ def namespace_fingerprint(fields: Mapping[str, Any]) -> bytes:
         {"connector_layout": CONNECTOR_LAYOUT_VERSION, **fields}, sort_keys=True, separators=(",", ":"), default=str
     )
     return FINGERPRINT_PREFIX + hashlib.sha256(canon.encode()).digest()
+
+
+REGISTRATION_KEY_PREFIX = b"kvoffload.vllm/engine:"
+
+
+def engine_of(vllm_config: Any) -> dict | None:
+    """What names one engine (its scheduler and its workers) and no other:
+    ``kv_transfer_config.engine_id`` (a fresh UUID unless set; vLLM appends
+    ``_dp<rank>`` per data parallel engine, and MultiConnector hands its
+    children the parent's) and ``vllm_config.instance_id`` (random per
+    ``VllmConfig``, which the workers receive pickled). None when neither is
+    readable."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    out = {"engine_id": str(getattr(ktc, "engine_id", None) or ""),
+           "instance_id": str(getattr(vllm_config, "instance_id", None) or "")}
+    return out if any(out.values()) else None
+
+
+def registration_key(engine: Mapping[str, str], rank: Mapping[str, int]) -> bytes:
+    """The key one worker's registration is found by in the daemon: its
+    engine and its place in it (pipeline, prefill context and tensor rank;
+    decode context parallel ranks are tensor ranks)."""
+    fields = {"engine": dict(engine), "rank": {k: int(rank.get(k, 0)) for k in ("pp", "pcp", "tp")}}
+    canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return REGISTRATION_KEY_PREFIX + hashlib.sha256(canon.encode()).digest()
 
 
 def derive_fingerprint(base: bytes, token: bytes) -> bytes:
@@ -231,6 +258,7 @@ class ConnectorSettings:
     hash_bytes: int
     num_blocks: int | None
     identity: dict  # fingerprint fields shared by every rank
+    engine: dict | None = None  # engine_of(vllm_config): what registration keys are made of
     tp_size: int = 1
     pp_size: int = 1
     pcp_size: int = 1
@@ -268,6 +296,16 @@ class ConnectorSettings:
         """Workers of one engine: every pipeline stage, prefill context and
         tensor rank (decode context parallel splits the tensor ranks)."""
         return self.tp_size * self.pp_size * self.pcp_size
+
+    def registration_key(self, rank: Mapping[str, int]) -> bytes | None:
+        """One rank's registration key (:func:`registration_key`), None when
+        this vLLM names no engine."""
+        return None if self.engine is None else registration_key(self.engine, rank)
+
+    def ranks(self) -> list[dict]:
+        """Every worker's rank: pipeline, prefill context and tensor."""
+        return [{"pp": pp, "pcp": pcp, "tp": tp}
+                for pp in range(self.pp_size) for pcp in range(self.pcp_size) for tp in range(self.tp_size)]
 
     def fingerprint(self, rank: Mapping[str, int], geometry: Any = ()) -> bytes:
         """One rank's namespace fingerprint: the shared identity, the rank, and
@@ -375,7 +413,7 @@ def settings_from_vllm(
         "hf_overrides": str(getattr(model, "hf_overrides", None)),
         "rope": [str(getattr(model, k, None)) for k in ("rope_scaling", "rope_theta")],
         "attention_backend": _attention_backend(vllm_config, env),
-        "kv_layout": str(kv_layout),
+        "kv_layout": str({"LBHNC": "HND"}.get(str(kv_layout), kv_layout)),  # one layout, two spellings (#51718)
         "kv_cache_dtype": cache_dtype,
         # Scales computed from the first batch differ per engine start: such
         # an engine shares nothing with another (nor with its next start).
@@ -402,6 +440,7 @@ def settings_from_vllm(
         hash_bytes=hb,
         num_blocks=getattr(kv_cache_config, "num_blocks", None),
         identity=identity,
+        engine=engine_of(vllm_config),
         tp_size=tp,
         pp_size=pp,
         pcp_size=pcp,

@@ -73,6 +73,11 @@ try:  # the kind of a KV cache group (RSWASpec is a FullAttentionSpec subclass: 
 except ImportError:
     get_kv_cache_spec_kind = None  # type: ignore[assignment]
 
+try:  # vLLM's KV cache layout names (#51718: six stride orders; HND is LBHNC there)
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+except ImportError:
+    KVCacheLayout = None  # type: ignore[assignment,misc]
+
 try:  # where an external hit's tokens come from (vLLM's prefix cache metrics by source)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:
@@ -90,9 +95,24 @@ from .scheduler_side import SchedulerSide
 from .settings import derive_fingerprint, namespace_fingerprint, settings_from_vllm
 from .worker_side import WorkerSide
 
-__all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata", "KVOffloadHandshake"]
+__all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata", "KVOffloadHandshake", "CONNECTOR_NAME"]
 
 log = logging.getLogger("kvoffload.vllm")
+
+# The name vLLM's KVConnectorFactory knows this connector by: what
+# "kv_connector" says, and what MultiConnector looks its stats up by (the
+# class name).
+CONNECTOR_NAME = "KVOffloadConnector"
+
+
+def _required_layout() -> str:
+    """HND (heads outermost within a block) in the spelling of the vLLM in
+    use: MultiConnector compares its children's answers verbatim, and after
+    #51718 NixlConnector, Mooncake and vLLM's offloading connector say
+    "LBHNC" for it."""
+    if KVCacheLayout is not None and hasattr(KVCacheLayout, "LBHNC"):
+        return "LBHNC"
+    return "HND"
 
 
 class KVOffloadConnectorMetadata(KVConnectorMetadata):
@@ -390,6 +410,8 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
                 eagle_groups=s.eagle_groups, group_windows=s.group_windows,
             )
+            if offer and s.engine is not None:
+                self._scheduler.discover_workers({tuple(sorted(r.items())): s.registration_key(r) for r in s.ranks()})
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)
         else:
@@ -412,7 +434,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         mc = getattr(vllm_config, "model_config", None)
         if mc is None or getattr(mc, "use_mla", False):
             return None
-        return "HND"
+        return _required_layout()
 
     # ------------------------------------------------------------------
     # Worker side
@@ -452,6 +474,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             s.socket, fp, len(s.group_block_sizes), rank=(r["pp"], r["pcp"], r["tp"]),
             client_name=f"vllm worker tp{r['tp']} pp{r['pp']} pcp{r['pcp']}",
             request_level_failures=self._request_level, sync_stores=s.sync_stores, stats=self._stats,
+            registration_key=s.registration_key(r) or b"",
         )
         self._worker.track_drains = KVConnectorWorkerMetadata is not None
         self._worker.register(kv)
@@ -461,7 +484,13 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
             self._fingerprint = fp
 
     def get_handshake_metadata(self) -> Any:
-        if self._scheduler is not None:
+        """None wherever vLLM names the engine (``engine_id``,
+        ``instance_id``): the scheduler finds the workers' fingerprints in
+        the daemon by registration key (SchedulerSide.discover_workers). A
+        MultiConnector hands its first child's handshake to every child, and
+        NixlConnector's scheduler raises on any payload but its own: ours is
+        sent only by a vLLM too old to name its engines."""
+        if self._scheduler is not None or self.settings.engine is not None:
             return None
         return KVOffloadHandshake(rank=dict(self._rank or {}), fingerprint=self._fingerprint,
                                   reason=self._worker_off or "", identity=dict(self.settings.identity),
@@ -563,6 +592,10 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
 
         @classmethod
         def build_kv_connector_stats(cls, data: dict | None = None):
+            # MultiConnector passes a child's serialized stats whole
+            # ({"data": {...}}) on newer vLLM, the inner dict at 7cfb97e.
+            if isinstance(data, dict) and set(data) == {"data"} and isinstance(data["data"], (dict, type(None))):
+                data = data["data"]
             return KVOffloadConnectorStats(data=dict(data or {}))
 
     if KVConnectorPromMetrics is not None:
@@ -594,9 +627,13 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         by_rank: dict = {}
         derived: dict = {}
         pcp = self.settings.pcp_size
-        for m in (metadata or {}).values():
-            if not isinstance(m, KVOffloadHandshake):
-                continue
+        ours = [m for m in (metadata or {}).values() if isinstance(m, KVOffloadHandshake)]
+        if not ours:
+            # A sibling's handshake (a MultiConnector passes on its first
+            # child's) or none: the workers' registrations are found in the
+            # daemon instead (discover_workers).
+            return
+        for m in ours:
             by_rank[tuple(sorted(m.rank.items())) or ("?", id(m))] = m.fingerprint
             if m.fingerprint is None:
                 log.error("kvoffload: worker %s: %s", m.rank, m.reason or "not registered")
@@ -678,3 +715,26 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         if self._scheduler is None or self._event_types is None:
             return ()
         return self._scheduler.take_kv_events(self._event_types)
+
+
+def _register_with_factory() -> None:
+    """Makes the connector findable by name in vLLM's KVConnectorFactory,
+    once per process: MultiConnector's stats (and vLLM's stats logging)
+    rebuild each child's stats through ``get_connector_class_by_name``, which
+    raises for a connector loaded only by ``kv_connector_module_path``; vLLM
+    imports this module in every process that builds a MultiConnector's
+    children or its metrics."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # a vLLM without the factory: nothing looks connectors up by name
+        return
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, "KVOffloadConnector")
+    except ValueError:  # registered meanwhile (vLLM raises on a second registration)
+        pass
+
+
+_register_with_factory()

@@ -163,8 +163,15 @@ class WorkerSide:
         stats: StatsRecorder | None = None,
         pid_probe: Callable[[str], int | None] = daemon_pid,
         piggyback: bool = True,
+        registration_key: bytes = b"",
     ):
         self.fingerprint = bytes(fingerprint)
+        # Registrations under the first fingerprint carry this key, so that
+        # the scheduler can find the fingerprint in the daemon
+        # (SchedulerSide.discover_workers); those of a later identity (a
+        # cache reset) do not: the scheduler derives theirs.
+        self.registration_key = bytes(registration_key)
+        self._keyed_fingerprint = self.fingerprint
         self.num_groups = num_groups
         self.rank = tuple(rank)
         self.client_name = client_name
@@ -318,8 +325,9 @@ class WorkerSide:
             pid = self._pid_probe(self._socket)
             life = open_life(self._socket)
             try:
+                key = self.registration_key if fingerprint == self._keyed_fingerprint else b""
                 reg = self._client.register(fingerprint, kv.layout, kv.regions, self.client_name,
-                                            timeout=self._register_timeout)
+                                            timeout=self._register_timeout, registration_key=key)
             except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
                 if life is not None:
                     os.close(life)

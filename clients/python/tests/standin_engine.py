@@ -46,12 +46,15 @@ import hashlib
 import math
 import pickle
 import random
+import secrets
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import standin_multi
 import standin_vllm as sv
 from helpers import FakeTensor, wait_for
 
@@ -220,6 +223,9 @@ class Config:
     mamba_mode: str = "align"
     mamba_tensors: str = "page"
     mamba_spec: dict = field(default_factory=dict)
+    # vLLM's MultiConnector with these children in this order ("nixl": a
+    # NixlConnector-like sibling, "ours": KVOffloadConnector); () for ours alone.
+    multi: tuple = ()
 
     def specs(self) -> list[Any]:
         out = []
@@ -238,6 +244,8 @@ class Config:
 def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
     ns = SimpleNamespace
     return ns(
+        # vLLM's VllmConfig.instance_id: random per config (the workers get it pickled).
+        instance_id=secrets.token_hex(3),
         model_config=ns(model=cfg.model, revision="main", dtype="bfloat16", quantization=None, hf_overrides=None,
                         use_mla=any(g.kind == "mla" for g in cfg.groups)),
         cache_config=ns(block_size=min(g.block_size for g in cfg.groups), cache_dtype="auto",
@@ -248,10 +256,16 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
                            prefill_context_parallel_size=cfg.pcp),
         scheduler_config=ns(async_scheduling=cfg.async_scheduling),
         kv_events_config=ns(enable_kv_cache_events=cfg.kv_events, publisher="zmq" if cfg.kv_events else "null"),
-        kv_transfer_config=ns(kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.vllm",
-                              kv_role="kv_both", kv_connector_extra_config={"socket": socket, **cfg.extra},
-                              kv_load_failure_policy=cfg.policy, is_kv_producer=True, is_kv_consumer=True,
-                              engine_id="standin"),
+        kv_transfer_config=(
+            standin_multi.multi_transfer_config(
+                {"kv_connector": "KVOffloadConnector", "kv_connector_module_path": "kvoffload.vllm",
+                 "kv_role": "kv_both", "kv_connector_extra_config": {"socket": socket, **cfg.extra},
+                 "kv_load_failure_policy": cfg.policy}, cfg.multi, engine_id="standin")
+            if cfg.multi else
+            ns(kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.vllm",
+               kv_role="kv_both", kv_connector_extra_config={"socket": socket, **cfg.extra},
+               kv_load_failure_policy=cfg.policy, is_kv_producer=True, is_kv_consumer=True,
+               engine_id="standin")),
     )
 
 
@@ -745,17 +759,29 @@ class Engine:
         self.seed = hashlib.sha256(seed.encode()).digest()[:8]
         self.kvm = KVCacheManager(cfg, self.group_sizes, hash_bs, sched_bs)
         Role = sv.KVConnectorRole
-        self.sched_conn = mod.KVOffloadConnector(vcfg, Role.SCHEDULER, kcc)
+        # vLLM's KVConnectorFactory.create_connector: the configured class
+        # (MultiConnector from the registry; ours by its module path).
+        if cfg.multi:
+            standin_multi.register_builtins()
+            connector_cls = standin_multi.factory().get_connector_class(vcfg.kv_transfer_config)
+        else:
+            connector_cls = mod.KVOffloadConnector
+        # The API server's stats logging (where the factory is installed).
+        self.stats_logging = (standin_multi.KVConnectorLogging(vcfg.kv_transfer_config)
+                              if standin_multi.FACTORY in sys.modules else None)
         self.workers: list[Any] = []
         self.memory: list[RankMemory] = []
         for r in range(cfg.tp * cfg.pcp):
             sv.set_rank(tp=r % cfg.tp, pcp=r // cfg.tp, dcp=(r % cfg.tp) % cfg.dcp)
-            w = mod.KVOffloadConnector(vcfg, Role.WORKER, kcc)
+            w = connector_cls(vcfg, Role.WORKER, kcc)
             mem = RankMemory(shm_factory, cfg, r)
             w.register_kv_caches(mem.kv_caches)
             self.workers.append(w)
             self.memory.append(mem)
         sv.set_rank()
+        # vLLM's EngineCore registers the workers' KV caches
+        # (_initialize_kv_caches) before it builds the scheduler.
+        self.sched_conn = connector_cls(vcfg, Role.SCHEDULER, kcc)
         # vLLM's gpu_worker returns {(pp_rank, tp_rank): metadata} and
         # EngineCore merges the workers' dicts with dict.update: prefill
         # context parallel ranks of one tp rank overwrite each other.
@@ -1094,6 +1120,13 @@ class Engine:
         while self.deferred and self.deferred[0][0] <= self.processed_seq:
             self.kvm._release(self.deferred.popleft()[1])
         kv: KVConnectorOutput = result["kv"]
+        if self.stats_logging is not None and kv.kv_connector_stats is not None:
+            # The engine core sends the stats' data to the API server, whose
+            # output handler rebuilds them (an exception there fails every
+            # request of `vllm serve`).
+            self.stats_logging.observe(standin_multi.serialize_stats(kv.kv_connector_stats))
+            if out.seq % 16 == 0:
+                self.stats_logging.log()
         failed: set[str] = set()
         if kv.invalid_block_ids:
             self.counters["load_failures"] += 1
@@ -1306,6 +1339,9 @@ class Engine:
                     del self._recv_count[rid]
             self._failed_pending |= ko.failed_recving
             agg.invalid_block_ids |= ko.invalid_block_ids
+            st = ko.kv_connector_stats
+            if st is not None:  # vLLM's KVOutputAggregator
+                agg.kv_connector_stats = st if agg.kv_connector_stats is None else agg.kv_connector_stats.aggregate(st)
             m = ko.kv_connector_worker_meta
             if m is not None:
                 agg.kv_connector_worker_meta = m if agg.kv_connector_worker_meta is None else \

@@ -28,6 +28,7 @@ MODULES = [
     "vllm.distributed.kv_transfer",
     "vllm.distributed.kv_transfer.kv_connector",
     "vllm.distributed.kv_transfer.kv_connector.v1",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
     "vllm.v1",
@@ -212,6 +213,55 @@ class NullConnector(KVConnectorBase_V1):
         return False, None
 
 
+# -- factory.py ---------------------------------------------------------------
+
+
+def make_factory() -> type:
+    """vLLM's KVConnectorFactory (factory.py at 7cfb97e), a fresh registry per
+    install: lazy loaders by name; ``register_connector`` raises for a name
+    already registered, ``get_connector_class_by_name`` for one never
+    registered; ``get_connector_class`` imports ``kv_connector_module_path``
+    first, else looks the name up. vLLM registers its own connectors
+    (NixlConnector, MultiConnector) at import; tests register the stand-ins
+    they use."""
+    import importlib
+
+    class KVConnectorFactory:
+        _registry: dict = {}
+
+        @classmethod
+        def register_connector(cls, name, module_path, class_name):
+            if name in cls._registry:
+                raise ValueError(f"Connector '{name}' is already registered.")
+
+            def loader():
+                return getattr(importlib.import_module(module_path), class_name)
+
+            cls._registry[name] = loader
+
+        @classmethod
+        def get_connector_class_by_name(cls, connector_name):
+            if connector_name not in cls._registry:
+                raise ValueError(f"Connector '{connector_name}' is not registered.")
+            return cls._registry[connector_name]()
+
+        @classmethod
+        def get_connector_class(cls, kv_transfer_config):
+            name = kv_transfer_config.kv_connector
+            path = getattr(kv_transfer_config, "kv_connector_module_path", None)
+            if path:
+                try:
+                    return getattr(importlib.import_module(path), name)
+                except AttributeError as e:
+                    raise AttributeError(f"Class {name} not found in {path}") from e
+            if name in cls._registry:
+                return cls._registry[name]()
+            raise ValueError(f"Unsupported connector type: {name}")
+
+    KVConnectorFactory._registry = {}
+    return KVConnectorFactory
+
+
 # -- metrics.py -------------------------------------------------------------
 
 
@@ -335,6 +385,18 @@ def get_kv_cache_spec_kind(spec):
     if isinstance(spec, MambaSpec):
         return KVCacheSpecKind.MAMBA
     return KVCacheSpecKind.UNKNOWN
+
+
+class KVCacheLayout(str, enum.Enum):
+    """vLLM's layout names after #51718 (stride orders of the logical
+    [L, B, H, N, C] shape); NHD and HND are LBNHC and LBHNC."""
+
+    LBNHC = "LBNHC"
+    LBHNC = "LBHNC"
+    BLNHC = "BLNHC"
+    BLHNC = "BLHNC"
+    LHBNC = "LHBNC"
+    BHLNC = "BHLNC"
 
 
 class CacheHitSource(str, enum.Enum):
@@ -482,7 +544,7 @@ def _group(g):
 
 def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics: bool = True,
             resolver: bool = True, kv_events: str | None = "main", spec_kinds: bool = True,
-            hit_sources: bool = True) -> types.SimpleNamespace:
+            hit_sources: bool = True, factory: bool = True, kv_layouts: bool = False) -> types.SimpleNamespace:
     """Puts the modules in sys.modules (and drops a cached kvoffload.vllm)."""
     saved = {m: sys.modules.get(m) for m in MODULES + ["kvoffload.vllm"]}
     for m in MODULES:
@@ -507,6 +569,12 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
     if spec_kinds:
         kci = sys.modules["vllm.v1.kv_cache_interface"]
         kci.get_kv_cache_spec_kind, kci.KVCacheSpecKind = get_kv_cache_spec_kind, KVCacheSpecKind
+    if factory:
+        sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"].KVConnectorFactory = make_factory()
+    else:
+        del sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"]
+    if kv_layouts:  # vLLM after #51718: the six stride-order names
+        sys.modules["vllm.v1.kv_cache_interface"].KVCacheLayout = KVCacheLayout
     if hit_sources:
         sys.modules["vllm.v1.metrics.cache_hit_source"].CacheHitSource = CacheHitSource
     else:
@@ -527,7 +595,9 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
     ps.get_tensor_model_parallel_rank = lambda: _group(Ranks.tp)().rank_in_group
     sys.modules["vllm.distributed"].parallel_state = ps
     sys.modules.pop("kvoffload.vllm", None)
-    return types.SimpleNamespace(saved=saved, Role=KVConnectorRole, TransferResults=KVConnectorTransferResults)
+    return types.SimpleNamespace(saved=saved, Role=KVConnectorRole, TransferResults=KVConnectorTransferResults,
+                                 factory=getattr(sys.modules.get("vllm.distributed.kv_transfer.kv_connector.factory"),
+                                                 "KVConnectorFactory", None))
 
 
 def uninstall(handle) -> None:

@@ -367,3 +367,26 @@ def test_a_slow_handshake_is_waited_for_not_failed(fresh_daemon):
         c.close()
         resume.cancel()
         d.resume()
+
+
+def test_find_registrations_by_key(client, shm, fingerprint):
+    """A scheduler finds what its workers registered under by the key they
+    registered with: every live fingerprint of the key, none once gone."""
+    r, layout, regions = kv_region(shm)
+    key = b"engine-key:" + fingerprint
+    a = client.register(fingerprint + b"-a", layout, regions, registration_key=key)
+    b = client.register(fingerprint + b"-b", layout, regions, registration_key=key)
+    c = client.register(fingerprint + b"-a", layout, regions, registration_key=key)
+    plain = client.register(fingerprint + b"-c", layout, regions)
+    assert client.find_registrations([key, b"other", key]) == [
+        sorted([fingerprint + b"-a", fingerprint + b"-b"]), [], sorted([fingerprint + b"-a", fingerprint + b"-b"])]
+    client.unregister(b.registration_id)
+    client.unregister(a.registration_id)
+    assert client.find_registrations([key]) == [[fingerprint + b"-a"]]  # c still holds it
+    client.unregister(c.registration_id)
+    assert client.find_registrations([key]) == [[]]
+    client.unregister(plain.registration_id)
+    with pytest.raises(kv.InvalidArgument, match="keys\\[0\\]"):
+        client.find_registrations([b""])
+    with pytest.raises(kv.InvalidArgument, match="registration_key"):
+        client.register(fingerprint + b"-d", layout, regions, registration_key=b"k" * 257)

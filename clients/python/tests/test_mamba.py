@@ -259,7 +259,7 @@ def test_a_vllm_that_does_not_hand_the_state_to_connectors_turns_offloading_off(
             with caplog.at_level(logging.ERROR, logger="kvoffload"):
                 w.register_kv_caches(caches)
             assert any("Mamba layer g1.l0" in m and "register_kv_caches" in m for m in caplog.messages), caplog.messages
-            assert w.get_handshake_metadata().fingerprint is None
+            assert w._fingerprint is None and w.get_handshake_metadata() is None
         finally:
             w.shutdown()
             mem.shm.close()

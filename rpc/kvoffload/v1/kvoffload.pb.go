@@ -638,9 +638,13 @@ type RegisterRequest struct {
 	// One region per layout segment, in the same order.
 	Regions []*Region `protobuf:"bytes,3,rep,name=regions,proto3" json:"regions,omitempty"`
 	// Free text for logs, e.g. "vllm worker rank 0".
-	ClientName    string `protobuf:"bytes,4,opt,name=client_name,json=clientName,proto3" json:"client_name,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ClientName string `protobuf:"bytes,4,opt,name=client_name,json=clientName,proto3" json:"client_name,omitempty"`
+	// Opaque, 0 to 256 bytes: a key the client's peers can find this
+	// registration's fingerprint by (FindRegistrations), e.g. an engine's
+	// identity and the worker's rank. Empty: not findable.
+	RegistrationKey []byte `protobuf:"bytes,60,opt,name=registration_key,json=registrationKey,proto3" json:"registration_key,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
@@ -699,6 +703,13 @@ func (x *RegisterRequest) GetClientName() string {
 		return x.ClientName
 	}
 	return ""
+}
+
+func (x *RegisterRequest) GetRegistrationKey() []byte {
+	if x != nil {
+		return x.RegistrationKey
+	}
+	return nil
 }
 
 type RegisterResponse struct {
@@ -886,6 +897,143 @@ func (x *ResolveRequest) GetFingerprints() [][]byte {
 	return nil
 }
 
+type FindRegistrationsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Registration keys (RegisterRequest.registration_key), each 1 to 256
+	// bytes; as many as Resolve takes fingerprints.
+	Keys          [][]byte `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FindRegistrationsRequest) Reset() {
+	*x = FindRegistrationsRequest{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FindRegistrationsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FindRegistrationsRequest) ProtoMessage() {}
+
+func (x *FindRegistrationsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FindRegistrationsRequest.ProtoReflect.Descriptor instead.
+func (*FindRegistrationsRequest) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *FindRegistrationsRequest) GetKeys() [][]byte {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+type FoundRegistrations struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The distinct fingerprints of the live registrations made with the key,
+	// sorted; empty when there is none.
+	Fingerprints  [][]byte `protobuf:"bytes,1,rep,name=fingerprints,proto3" json:"fingerprints,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FoundRegistrations) Reset() {
+	*x = FoundRegistrations{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FoundRegistrations) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FoundRegistrations) ProtoMessage() {}
+
+func (x *FoundRegistrations) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FoundRegistrations.ProtoReflect.Descriptor instead.
+func (*FoundRegistrations) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *FoundRegistrations) GetFingerprints() [][]byte {
+	if x != nil {
+		return x.Fingerprints
+	}
+	return nil
+}
+
+type FindRegistrationsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One per key, in order.
+	Found         []*FoundRegistrations `protobuf:"bytes,1,rep,name=found,proto3" json:"found,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FindRegistrationsResponse) Reset() {
+	*x = FindRegistrationsResponse{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FindRegistrationsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FindRegistrationsResponse) ProtoMessage() {}
+
+func (x *FindRegistrationsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FindRegistrationsResponse.ProtoReflect.Descriptor instead.
+func (*FindRegistrationsResponse) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *FindRegistrationsResponse) GetFound() []*FoundRegistrations {
+	if x != nil {
+		return x.Found
+	}
+	return nil
+}
+
 type ResolveResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// One per fingerprint, in order; 0 when no namespace has that fingerprint.
@@ -896,7 +1044,7 @@ type ResolveResponse struct {
 
 func (x *ResolveResponse) Reset() {
 	*x = ResolveResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -908,7 +1056,7 @@ func (x *ResolveResponse) String() string {
 func (*ResolveResponse) ProtoMessage() {}
 
 func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[9]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -921,7 +1069,7 @@ func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveResponse.ProtoReflect.Descriptor instead.
 func (*ResolveResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{9}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ResolveResponse) GetNamespaceIds() []uint32 {
@@ -943,7 +1091,7 @@ type KeyList struct {
 
 func (x *KeyList) Reset() {
 	*x = KeyList{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -955,7 +1103,7 @@ func (x *KeyList) String() string {
 func (*KeyList) ProtoMessage() {}
 
 func (x *KeyList) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[10]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -968,7 +1116,7 @@ func (x *KeyList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeyList.ProtoReflect.Descriptor instead.
 func (*KeyList) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{10}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *KeyList) GetGroup() uint32 {
@@ -1006,7 +1154,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1018,7 +1166,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[11]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1031,7 +1179,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{11}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *LookupRequest) GetNamespaceIds() []uint32 {
@@ -1076,7 +1224,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1088,7 +1236,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[12]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1101,7 +1249,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{12}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *LookupResponse) GetReady() uint32 {
@@ -1146,7 +1294,7 @@ type Job struct {
 
 func (x *Job) Reset() {
 	*x = Job{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1158,7 +1306,7 @@ func (x *Job) String() string {
 func (*Job) ProtoMessage() {}
 
 func (x *Job) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1171,7 +1319,7 @@ func (x *Job) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Job.ProtoReflect.Descriptor instead.
 func (*Job) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Job) GetJobId() uint64 {
@@ -1238,7 +1386,7 @@ type TransferRequest struct {
 
 func (x *TransferRequest) Reset() {
 	*x = TransferRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1250,7 +1398,7 @@ func (x *TransferRequest) String() string {
 func (*TransferRequest) ProtoMessage() {}
 
 func (x *TransferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1263,7 +1411,7 @@ func (x *TransferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferRequest.ProtoReflect.Descriptor instead.
 func (*TransferRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *TransferRequest) GetRegistrationId() uint64 {
@@ -1332,7 +1480,7 @@ type TransferResponse struct {
 
 func (x *TransferResponse) Reset() {
 	*x = TransferResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1344,7 +1492,7 @@ func (x *TransferResponse) String() string {
 func (*TransferResponse) ProtoMessage() {}
 
 func (x *TransferResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1357,7 +1505,7 @@ func (x *TransferResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferResponse.ProtoReflect.Descriptor instead.
 func (*TransferResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *TransferResponse) GetResults() []*JobResult {
@@ -1395,7 +1543,7 @@ type BlockFailure struct {
 
 func (x *BlockFailure) Reset() {
 	*x = BlockFailure{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1407,7 +1555,7 @@ func (x *BlockFailure) String() string {
 func (*BlockFailure) ProtoMessage() {}
 
 func (x *BlockFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1420,7 +1568,7 @@ func (x *BlockFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockFailure.ProtoReflect.Descriptor instead.
 func (*BlockFailure) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BlockFailure) GetIndex() uint32 {
@@ -1473,7 +1621,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1485,7 +1633,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1498,7 +1646,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *JobResult) GetJobId() uint64 {
@@ -1577,7 +1725,7 @@ type CompletionsRequest struct {
 
 func (x *CompletionsRequest) Reset() {
 	*x = CompletionsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1589,7 +1737,7 @@ func (x *CompletionsRequest) String() string {
 func (*CompletionsRequest) ProtoMessage() {}
 
 func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1602,7 +1750,7 @@ func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsRequest.ProtoReflect.Descriptor instead.
 func (*CompletionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *CompletionsRequest) GetRegistrationId() uint64 {
@@ -1648,7 +1796,7 @@ type CompletionsResponse struct {
 
 func (x *CompletionsResponse) Reset() {
 	*x = CompletionsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1660,7 +1808,7 @@ func (x *CompletionsResponse) String() string {
 func (*CompletionsResponse) ProtoMessage() {}
 
 func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1673,7 +1821,7 @@ func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsResponse.ProtoReflect.Descriptor instead.
 func (*CompletionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *CompletionsResponse) GetResults() []*JobResult {
@@ -1708,7 +1856,7 @@ type InvalidateRequest struct {
 
 func (x *InvalidateRequest) Reset() {
 	*x = InvalidateRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1720,7 +1868,7 @@ func (x *InvalidateRequest) String() string {
 func (*InvalidateRequest) ProtoMessage() {}
 
 func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1733,7 +1881,7 @@ func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRequest.ProtoReflect.Descriptor instead.
 func (*InvalidateRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *InvalidateRequest) GetNamespaceIds() []uint32 {
@@ -1760,7 +1908,7 @@ type InvalidateResponse struct {
 
 func (x *InvalidateResponse) Reset() {
 	*x = InvalidateResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1772,7 +1920,7 @@ func (x *InvalidateResponse) String() string {
 func (*InvalidateResponse) ProtoMessage() {}
 
 func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1785,7 +1933,7 @@ func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateResponse.ProtoReflect.Descriptor instead.
 func (*InvalidateResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *InvalidateResponse) GetRemoved() uint64 {
@@ -1803,7 +1951,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1815,7 +1963,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1828,7 +1976,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
 }
 
 type TierStats struct {
@@ -1843,7 +1991,7 @@ type TierStats struct {
 
 func (x *TierStats) Reset() {
 	*x = TierStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1855,7 +2003,7 @@ func (x *TierStats) String() string {
 func (*TierStats) ProtoMessage() {}
 
 func (x *TierStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1868,7 +2016,7 @@ func (x *TierStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierStats.ProtoReflect.Descriptor instead.
 func (*TierStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *TierStats) GetName() string {
@@ -1911,7 +2059,7 @@ type NamespaceStats struct {
 
 func (x *NamespaceStats) Reset() {
 	*x = NamespaceStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1923,7 +2071,7 @@ func (x *NamespaceStats) String() string {
 func (*NamespaceStats) ProtoMessage() {}
 
 func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1936,7 +2084,7 @@ func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NamespaceStats.ProtoReflect.Descriptor instead.
 func (*NamespaceStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *NamespaceStats) GetNamespaceId() uint32 {
@@ -1987,7 +2135,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1999,7 +2147,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2012,7 +2160,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *StatsResponse) GetTiers() []*TierStats {
@@ -2110,7 +2258,7 @@ type DiskRecovery struct {
 
 func (x *DiskRecovery) Reset() {
 	*x = DiskRecovery{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2122,7 +2270,7 @@ func (x *DiskRecovery) String() string {
 func (*DiskRecovery) ProtoMessage() {}
 
 func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2135,7 +2283,7 @@ func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DiskRecovery.ProtoReflect.Descriptor instead.
 func (*DiskRecovery) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DiskRecovery) GetState() RecoveryState {
@@ -2210,7 +2358,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2222,7 +2370,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2235,7 +2383,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WatchEventsRequest) GetNamespaceIds() []uint32 {
@@ -2261,7 +2409,7 @@ type WatchEventsResponse struct {
 
 func (x *WatchEventsResponse) Reset() {
 	*x = WatchEventsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2273,7 +2421,7 @@ func (x *WatchEventsResponse) String() string {
 func (*WatchEventsResponse) ProtoMessage() {}
 
 func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2286,7 +2434,7 @@ func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsResponse.ProtoReflect.Descriptor instead.
 func (*WatchEventsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *WatchEventsResponse) GetEvents() []*KVEvent {
@@ -2316,7 +2464,7 @@ type KVEvent struct {
 
 func (x *KVEvent) Reset() {
 	*x = KVEvent{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2328,7 +2476,7 @@ func (x *KVEvent) String() string {
 func (*KVEvent) ProtoMessage() {}
 
 func (x *KVEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2341,7 +2489,7 @@ func (x *KVEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVEvent.ProtoReflect.Descriptor instead.
 func (*KVEvent) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *KVEvent) GetSeq() uint64 {
@@ -2412,13 +2560,14 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\fblock_stride\x18\x04 \x01(\x04R\vblockStride\x12\x1d\n" +
 	"\n" +
 	"num_blocks\x18\x05 \x01(\rR\tnumBlocksB\b\n" +
-	"\x06memory\"\xb2\x01\n" +
+	"\x06memory\"\xdd\x01\n" +
 	"\x0fRegisterRequest\x12 \n" +
 	"\vfingerprint\x18\x01 \x01(\fR\vfingerprint\x12,\n" +
 	"\x06layout\x18\x02 \x01(\v2\x14.kvoffload.v1.LayoutR\x06layout\x12.\n" +
 	"\aregions\x18\x03 \x03(\v2\x14.kvoffload.v1.RegionR\aregions\x12\x1f\n" +
 	"\vclient_name\x18\x04 \x01(\tR\n" +
-	"clientName\"\x87\x01\n" +
+	"clientName\x12)\n" +
+	"\x10registration_key\x18< \x01(\fR\x0fregistrationKey\"\x87\x01\n" +
 	"\x10RegisterResponse\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\x12!\n" +
 	"\fnamespace_id\x18\x02 \x01(\rR\vnamespaceId\x12'\n" +
@@ -2427,7 +2576,13 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\"\x14\n" +
 	"\x12UnregisterResponse\"4\n" +
 	"\x0eResolveRequest\x12\"\n" +
-	"\ffingerprints\x18\x01 \x03(\fR\ffingerprints\"6\n" +
+	"\ffingerprints\x18\x01 \x03(\fR\ffingerprints\".\n" +
+	"\x18FindRegistrationsRequest\x12\x12\n" +
+	"\x04keys\x18\x01 \x03(\fR\x04keys\"8\n" +
+	"\x12FoundRegistrations\x12\"\n" +
+	"\ffingerprints\x18\x01 \x03(\fR\ffingerprints\"S\n" +
+	"\x19FindRegistrationsResponse\x126\n" +
+	"\x05found\x18\x01 \x03(\v2 .kvoffload.v1.FoundRegistrationsR\x05found\"6\n" +
 	"\x0fResolveResponse\x12#\n" +
 	"\rnamespace_ids\x18\x01 \x03(\rR\fnamespaceIds\"7\n" +
 	"\aKeyList\x12\x14\n" +
@@ -2574,12 +2729,13 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x18EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n" +
 	"\x1dEVENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n" +
 	"\x16EVENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n" +
-	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\x80\x06\n" +
+	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\xe6\x06\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
 	"Unregister\x12\x1f.kvoffload.v1.UnregisterRequest\x1a .kvoffload.v1.UnregisterResponse\x12F\n" +
-	"\aResolve\x12\x1c.kvoffload.v1.ResolveRequest\x1a\x1d.kvoffload.v1.ResolveResponse\x12C\n" +
+	"\aResolve\x12\x1c.kvoffload.v1.ResolveRequest\x1a\x1d.kvoffload.v1.ResolveResponse\x12d\n" +
+	"\x11FindRegistrations\x12&.kvoffload.v1.FindRegistrationsRequest\x1a'.kvoffload.v1.FindRegistrationsResponse\x12C\n" +
 	"\x06Lookup\x12\x1b.kvoffload.v1.LookupRequest\x1a\x1c.kvoffload.v1.LookupResponse\x12F\n" +
 	"\x05Store\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12E\n" +
 	"\x04Load\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12R\n" +
@@ -2602,91 +2758,97 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 }
 
 var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
-	(BlockStatus)(0),            // 0: kvoffload.v1.BlockStatus
-	(Tier)(0),                   // 1: kvoffload.v1.Tier
-	(Op)(0),                     // 2: kvoffload.v1.Op
-	(RecoveryState)(0),          // 3: kvoffload.v1.RecoveryState
-	(EventKind)(0),              // 4: kvoffload.v1.EventKind
-	(*Segment)(nil),             // 5: kvoffload.v1.Segment
-	(*Layout)(nil),              // 6: kvoffload.v1.Layout
-	(*CudaIpcMemory)(nil),       // 7: kvoffload.v1.CudaIpcMemory
-	(*Region)(nil),              // 8: kvoffload.v1.Region
-	(*RegisterRequest)(nil),     // 9: kvoffload.v1.RegisterRequest
-	(*RegisterResponse)(nil),    // 10: kvoffload.v1.RegisterResponse
-	(*UnregisterRequest)(nil),   // 11: kvoffload.v1.UnregisterRequest
-	(*UnregisterResponse)(nil),  // 12: kvoffload.v1.UnregisterResponse
-	(*ResolveRequest)(nil),      // 13: kvoffload.v1.ResolveRequest
-	(*ResolveResponse)(nil),     // 14: kvoffload.v1.ResolveResponse
-	(*KeyList)(nil),             // 15: kvoffload.v1.KeyList
-	(*LookupRequest)(nil),       // 16: kvoffload.v1.LookupRequest
-	(*LookupResponse)(nil),      // 17: kvoffload.v1.LookupResponse
-	(*Job)(nil),                 // 18: kvoffload.v1.Job
-	(*TransferRequest)(nil),     // 19: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),    // 20: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),        // 21: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),           // 22: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),  // 23: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil), // 24: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),   // 25: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),  // 26: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),        // 27: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),           // 28: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),      // 29: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),       // 30: kvoffload.v1.StatsResponse
-	(*DiskRecovery)(nil),        // 31: kvoffload.v1.DiskRecovery
-	(*WatchEventsRequest)(nil),  // 32: kvoffload.v1.WatchEventsRequest
-	(*WatchEventsResponse)(nil), // 33: kvoffload.v1.WatchEventsResponse
-	(*KVEvent)(nil),             // 34: kvoffload.v1.KVEvent
+	(BlockStatus)(0),                  // 0: kvoffload.v1.BlockStatus
+	(Tier)(0),                         // 1: kvoffload.v1.Tier
+	(Op)(0),                           // 2: kvoffload.v1.Op
+	(RecoveryState)(0),                // 3: kvoffload.v1.RecoveryState
+	(EventKind)(0),                    // 4: kvoffload.v1.EventKind
+	(*Segment)(nil),                   // 5: kvoffload.v1.Segment
+	(*Layout)(nil),                    // 6: kvoffload.v1.Layout
+	(*CudaIpcMemory)(nil),             // 7: kvoffload.v1.CudaIpcMemory
+	(*Region)(nil),                    // 8: kvoffload.v1.Region
+	(*RegisterRequest)(nil),           // 9: kvoffload.v1.RegisterRequest
+	(*RegisterResponse)(nil),          // 10: kvoffload.v1.RegisterResponse
+	(*UnregisterRequest)(nil),         // 11: kvoffload.v1.UnregisterRequest
+	(*UnregisterResponse)(nil),        // 12: kvoffload.v1.UnregisterResponse
+	(*ResolveRequest)(nil),            // 13: kvoffload.v1.ResolveRequest
+	(*FindRegistrationsRequest)(nil),  // 14: kvoffload.v1.FindRegistrationsRequest
+	(*FoundRegistrations)(nil),        // 15: kvoffload.v1.FoundRegistrations
+	(*FindRegistrationsResponse)(nil), // 16: kvoffload.v1.FindRegistrationsResponse
+	(*ResolveResponse)(nil),           // 17: kvoffload.v1.ResolveResponse
+	(*KeyList)(nil),                   // 18: kvoffload.v1.KeyList
+	(*LookupRequest)(nil),             // 19: kvoffload.v1.LookupRequest
+	(*LookupResponse)(nil),            // 20: kvoffload.v1.LookupResponse
+	(*Job)(nil),                       // 21: kvoffload.v1.Job
+	(*TransferRequest)(nil),           // 22: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),          // 23: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),              // 24: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),                 // 25: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),        // 26: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil),       // 27: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),         // 28: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),        // 29: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),              // 30: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),                 // 31: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),            // 32: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),             // 33: kvoffload.v1.StatsResponse
+	(*DiskRecovery)(nil),              // 34: kvoffload.v1.DiskRecovery
+	(*WatchEventsRequest)(nil),        // 35: kvoffload.v1.WatchEventsRequest
+	(*WatchEventsResponse)(nil),       // 36: kvoffload.v1.WatchEventsResponse
+	(*KVEvent)(nil),                   // 37: kvoffload.v1.KVEvent
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	5,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
 	7,  // 1: kvoffload.v1.Region.cuda:type_name -> kvoffload.v1.CudaIpcMemory
 	6,  // 2: kvoffload.v1.RegisterRequest.layout:type_name -> kvoffload.v1.Layout
 	8,  // 3: kvoffload.v1.RegisterRequest.regions:type_name -> kvoffload.v1.Region
-	15, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
-	1,  // 5: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
-	15, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	18, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	22, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
-	0,  // 9: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
-	2,  // 10: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	21, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	22, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
-	15, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	28, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	29, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
-	31, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
-	3,  // 17: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
-	34, // 18: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
-	4,  // 19: kvoffload.v1.KVEvent.kind:type_name -> kvoffload.v1.EventKind
-	1,  // 20: kvoffload.v1.KVEvent.tier:type_name -> kvoffload.v1.Tier
-	9,  // 21: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
-	11, // 22: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
-	13, // 23: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
-	16, // 24: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	19, // 25: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	19, // 26: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	23, // 27: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	25, // 28: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	27, // 29: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	32, // 30: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
-	10, // 31: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	12, // 32: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	14, // 33: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
-	17, // 34: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	20, // 35: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	20, // 36: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	24, // 37: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	26, // 38: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	30, // 39: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	33, // 40: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
-	31, // [31:41] is the sub-list for method output_type
-	21, // [21:31] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	15, // 4: kvoffload.v1.FindRegistrationsResponse.found:type_name -> kvoffload.v1.FoundRegistrations
+	18, // 5: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
+	1,  // 6: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
+	18, // 7: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
+	21, // 8: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	25, // 9: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	0,  // 10: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
+	2,  // 11: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
+	24, // 12: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	25, // 13: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	18, // 14: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
+	31, // 15: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	32, // 16: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	34, // 17: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
+	3,  // 18: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
+	37, // 19: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
+	4,  // 20: kvoffload.v1.KVEvent.kind:type_name -> kvoffload.v1.EventKind
+	1,  // 21: kvoffload.v1.KVEvent.tier:type_name -> kvoffload.v1.Tier
+	9,  // 22: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
+	11, // 23: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
+	13, // 24: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
+	14, // 25: kvoffload.v1.KVOffload.FindRegistrations:input_type -> kvoffload.v1.FindRegistrationsRequest
+	19, // 26: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
+	22, // 27: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	22, // 28: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	26, // 29: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	28, // 30: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	30, // 31: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	35, // 32: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
+	10, // 33: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	12, // 34: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	17, // 35: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	16, // 36: kvoffload.v1.KVOffload.FindRegistrations:output_type -> kvoffload.v1.FindRegistrationsResponse
+	20, // 37: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	23, // 38: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	23, // 39: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	27, // 40: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	29, // 41: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	33, // 42: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	36, // 43: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
+	33, // [33:44] is the sub-list for method output_type
+	22, // [22:33] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_kvoffload_v1_kvoffload_proto_init() }
@@ -2698,15 +2860,15 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[14].OneofWrappers = []any{}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[18].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[17].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[21].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   30,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

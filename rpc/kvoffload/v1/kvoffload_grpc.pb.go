@@ -23,16 +23,17 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	KVOffload_Register_FullMethodName    = "/kvoffload.v1.KVOffload/Register"
-	KVOffload_Unregister_FullMethodName  = "/kvoffload.v1.KVOffload/Unregister"
-	KVOffload_Resolve_FullMethodName     = "/kvoffload.v1.KVOffload/Resolve"
-	KVOffload_Lookup_FullMethodName      = "/kvoffload.v1.KVOffload/Lookup"
-	KVOffload_Store_FullMethodName       = "/kvoffload.v1.KVOffload/Store"
-	KVOffload_Load_FullMethodName        = "/kvoffload.v1.KVOffload/Load"
-	KVOffload_Completions_FullMethodName = "/kvoffload.v1.KVOffload/Completions"
-	KVOffload_Invalidate_FullMethodName  = "/kvoffload.v1.KVOffload/Invalidate"
-	KVOffload_Stats_FullMethodName       = "/kvoffload.v1.KVOffload/Stats"
-	KVOffload_WatchEvents_FullMethodName = "/kvoffload.v1.KVOffload/WatchEvents"
+	KVOffload_Register_FullMethodName          = "/kvoffload.v1.KVOffload/Register"
+	KVOffload_Unregister_FullMethodName        = "/kvoffload.v1.KVOffload/Unregister"
+	KVOffload_Resolve_FullMethodName           = "/kvoffload.v1.KVOffload/Resolve"
+	KVOffload_FindRegistrations_FullMethodName = "/kvoffload.v1.KVOffload/FindRegistrations"
+	KVOffload_Lookup_FullMethodName            = "/kvoffload.v1.KVOffload/Lookup"
+	KVOffload_Store_FullMethodName             = "/kvoffload.v1.KVOffload/Store"
+	KVOffload_Load_FullMethodName              = "/kvoffload.v1.KVOffload/Load"
+	KVOffload_Completions_FullMethodName       = "/kvoffload.v1.KVOffload/Completions"
+	KVOffload_Invalidate_FullMethodName        = "/kvoffload.v1.KVOffload/Invalidate"
+	KVOffload_Stats_FullMethodName             = "/kvoffload.v1.KVOffload/Stats"
+	KVOffload_WatchEvents_FullMethodName       = "/kvoffload.v1.KVOffload/WatchEvents"
 )
 
 // KVOffloadClient is the client API for KVOffload service.
@@ -49,6 +50,10 @@ type KVOffloadClient interface {
 	// Resolve finds the namespace ids of fingerprints (e.g. every TP rank's),
 	// so a scheduler that registered nothing can Lookup.
 	Resolve(ctx context.Context, in *ResolveRequest, opts ...grpc.CallOption) (*ResolveResponse, error)
+	// FindRegistrations names the fingerprints of the live registrations made
+	// with each registration_key: how an engine's scheduler learns what its
+	// workers registered under without a channel of its own to them.
+	FindRegistrations(ctx context.Context, in *FindRegistrationsRequest, opts ...grpc.CallOption) (*FindRegistrationsResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
 	// Store copies engine blocks into the cache. With ack_seq and without
@@ -103,6 +108,16 @@ func (c *kVOffloadClient) Resolve(ctx context.Context, in *ResolveRequest, opts 
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ResolveResponse)
 	err := c.cc.Invoke(ctx, KVOffload_Resolve_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *kVOffloadClient) FindRegistrations(ctx context.Context, in *FindRegistrationsRequest, opts ...grpc.CallOption) (*FindRegistrationsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(FindRegistrationsResponse)
+	err := c.cc.Invoke(ctx, KVOffload_FindRegistrations_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -202,6 +217,10 @@ type KVOffloadServer interface {
 	// Resolve finds the namespace ids of fingerprints (e.g. every TP rank's),
 	// so a scheduler that registered nothing can Lookup.
 	Resolve(context.Context, *ResolveRequest) (*ResolveResponse, error)
+	// FindRegistrations names the fingerprints of the live registrations made
+	// with each registration_key: how an engine's scheduler learns what its
+	// workers registered under without a channel of its own to them.
+	FindRegistrations(context.Context, *FindRegistrationsRequest) (*FindRegistrationsResponse, error)
 	// Lookup reports how many leading keys are ready in every named namespace.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
 	// Store copies engine blocks into the cache. With ack_seq and without
@@ -240,6 +259,9 @@ func (UnimplementedKVOffloadServer) Unregister(context.Context, *UnregisterReque
 }
 func (UnimplementedKVOffloadServer) Resolve(context.Context, *ResolveRequest) (*ResolveResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Resolve not implemented")
+}
+func (UnimplementedKVOffloadServer) FindRegistrations(context.Context, *FindRegistrationsRequest) (*FindRegistrationsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method FindRegistrations not implemented")
 }
 func (UnimplementedKVOffloadServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Lookup not implemented")
@@ -333,6 +355,24 @@ func _KVOffload_Resolve_Handler(srv interface{}, ctx context.Context, dec func(i
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(KVOffloadServer).Resolve(ctx, req.(*ResolveRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _KVOffload_FindRegistrations_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(FindRegistrationsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVOffloadServer).FindRegistrations(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVOffload_FindRegistrations_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVOffloadServer).FindRegistrations(ctx, req.(*FindRegistrationsRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -474,6 +514,10 @@ var KVOffload_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Resolve",
 			Handler:    _KVOffload_Resolve_Handler,
+		},
+		{
+			MethodName: "FindRegistrations",
+			Handler:    _KVOffload_FindRegistrations_Handler,
 		},
 		{
 			MethodName: "Lookup",

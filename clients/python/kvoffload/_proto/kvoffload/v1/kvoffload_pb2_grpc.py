@@ -29,6 +29,11 @@ class KVOffloadStub(object):
                 request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.ResolveRequest.SerializeToString,
                 response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.ResolveResponse.FromString,
                 )
+        self.FindRegistrations = channel.unary_unary(
+                '/kvoffload.v1.KVOffload/FindRegistrations',
+                request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsRequest.SerializeToString,
+                response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsResponse.FromString,
+                )
         self.Lookup = channel.unary_unary(
                 '/kvoffload.v1.KVOffload/Lookup',
                 request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.LookupRequest.SerializeToString,
@@ -89,6 +94,15 @@ class KVOffloadServicer(object):
     def Resolve(self, request, context):
         """Resolve finds the namespace ids of fingerprints (e.g. every TP rank's),
         so a scheduler that registered nothing can Lookup.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindRegistrations(self, request, context):
+        """FindRegistrations names the fingerprints of the live registrations made
+        with each registration_key: how an engine's scheduler learns what its
+        workers registered under without a channel of its own to them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +180,11 @@ def add_KVOffloadServicer_to_server(servicer, server):
                     servicer.Resolve,
                     request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.ResolveRequest.FromString,
                     response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.ResolveResponse.SerializeToString,
+            ),
+            'FindRegistrations': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindRegistrations,
+                    request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsRequest.FromString,
+                    response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -260,6 +279,23 @@ class KVOffload(object):
         return grpc.experimental.unary_unary(request, target, '/kvoffload.v1.KVOffload/Resolve',
             kvoffload_dot_v1_dot_kvoffload__pb2.ResolveRequest.SerializeToString,
             kvoffload_dot_v1_dot_kvoffload__pb2.ResolveResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def FindRegistrations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvoffload.v1.KVOffload/FindRegistrations',
+            kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsRequest.SerializeToString,
+            kvoffload_dot_v1_dot_kvoffload__pb2.FindRegistrationsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
