@@ -92,10 +92,16 @@ class KeyMapper:
     attention (docs/vllm.md, hybrid models): a hit ending at unit ``N``
     needs every block ``[0, N*bpu)`` of a full-attention group but only the
     last ``W`` of them, ``[N*bpu - W, N*bpu)``, of a windowed one.
+
+    ``scratch[g]`` marks a group vLLM never prefix-caches
+    (``prefix_cacheable=False``: per-request state such as a bounded replay
+    window): it has no keys, is never looked up, stored or loaded, and is in
+    neither ``full_groups`` nor ``windowed_groups``; vLLM rebuilds it itself
+    after a hit (``get_loaded_kv_cache_group_ids``).
     """
 
     def __init__(self, hash_block_size: int, group_block_sizes: Sequence[int],
-                 windows: Sequence[int | None] | None = None):
+                 windows: Sequence[int | None] | None = None, scratch: Sequence[bool] | None = None):
         if hash_block_size <= 0 or not group_block_sizes:
             raise ValueError("need a positive hash block size and at least one group")
         for g, bs in enumerate(group_block_sizes):
@@ -113,8 +119,14 @@ class KeyMapper:
             if w is not None and int(w) <= 0:
                 raise ValueError(f"group {g} has a window of {w} blocks; a windowed group needs at least one")
         self.windows: tuple[int | None, ...] = tuple(None if w is None else int(w) for w in ws)
-        self.full_groups = tuple(g for g, w in enumerate(self.windows) if w is None)
-        self.windowed_groups = tuple(g for g, w in enumerate(self.windows) if w is not None)
+        sc = tuple(bool(x) for x in scratch) if scratch else (False,) * len(self.block_sizes)
+        if len(sc) != len(self.block_sizes):
+            raise ValueError(f"{len(sc)} scratch flags for {len(self.block_sizes)} groups")
+        if all(sc):
+            raise ValueError("every group is per-request scratch: nothing to look up")
+        self.scratch_groups = tuple(g for g, x in enumerate(sc) if x)
+        self.full_groups = tuple(g for g, w in enumerate(self.windows) if w is None and not sc[g])
+        self.windowed_groups = tuple(g for g, w in enumerate(self.windows) if w is not None and not sc[g])
 
     @property
     def num_groups(self) -> int:
@@ -145,6 +157,8 @@ class KeyMapper:
         """Whether block ``i`` of ``group`` is ever inside a hit's window
         (hits end on unit boundaries): every block of a full-attention group,
         and of a windowed one those among the last ``W`` of their unit."""
+        if group in self.scratch_groups:
+            return False
         w = self.windows[group]
         k = self.blocks_per_unit[group]
         return w is None or w >= k or i % k >= k - w
@@ -156,6 +170,8 @@ class KeyMapper:
 
     def stored_per_unit(self, group: int) -> int:
         """How many of a unit's blocks of ``group`` are stored."""
+        if group in self.scratch_groups:
+            return 0
         w, k = self.windows[group], self.blocks_per_unit[group]
         return k if w is None else min(w, k)
 

@@ -172,10 +172,12 @@ class SchedulerSide:
         kv_events_max_queued: int = 65536,
         eagle_groups: Sequence[bool] = (),
         group_windows: Sequence[int | None] = (),
+        scratch_groups: Sequence[bool] = (),
         window_rounds: int = 4,
         window_probes: int = 8,
     ):
-        self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None)
+        self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None,
+                              tuple(scratch_groups) or None)
         self._window_rounds = max(1, int(window_rounds))
         self._window_probes = max(0, int(window_probes))
         # The group whose blocks say where a hit's tokens come from: the
@@ -506,6 +508,8 @@ class SchedulerSide:
         return jobs
 
     def _moved_blocks(self, g: int, start: int, end: int, load: bool) -> Sequence[int]:
+        if g in self.keys.scratch_groups:  # never stored or loaded: vLLM rebuilds it
+            return ()
         rng = self.keys.block_range(g, start, end)
         if self.keys.windows[g] is None:
             return rng
@@ -879,7 +883,8 @@ class SchedulerSide:
         hashes = self._hashes(request) or []
         fits = (rec is not None and num_external_tokens % U == 0 and end <= start + rec.hit_units
                 and self.keys.units_in(len(hashes)) >= end
-                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups))
+                and all(len(groups[g]) >= self.keys.block_range(g, 0, end).stop for g in range(self.keys.num_groups)
+                        if g not in self.keys.scratch_groups)
                 # A windowed group's window was looked up ending at the hit's
                 # end only: a shorter load would need another window.
                 and (not self.keys.windowed_groups or end == start + rec.hit_units))
@@ -903,6 +908,8 @@ class SchedulerSide:
             end = start + -(-num_external_tokens // U)
             jobs = []
             for g in range(self.keys.num_groups):
+                if g in self.keys.scratch_groups:
+                    continue
                 rng = self.keys.block_range(g, start, end)
                 ids = [b for b in groups[g][rng.start:rng.stop] if b is not None and b != self.null_block_id]
                 jobs.append(GroupJob(g, [], ids))

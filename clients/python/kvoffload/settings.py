@@ -282,6 +282,14 @@ class ConnectorSettings:
     mamba_specs: dict = field(default_factory=dict)  # group -> MambaSpec, of the Mamba groups (kvoffload.mamba)
     # Each group's window in its blocks, None for full attention (group_window).
     group_windows: tuple[int | None, ...] = ()
+    # Groups vLLM never prefix-caches (per-request scratch): never stored,
+    # looked up or loaded (KeyMapper). Empty where every group is cacheable.
+    scratch_groups: tuple[bool, ...] = ()
+
+    @property
+    def cacheable_group_ids(self) -> tuple[int, ...]:
+        return tuple(g for g in range(len(self.group_block_sizes))
+                     if not (self.scratch_groups and self.scratch_groups[g]))
 
     @property
     def hash_block_size(self) -> int:
@@ -385,6 +393,27 @@ def settings_from_vllm(
         if bad or math.lcm(*sizes.groups) != sizes.scheduler:
             unsupported = (f"group block sizes {list(sizes.groups)} do not tile vLLM's hash size {sizes.hash} and "
                            f"scheduler block size {sizes.scheduler}")
+    # Groups vLLM never prefix-caches: kv_cache_config.prefix_cacheable_group_ids
+    # where vLLM has it, else each spec's prefix_cacheable.
+    cacheable_ids = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if cacheable_ids is not None:
+        scratch = tuple(g not in set(int(i) for i in cacheable_ids) for g in range(len(groups)))
+    else:
+        scratch = tuple(not bool(getattr(sp, "prefix_cacheable", True)) for sp in specs)
+    if scratch and all(scratch):
+        unsupported = unsupported or "no KV cache group of this model is prefix-cacheable: nothing to offload"
+    if not any(scratch):
+        scratch = ()
+    if bool(getattr(model, "enable_sleep_mode", False)):
+        # vLLM tells a connector's workers nothing when it discards the KV
+        # cache memory (sleep level >= 1, POST /release_kv_cache_memory, both
+        # sleep mode only) and maps new memory at the same addresses on
+        # wake_up: the daemon's mapping of it would outlive the memory.
+        unsupported = unsupported or (
+            "vLLM's sleep mode (enable_sleep_mode) can free and re-map the KV cache memory registered with the "
+            "daemon while the engine runs (sleep, wake_up, POST /release_kv_cache_memory) without telling a "
+            "connector's workers, so a copy could read or write freed memory; start vLLM without "
+            "--enable-sleep-mode to offload")
     if pcp > 1 and len(groups) > 1:
         unsupported = unsupported or "prefill context parallel with several KV cache groups (vLLM does not build it)"
     if (tp * pp * pcp) > 1 and not hasattr(par, "tensor_parallel_size"):
@@ -462,4 +491,5 @@ def settings_from_vllm(
         eagle_groups=eagle,
         mamba_specs={g: s for g, (s, k) in enumerate(zip(specs, kinds)) if _is_mamba(s, k)},
         group_windows=windows,
+        scratch_groups=() if scratch and all(scratch) else scratch,
     )

@@ -352,6 +352,13 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         self.settings = s = settings_from_vllm(vllm_config, kv_cache_config, vllm_block_sizes=resolver,
                                                kv_layout=type(self).get_required_kvcache_layout(vllm_config),
                                                spec_kind=get_kv_cache_spec_kind)
+        if s.scratch_groups and not hasattr(KVConnectorBase_V1, "get_loaded_kv_cache_group_ids"):
+            # That vLLM takes a hit as restoring every group: a group this
+            # connector never stores would hold nothing.
+            s.unsupported = s.unsupported or (
+                f"KV cache groups {[g for g, x in enumerate(s.scratch_groups) if x]} are never prefix-cached "
+                "(prefix_cacheable=False: per-request state), and this vLLM has no get_loaded_kv_cache_group_ids "
+                "to rebuild them after an external hit")
         for note in s.notes:
             log.warning("kvoffload: %s", note)
         num_groups = len(s.group_block_sizes)
@@ -408,7 +415,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 offer_hits=offer, rpc_timeout_s=s.timeout_s, lookup_wait_s=s.lookup_wait_s,
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
-                eagle_groups=s.eagle_groups, group_windows=s.group_windows,
+                eagle_groups=s.eagle_groups, group_windows=s.group_windows, scratch_groups=s.scratch_groups,
             )
             if offer and s.engine is not None:
                 self._scheduler.discover_workers({tuple(sorted(r.items())): s.registration_key(r) for r in s.ranks()})
@@ -667,6 +674,11 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
         if self._scheduler is None:
             return None
         return self._scheduler.reset()
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """The groups a load of ours restores: every group but those vLLM
+        never prefix-caches (their per-request state vLLM rebuilds itself)."""
+        return self.settings.cacheable_group_ids
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -84,6 +84,7 @@ class Sequence:
         self.tokens = list(prompt)
         self.digests: list[bytes] = []
         self._seed = seed
+        self.salt = b""  # the request id: what a scratch group's KV depends on besides the tokens
 
     def digest(self, p: int) -> bytes:
         while len(self.digests) <= p:
@@ -115,6 +116,8 @@ class Request:
                  kv_transfer_params: dict | None = None, skip_reading_prefix_cache: bool = False):
         self.request_id = rid
         self.seq = Sequence(prompt, seed)
+        self.seq.salt = rid.encode()
+        self.loaded_groups: tuple[int, ...] | None = None  # what the connector's load restores
         self.num_prompt_tokens = len(prompt)
         self.all_token_ids = list(prompt)
         self.max_tokens = max_tokens
@@ -173,6 +176,11 @@ class Group:
     layers: int = 2
     window: int = 0  # sliding window in tokens ("swa")
     eagle: bool = False  # EAGLE/MTP draft layers (vLLM's KVCacheGroupSpec.is_eagle_group)
+    # vLLM never prefix-caches it (spec.prefix_cacheable=False): per-request
+    # state (DeepSeek-V4.1's bounded replay window). Its KV differs per
+    # request; after an external hit the engine rebuilds it for the loaded
+    # tokens unless the connector says it loaded it (get_loaded_kv_cache_group_ids).
+    scratch: bool = False
 
 
 @dataclass
@@ -226,6 +234,7 @@ class Config:
     # vLLM's MultiConnector with these children in this order ("nixl": a
     # NixlConnector-like sibling, "ours": KVOffloadConnector); () for ours alone.
     multi: tuple = ()
+    sleep_mode: bool = False  # vLLM's --enable-sleep-mode (model_config.enable_sleep_mode)
 
     def specs(self) -> list[Any]:
         out = []
@@ -238,6 +247,7 @@ class Config:
                 out.append(sv.MLAAttentionSpec(g.block_size, num_kv_heads=1, head_size=DM))
             else:
                 out.append(sv.FullAttentionSpec(g.block_size, num_kv_heads=H, head_size=D))
+            out[-1].prefix_cacheable = not g.scratch
         return out
 
 
@@ -247,7 +257,7 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
         # vLLM's VllmConfig.instance_id: random per config (the workers get it pickled).
         instance_id=secrets.token_hex(3),
         model_config=ns(model=cfg.model, revision="main", dtype="bfloat16", quantization=None, hf_overrides=None,
-                        use_mla=any(g.kind == "mla" for g in cfg.groups)),
+                        use_mla=any(g.kind == "mla" for g in cfg.groups), enable_sleep_mode=cfg.sleep_mode),
         cache_config=ns(block_size=min(g.block_size for g in cfg.groups), cache_dtype="auto",
                         prefix_caching_hash_algo=cfg.hash_algo, enable_prefix_caching=cfg.prefix_caching,
                         prefix_match_unit=cfg.prefix_match_unit, calculate_kv_scales=False,
@@ -272,6 +282,7 @@ def vllm_config(cfg: Config, socket: str) -> SimpleNamespace:
 def kv_cache_config(cfg: Config) -> SimpleNamespace:
     return SimpleNamespace(
         num_blocks=cfg.num_blocks,
+        prefix_cacheable_group_ids=tuple(g for g, grp in enumerate(cfg.groups) if not grp.scratch),
         kv_cache_groups=[SimpleNamespace(layer_names=[f"g{g}.l{i}" for i in range(grp.layers)], kv_cache_spec=spec,
                                          is_eagle_group=grp.eagle)
                          for g, (grp, spec) in enumerate(zip(cfg.groups, cfg.specs()))],
@@ -405,6 +416,8 @@ class RankMemory:
     def content(self, seq: Sequence, p: int, g: int, li: int) -> bytes:
         tag = bytes([(self.rank * 31 + g * 7 + li * 3 + self.weights * 101) & 0xFF])
         d = seq.digest(p)
+        if self.cfg.groups[g].scratch:
+            d = hashlib.blake2b(d + seq.salt, digest_size=8).digest()
         raw = (d + tag * 8)
         return (raw * ((H * D * E) // len(raw) + 2))[: max(H * D * E, DM * E)]
 
@@ -1007,6 +1020,12 @@ class Engine:
                 if blocks is None:
                     break
                 self._timed(self.sched_conn.update_state_after_alloc, req, self.kvm.get_blocks(rid), ext)
+                if ext > 0:
+                    # Newer vLLM: the groups the load restores (the base
+                    # class says the prefix-cacheable ones); the others it
+                    # rebuilds itself once the load is done.
+                    get = getattr(self.sched_conn, "get_loaded_kv_cache_group_ids", None)
+                    req.loaded_groups = tuple(get(req)) if get is not None else tuple(range(len(cfg.groups)))
                 queue.popleft()
                 if local_blocks is not None:
                     req.local_computed = local
@@ -1059,7 +1078,7 @@ class Engine:
                     for h in j.hashes:
                         i = (req.block_hashes.index(h) + 1) // f - 1
                         self.stored[(j.group, bytes(h))] = (req.seq, i, self.memory[0].weights)
-        if self.cfg.kv_events and plan is not None:
+        if (self.cfg.kv_events or self.cfg.record_stores) and plan is not None:
             for jobs in list(plan.stores.values()) + list(plan.loads.values()):
                 for j in jobs:
                     self.planned_keys.update((j.group, bytes(h)) for h in j.hashes)
@@ -1093,6 +1112,7 @@ class Engine:
                 self._free_blocks(req)
             self.failed_recving.discard(rid)
         else:
+            self._rebuild_unloaded_groups(req)
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens:
                 req.num_computed_tokens -= 1
@@ -1100,6 +1120,23 @@ class Engine:
         self.finished_recving.discard(rid)
         req.status = PREEMPTED if req.num_preemptions else WAITING
         self.counters["loads_finished"] += 1
+
+    def _rebuild_unloaded_groups(self, req: Request) -> None:
+        """The groups a finished load did not restore (vLLM's replay of a
+        per-request group): their KV of the loaded tokens is computed again,
+        on every rank."""
+        if req.loaded_groups is None:
+            return
+        table = self.kvm.tables.get(req.request_id) or []
+        for g, s in enumerate(self.group_sizes):
+            if g in req.loaded_groups or self.kvm.mamba[g] or g >= len(table):
+                continue
+            for p in range(req.local_computed, min(req.num_computed_tokens, len(table[g]) * s)):
+                b = table[g][p // s]
+                if not b.is_null:
+                    for mem in self.memory:
+                        mem.write(req.seq, p, g, b.block_id)
+        req.loaded_groups = None
 
     def _update_requests_with_invalid_blocks(self, reqs, invalid: set[int], num_sched: dict[str, int]) -> set[str]:
         """vLLM's, single group as vLLM's is (it unpacks one group)."""
@@ -1245,6 +1282,7 @@ class Engine:
                 # batch): it runs the step even if the scheduler has since
                 # aborted the request.
                 self.worker_seqs.setdefault(nr.req_id, Sequence(nr.prompt_token_ids, self.seed))
+                self.worker_seqs[nr.req_id].salt = nr.req_id.encode()
             for rid, n in out.num_scheduled_tokens.items():
                 seq = self.worker_seqs[rid]
                 c0 = starts[rid]

@@ -156,6 +156,12 @@ class KVConnectorBase_V1(ABC):
     def take_events(self):
         return ()
 
+    def get_loaded_kv_cache_group_ids(self, request):
+        # Newer vLLM's default (base.py at e0f559e): the prefix-cacheable
+        # groups, all a hash-addressed store holds. install(loaded_groups=False)
+        # removes it (vLLM before #57145).
+        return self._kv_cache_config.prefix_cacheable_group_ids
+
     def reset_cache(self):
         # vLLM's default (base.py at 7cfb97e): not implemented, None, which
         # vLLM's scheduler counts as a successful reset.
@@ -544,7 +550,8 @@ def _group(g):
 
 def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics: bool = True,
             resolver: bool = True, kv_events: str | None = "main", spec_kinds: bool = True,
-            hit_sources: bool = True, factory: bool = True, kv_layouts: bool = False) -> types.SimpleNamespace:
+            hit_sources: bool = True, factory: bool = True, kv_layouts: bool = False,
+            loaded_groups: bool = True) -> types.SimpleNamespace:
     """Puts the modules in sys.modules (and drops a cached kvoffload.vllm)."""
     saved = {m: sys.modules.get(m) for m in MODULES + ["kvoffload.vllm"]}
     for m in MODULES:
@@ -569,6 +576,9 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
     if spec_kinds:
         kci = sys.modules["vllm.v1.kv_cache_interface"]
         kci.get_kv_cache_spec_kind, kci.KVCacheSpecKind = get_kv_cache_spec_kind, KVCacheSpecKind
+    if not loaded_groups and "get_loaded_kv_cache_group_ids" in KVConnectorBase_V1.__dict__:
+        saved["get_loaded_kv_cache_group_ids"] = KVConnectorBase_V1.__dict__["get_loaded_kv_cache_group_ids"]
+        del KVConnectorBase_V1.get_loaded_kv_cache_group_ids
     if factory:
         sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"].KVConnectorFactory = make_factory()
     else:
@@ -601,6 +611,9 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
 
 
 def uninstall(handle) -> None:
+    hook = handle.saved.pop("get_loaded_kv_cache_group_ids", None)
+    if hook is not None:
+        KVConnectorBase_V1.get_loaded_kv_cache_group_ids = hook
     for m, mod in handle.saved.items():
         if mod is None:
             sys.modules.pop(m, None)
