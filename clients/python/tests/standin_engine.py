@@ -235,6 +235,12 @@ class Config:
     # NixlConnector-like sibling, "ours": KVOffloadConnector); () for ours alone.
     multi: tuple = ()
     sleep_mode: bool = False  # vLLM's --enable-sleep-mode (model_config.enable_sleep_mode)
+    # The model runner's connector calls: "v1" (7cfb97e: start_load_kv before
+    # the forward), "deferred" (#53333: on a step without synchronous loads
+    # start_load_kv runs after the forward is launched), "mrv2" (V2 runner's
+    # gpu/kv_connector.py at 00f4240: deferred, and finish_forward once the
+    # forward no longer reads the step's KV).
+    runner: str = "v1"
 
     def specs(self) -> list[Any]:
         out = []
@@ -1264,7 +1270,9 @@ class Engine:
                 w.handle_preemptions(meta)
             self._let_sender_run(r)
             w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
+            deferred = self.cfg.runner != "v1" and not getattr(out, "has_sync_kv_loads", False)
+            if not deferred:
+                w.start_load_kv(None)
             t += time.perf_counter() - t0
             for nr in out.scheduled_new_reqs:
                 tables[nr.req_id] = [list(g) for g in nr.block_ids]
@@ -1300,6 +1308,10 @@ class Engine:
             for layer in mem.kv_caches:
                 w.wait_for_layer_load(layer)
                 w.save_kv_layer(layer, mem.kv_caches[layer], None)
+            if self.cfg.runner == "mrv2":
+                w.finish_forward()
+            if deferred:
+                w.start_load_kv(None)
             w.wait_for_save()
             if self.cfg.sender_lags and getattr(w, "_worker", None) is not None and r not in self._held:
                 w._worker._cv.acquire()  # the sender cannot take the queued Store until released
@@ -1378,7 +1390,8 @@ class Engine:
             self._failed_pending |= ko.failed_recving
             agg.invalid_block_ids |= ko.invalid_block_ids
             st = ko.kv_connector_stats
-            if st is not None:  # vLLM's KVOutputAggregator
+            if st is not None:  # vLLM's KVOutputAggregator, on the copies the workers' outputs arrive as
+                st = pickle.loads(pickle.dumps(st))
                 agg.kv_connector_stats = st if agg.kv_connector_stats is None else agg.kv_connector_stats.aggregate(st)
             m = ko.kv_connector_worker_meta
             if m is not None:

@@ -156,6 +156,20 @@ class KVConnectorBase_V1(ABC):
     def take_events(self):
         return ()
 
+    # Hooks with defaults that base.py at e0f559e has and 7cfb97e has not
+    # (install(base_at="7cfb97e") removes them).
+    def finish_forward(self):
+        return
+
+    def bind_kv_cache_manager(self, kv_cache_manager):
+        return
+
+    def has_pending_block_frees(self):
+        return False
+
+    def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads):
+        return False
+
     def get_loaded_kv_cache_group_ids(self, request):
         # Newer vLLM's default (base.py at e0f559e): the prefix-cacheable
         # groups, all a hash-addressed store holds. install(loaded_groups=False)
@@ -188,6 +202,10 @@ class KVConnectorBase_V1(ABC):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return None
+
+
+NEWER_HOOKS = ("finish_forward", "bind_kv_cache_manager", "has_pending_block_frees", "register_finished_partial_tail",
+               "get_loaded_kv_cache_group_ids")
 
 
 class NullConnector(KVConnectorBase_V1):
@@ -551,7 +569,7 @@ def _group(g):
 def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics: bool = True,
             resolver: bool = True, kv_events: str | None = "main", spec_kinds: bool = True,
             hit_sources: bool = True, factory: bool = True, kv_layouts: bool = False,
-            loaded_groups: bool = True) -> types.SimpleNamespace:
+            loaded_groups: bool = True, base_at: str = "e0f559e") -> types.SimpleNamespace:
     """Puts the modules in sys.modules (and drops a cached kvoffload.vllm)."""
     saved = {m: sys.modules.get(m) for m in MODULES + ["kvoffload.vllm"]}
     for m in MODULES:
@@ -576,9 +594,14 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
     if spec_kinds:
         kci = sys.modules["vllm.v1.kv_cache_interface"]
         kci.get_kv_cache_spec_kind, kci.KVCacheSpecKind = get_kv_cache_spec_kind, KVCacheSpecKind
-    if not loaded_groups and "get_loaded_kv_cache_group_ids" in KVConnectorBase_V1.__dict__:
-        saved["get_loaded_kv_cache_group_ids"] = KVConnectorBase_V1.__dict__["get_loaded_kv_cache_group_ids"]
-        del KVConnectorBase_V1.get_loaded_kv_cache_group_ids
+    gone = [] if loaded_groups else ["get_loaded_kv_cache_group_ids"]
+    if base_at == "7cfb97e":
+        gone = list(NEWER_HOOKS)
+    saved["hooks"] = {}
+    for name in gone:
+        if name in KVConnectorBase_V1.__dict__:
+            saved["hooks"][name] = KVConnectorBase_V1.__dict__[name]
+            delattr(KVConnectorBase_V1, name)
     if factory:
         sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"].KVConnectorFactory = make_factory()
     else:
@@ -611,9 +634,8 @@ def install(*, transfer_results: bool = True, worker_meta: bool = True, metrics:
 
 
 def uninstall(handle) -> None:
-    hook = handle.saved.pop("get_loaded_kv_cache_group_ids", None)
-    if hook is not None:
-        KVConnectorBase_V1.get_loaded_kv_cache_group_ids = hook
+    for name, hook in handle.saved.pop("hooks", {}).items():
+        setattr(KVConnectorBase_V1, name, hook)
     for m, mod in handle.saved.items():
         if mod is None:
             sys.modules.pop(m, None)
