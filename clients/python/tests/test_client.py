@@ -388,5 +388,7 @@ def test_find_registrations_by_key(client, shm, fingerprint):
     client.unregister(plain.registration_id)
     with pytest.raises(kv.InvalidArgument, match="keys\\[0\\]"):
         client.find_registrations([b""])
+    with pytest.raises(kv.InvalidArgument, match="keys has 65 entries, at most 64"):
+        client.find_registrations([b"k"] * 65)
     with pytest.raises(kv.InvalidArgument, match="registration_key"):
         client.register(fingerprint + b"-d", layout, regions, registration_key=b"k" * 257)
