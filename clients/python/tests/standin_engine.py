@@ -180,6 +180,8 @@ class Group:
     # state (DeepSeek-V4.1's bounded replay window). Its KV differs per
     # request; after an external hit the engine rebuilds it for the loaded
     # tokens unless the connector says it loaded it (get_loaded_kv_cache_group_ids).
+    # The stand-in's local prefix cache does not leave such groups out, as
+    # vLLM's does: run them with prefix_caching=False.
     scratch: bool = False
 
 

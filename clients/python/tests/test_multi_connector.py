@@ -137,3 +137,30 @@ def test_mla_models_require_no_layout():
         v = vllm_config(cfg, "/nonexistent")
         assert mod.KVOffloadConnector.get_required_kvcache_layout(v) is None
         assert sm.MultiConnector.get_required_kvcache_layout(v) is None
+
+
+def test_a_vllm_that_names_no_engine_still_uses_the_handshake(daemon, shm, monkeypatch):
+    """Without engine_id and instance_id there is no registration key: the
+    workers' fingerprints come through vLLM's handshake, as before."""
+    import standin_engine
+
+    real = standin_engine.vllm_config
+
+    def unnamed(cfg, socket):
+        v = real(cfg, socket)
+        del v.instance_id
+        v.kv_transfer_config.engine_id = None
+        return v
+
+    monkeypatch.setattr(standin_engine, "vllm_config", unnamed)
+    cfg = Config(model="multi-unnamed", tp=2, prefix_caching=False, extra={"lookup_deadline_ms": 2000})
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, daemon.socket, shm)
+        try:
+            assert all(isinstance(w.get_handshake_metadata(), mod.KVOffloadHandshake) for w in eng.workers)
+            a = toks(30, 800)
+            serve(eng, a, prefix="a")
+            serve(eng, a[:24] + [1, 2, 3], prefix="b")
+            assert eng.counters["hit_tokens"] == 24
+        finally:
+            eng.close()
