@@ -221,7 +221,7 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 				return float64(keys)
 			}
 		}
-		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again every 2 s: kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
+		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again after 100 ms, then less often (at least every 2 s): kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
 		for kind, namespaces := range map[string]bool{"key": false, "namespace": true} {
 			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvoffload_remote_pending_deletes", Help: help, ConstLabels: prometheus.Labels{"kind": kind},
