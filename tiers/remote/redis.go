@@ -500,19 +500,13 @@ func (r *Redis) followRedirects(ctx context.Context, gs []GenWrite, set, unlink,
 			}()
 		}
 		wg.Wait()
-		for _, ops := range byAddr {
-			for _, op := range ops {
-				if op.set {
-					errs[op.i] = unavailable(set[op.i])
-				}
-			}
-		}
-		addrs := make([]string, 0, len(gs))
-		res := make([]error, 0, len(gs))
+		var addrs []string
+		var res []error
 		for addr, ops := range byAddr {
 			for _, op := range ops {
 				if op.set {
-					addrs, res = append(addrs, addr), append(res, set[op.i])
+					errs[op.i] = unavailable(set[op.i])
+					addrs, res = append(addrs, addr), append(res, errs[op.i])
 				}
 			}
 		}
