@@ -100,6 +100,9 @@ type remoteTier struct {
 	log     *slog.Logger
 
 	fence *fence.Set // what this node must not read back, and the records it still has to write
+	// stateDir keeps the fences file without a disk tier, locked while
+	// the tier runs (nil: none).
+	stateDir *fence.DirState
 
 	fetches chan fetchReq
 	wg      sync.WaitGroup // fetchers, the health checker and the stamp reads
@@ -138,8 +141,8 @@ func (c *RemoteConfig) validate() error {
 }
 
 // openRemote starts the remote tier (its config validated by New). It
-// fails only when the fences file of the disk tier cannot be read; the
-// store is closed then.
+// fails only when the fences file cannot be read, or StateDir is another
+// daemon's; the store is closed then.
 func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error {
 	if cfg.Queue <= 0 {
 		cfg.Queue = 256
@@ -173,19 +176,28 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 		})
 	}
 	fcfg := fence.Config{Store: rt.store, Keyspace: rt.ks, Timeout: cfg.Timeout, Metrics: m, Log: s.log}
+	var ferr error
 	switch {
 	case s.disk != nil:
 		fcfg.State = s.disk
 	case cfg.StateDir != "":
-		fcfg.State = fence.DirState(cfg.StateDir)
+		if rt.stateDir, ferr = fence.OpenDirState(cfg.StateDir); ferr == nil {
+			fcfg.State = rt.stateDir
+		}
 	}
 	if rt.pub != nil {
 		fcfg.Cancel = rt.pub.Cancel
 	}
-	fs, ferr := fence.Open(fcfg)
+	var fs *fence.Set
+	if ferr == nil {
+		fs, ferr = fence.Open(fcfg)
+	}
 	if ferr != nil {
 		if rt.pub != nil {
 			rt.pub.Close()
+		}
+		if rt.stateDir != nil {
+			rt.stateDir.Close()
 		}
 		rt.store.Close()
 		return ferr
@@ -209,7 +221,7 @@ func (s *Service) openRemote(cfg RemoteConfig, reg prometheus.Registerer) error 
 				return float64(keys)
 			}
 		}
-		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again every 2 s: kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
+		const help = "Invalidations on this node whose generation records are still to be written to the remote tier, tried again after 100 ms, then less often (at least every 2 s): kind=key, keys whose write failed; kind=namespace, namespaces invalidated whole. This node does not read them from the remote tier meanwhile; other nodes may."
 		for kind, namespaces := range map[string]bool{"key": false, "namespace": true} {
 			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvoffload_remote_pending_deletes", Help: help, ConstLabels: prometheus.Labels{"kind": kind},
@@ -274,6 +286,9 @@ func (rt *remoteTier) close() error {
 	close(rt.stop)
 	rt.wg.Wait()
 	rt.fence.Close()
+	if rt.stateDir != nil {
+		rt.stateDir.Close() // after the fences file's last save
+	}
 	if rt.pub != nil {
 		rt.pub.Close()
 	}

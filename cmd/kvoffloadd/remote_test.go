@@ -5,15 +5,19 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/rediscluster"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/remote"
 )
@@ -196,5 +200,72 @@ func TestRemoteFlagsEndToEnd(t *testing.T) {
 	}
 	if keyed != 3 || open != 0 {
 		t.Fatalf("%d values in the fleet's keyspace, %d open ones; want 3 and 0", keyed, open)
+	}
+}
+
+// TestSecondDaemonOnRemoteStateDirRefuses: two daemons given one
+// --remote-state-dir would overwrite each other's fences file (each
+// forgetting the invalidations the other still owes the cluster). The
+// second refuses to start, naming the directory and the first's pid; the
+// first keeps serving, and once it has stopped the directory is free.
+func TestSecondDaemonOnRemoteStateDirRefuses(t *testing.T) {
+	bin := buildDaemon(t)
+	dir := t.TempDir()
+	args := func(sock string) []string {
+		// The cluster is down: a warning, the daemon serves its local
+		// tiers and keeps its fences file all the same.
+		return []string{"--socket", sock, "--metrics-addr", "", "--cpu-bytes", "16MiB",
+			"--remote-redis", "127.0.0.1:1", "--remote-timeout", "100ms", "--remote-state-dir", dir}
+	}
+	proc, c, exited := startDaemon(t, bin, args(filepath.Join(t.TempDir(), "a.sock"))...)
+
+	out, err := refused(t, bin, args(filepath.Join(t.TempDir(), "b.sock"))...)
+	holder := fmt.Sprintf("pid %d", proc.Process.Pid)
+	if err == nil || !strings.Contains(string(out), "in use by another kvoffloadd") || !strings.Contains(string(out), dir) || !strings.Contains(string(out), holder) {
+		t.Fatalf("a second daemon on the same --remote-state-dir: %v\n%s\nwant a refusal naming %s and %s", err, out, dir, holder)
+	}
+	hctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if ok, err := c.Healthy(hctx); !ok {
+		t.Fatalf("the first daemon stopped serving: %v", err)
+	}
+
+	proc.Process.Signal(syscall.SIGTERM)
+	<-exited
+	startDaemon(t, bin, args(filepath.Join(t.TempDir(), "c.sock"))...)
+}
+
+// refused runs the daemon binary expecting it to refuse to start: its exit
+// error and its output. A daemon that serves instead fails the test.
+func refused(t *testing.T, bin string, args ...string) ([]byte, error) {
+	t.Helper()
+	var out bytes.Buffer
+	proc := exec.Command(bin, args...)
+	proc.Stdout, proc.Stderr = &out, &out
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- proc.Wait() }()
+	c, err := client.Dial(args[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		select {
+		case err := <-done:
+			return out.Bytes(), err
+		case <-time.After(20 * time.Millisecond):
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		ok, _ := c.Healthy(ctx)
+		cancel()
+		if ok || time.Now().After(deadline) {
+			proc.Process.Kill()
+			<-done
+			t.Fatalf("the daemon serves (or neither serves nor exits after a minute); want a refusal to start:\n%s", out.String())
+		}
 	}
 }

@@ -730,6 +730,153 @@ func (c *Cluster) MoveSlotPaged(ctx context.Context, slot int, to *Node, between
 	})
 }
 
+// Migration is a resharding under way, as `redis-cli --cluster reshard`
+// leaves it between its steps: each of its slots importing on its new
+// master and migrating on its old one. The old master answers for the
+// keys it still holds and redirects (ASK) the others; Migrate moves keys
+// over, Finish moves the rest and gives every slot to its new master.
+type Migration struct {
+	c     *Cluster
+	slots map[int]*slotMove
+}
+
+type slotMove struct {
+	from, to *Node
+	toID     string
+}
+
+// StartMigration marks each slot importing on to(its owner) and migrating
+// on its owner; a slot whose new master is its owner is left alone.
+func (c *Cluster) StartMigration(ctx context.Context, slots []int, to func(from *Node) *Node) (*Migration, error) {
+	ids := map[*Node]string{}
+	for _, n := range c.nodes {
+		cl := n.Client()
+		id, err := cl.Do(ctx, "cluster", "myid").Text()
+		cl.Close()
+		if err != nil {
+			return nil, fmt.Errorf("node %s: CLUSTER MYID: %w", n.Addr(), err)
+		}
+		ids[n] = id
+	}
+	m := &Migration{c: c, slots: map[int]*slotMove{}}
+	for _, slot := range slots {
+		if m.slots[slot] != nil {
+			continue
+		}
+		from, err := c.slotOwner(ctx, slot)
+		if err != nil {
+			return nil, err
+		}
+		dst := to(from)
+		if dst == from {
+			continue
+		}
+		if err := dst.do(ctx, "cluster", "setslot", slot, "importing", ids[from]); err != nil {
+			return nil, fmt.Errorf("SETSLOT IMPORTING: %w", err)
+		}
+		if err := from.do(ctx, "cluster", "setslot", slot, "migrating", ids[dst]); err != nil {
+			return nil, fmt.Errorf("SETSLOT MIGRATING: %w", err)
+		}
+		m.slots[slot] = &slotMove{from: from, to: dst, toID: ids[dst]}
+	}
+	return m, nil
+}
+
+// To is the new master of slot (nil: not migrating).
+func (m *Migration) To(slot int) *Node {
+	if sm := m.slots[slot]; sm != nil {
+		return sm.to
+	}
+	return nil
+}
+
+// Migrate moves keys (each of a slot of m, on its old master) to their
+// slot's new master.
+func (m *Migration) Migrate(ctx context.Context, keys ...string) error {
+	for _, k := range keys {
+		slot, err := m.c.KeySlot(ctx, k)
+		if err != nil {
+			return err
+		}
+		sm := m.slots[slot]
+		if sm == nil {
+			return fmt.Errorf("key %s: slot %d is not migrating", k, slot)
+		}
+		if err := m.c.migrate(ctx, sm.from, sm.to, []string{k}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Finish moves every key left and gives each slot to its new master on
+// every node; it returns once every master agrees.
+func (m *Migration) Finish(ctx context.Context) error {
+	for slot, sm := range m.slots {
+		src := sm.from.Client()
+		for {
+			keys, err := src.ClusterGetKeysInSlot(ctx, slot, 100).Result()
+			if err != nil {
+				src.Close()
+				return fmt.Errorf("node %s: GETKEYSINSLOT: %w", sm.from.Addr(), err)
+			}
+			if len(keys) == 0 {
+				break
+			}
+			if err := m.c.migrate(ctx, sm.from, sm.to, keys); err != nil {
+				src.Close()
+				return err
+			}
+		}
+		src.Close()
+		for _, n := range append([]*Node{sm.to, sm.from}, m.c.nodes...) {
+			if err := n.do(ctx, "cluster", "setslot", slot, "node", sm.toID); err != nil {
+				return fmt.Errorf("SETSLOT NODE: %w", err)
+			}
+		}
+	}
+	return poll(ctx, 30*time.Second, func() error {
+		for slot, sm := range m.slots {
+			for _, n := range m.c.nodes {
+				owner, err := n.slotOwnerSeen(ctx, slot)
+				if err != nil {
+					return err
+				}
+				if owner != sm.to.Addr() {
+					return fmt.Errorf("node %s still sees slot %d on %s", n.Addr(), slot, owner)
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// migrate moves keys from one master to another (MIGRATE ... KEYS).
+func (c *Cluster) migrate(ctx context.Context, from, to *Node, keys []string) error {
+	args := []any{"migrate", "127.0.0.1", to.Port, "", 0, 10000}
+	if c.opt.Password != "" {
+		args = append(args, "auth", c.opt.Password)
+	}
+	args = append(args, "keys")
+	for _, k := range keys {
+		args = append(args, k)
+	}
+	if err := from.do(ctx, args...); err != nil {
+		return fmt.Errorf("MIGRATE: %w", err)
+	}
+	return nil
+}
+
+// do runs one command on n.
+func (n *Node) do(ctx context.Context, args ...any) error {
+	cl := n.Client()
+	defer cl.Close()
+	if err := cl.Do(ctx, args...).Err(); err != nil {
+		return fmt.Errorf("node %s: %w", n.Addr(), err)
+	}
+	return nil
+}
+
 // KeySlot is the hash slot of key.
 func (c *Cluster) KeySlot(ctx context.Context, key string) (int, error) {
 	cl := c.nodes[0].Client()

@@ -54,6 +54,13 @@ type Redis struct {
 	cc           *redis.ClusterClient
 	br           *breaker
 	waitReplicas int
+
+	// nodes are clients of single masters, by address, for the record
+	// writes a resharding redirects (node); nodeOpt is their template.
+	nodeOpt *redis.Options
+	nodesMu sync.Mutex
+	nodes   map[string]*redis.Client
+	closed  bool
 }
 
 var _ Store = (*Redis)(nil)
@@ -99,8 +106,10 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		// other nodes had answered too (v9.23, processPipeline): one
 		// slow node would cost the whole batch. A key moved by a
 		// resharding or failover (MOVED, ASK) is unavailable for the
-		// batch that meets it; the client reloads the slot map and the
-		// next batch finds it.
+		// batch that meets it (a reader refuses what it could not
+		// check); the client reloads the slot map and the next batch
+		// finds it. An invalidation's record writes are the exception:
+		// SetGens follows their redirects itself.
 		MaxRedirects: -1,
 		MaxRetries:   -1,
 		PoolSize:     cfg.PoolSize,
@@ -110,7 +119,14 @@ func NewRedis(cfg RedisConfig) (*Redis, error) {
 		ReadBufferSize:  64 << 10,
 		WriteBufferSize: 64 << 10,
 	})
-	return &Redis{cc: cc, br: newBreaker(), waitReplicas: cfg.WaitReplicas}, nil
+	nodeOpt := &redis.Options{
+		Password: cfg.Password, TLSConfig: cfg.TLS, Protocol: 2, DisableIdentity: true,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+		DialTimeout:              cfg.Timeout, ReadTimeout: cfg.Timeout, WriteTimeout: cfg.Timeout,
+		ContextTimeoutEnabled: true, DialerRetries: 1, MaxRetries: -1,
+		PoolSize: cfg.PoolSize, PoolTimeout: cfg.Timeout,
+	}
+	return &Redis{cc: cc, br: newBreaker(), waitReplicas: cfg.WaitReplicas, nodeOpt: nodeOpt, nodes: map[string]*redis.Client{}}, nil
 }
 
 // route finds the master of each key from the client's slot map, and
@@ -341,103 +357,267 @@ func (r *Redis) Set(ctx context.Context, items []Item) []error {
 
 // SetGens implements Store: SET of each record, then UNLINK of the value
 // it makes stale, on the record's node (hash tag) in that order; with
-// WaitReplicas, then WAIT on the same connection (setGensReplicated).
+// WaitReplicas, then WAIT on the same connection (writeRecords). A record
+// whose slot is being resharded is followed where the cluster sends it,
+// within the call (followRedirects): a write that meets a resharding is
+// written, not failed.
 func (r *Redis) SetGens(ctx context.Context, gs []GenWrite) []error {
 	keys := make([]string, len(gs))
 	for i := range gs {
 		keys[i] = gs[i].Key
 	}
 	addrs, skip := r.route(ctx, keys)
+	errs := make([]error, len(gs))
+	// What the cluster said of each record's SET and UNLINK: written,
+	// failed, or redirected.
+	set, unlink := make([]error, len(gs)), make([]error, len(gs))
 	if r.waitReplicas > 0 {
-		return r.setGensReplicated(ctx, gs, addrs, skip)
-	}
-	cmds := make([]*redis.StatusCmd, len(gs))
-	r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, g := range gs {
+		byNode := map[string][]int{}
+		for i := range gs {
 			if !skip[i] {
-				cmds[i] = p.Set(ctx, g.Key, genText(g.Gen), 0)
-				if g.Unlink != "" {
-					p.Unlink(ctx, g.Unlink)
+				byNode[addrs[i]] = append(byNode[addrs[i]], i)
+			}
+		}
+		var wg sync.WaitGroup
+		for _, idx := range byNode {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				c, err := r.cc.MasterForKey(ctx, gs[idx[0]].Key)
+				if err != nil {
+					for _, i := range idx {
+						set[i] = err
+					}
+					return
+				}
+				ops := make([]recordOp, len(idx))
+				for j, i := range idx {
+					ops[j] = recordOp{i: i, set: true, unlink: gs[i].Unlink != ""}
+				}
+				r.writeRecords(ctx, c, gs, ops, set, unlink)
+			}()
+		}
+		wg.Wait()
+	} else {
+		setCmds := make([]*redis.StatusCmd, len(gs))
+		unlinkCmds := make([]*redis.IntCmd, len(gs))
+		r.cc.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i, g := range gs {
+				if !skip[i] {
+					setCmds[i] = p.Set(ctx, g.Key, genText(g.Gen), 0)
+					if g.Unlink != "" {
+						unlinkCmds[i] = p.Unlink(ctx, g.Unlink)
+					}
+				}
+			}
+			return nil
+		})
+		for i := range gs {
+			if !skip[i] {
+				set[i] = setCmds[i].Err()
+				if unlinkCmds[i] != nil {
+					unlink[i] = unlinkCmds[i].Err()
 				}
 			}
 		}
-		return nil
-	})
-	errs := make([]error, len(gs))
-	for i, c := range cmds {
-		if skip[i] {
-			errs[i] = backoffErr(addrs[i])
-		} else if err := c.Err(); err != nil {
-			errs[i] = unavailable(err)
-		}
 	}
-	r.settle(addrs, skip, func(i int) error { return errs[i] })
-	return errs
-}
-
-// setGensReplicated writes the records one pipeline per master (all in
-// parallel, as the cluster client would), each ending in WAIT for
-// WaitReplicas replicas: WAIT counts the replicas that acknowledged every
-// write made on its connection before it, so it must share the writes'
-// connection, which a cluster pipeline cannot promise for a command with
-// no key. A master whose replicas fall short fails its records with
-// ErrReplicas (not a node failure: its breaker is not tripped).
-func (r *Redis) setGensReplicated(ctx context.Context, gs []GenWrite, addrs []string, skip []bool) []error {
-	errs := make([]error, len(gs))
-	byNode := map[string][]int{}
 	for i := range gs {
 		if skip[i] {
 			errs[i] = backoffErr(addrs[i])
-			continue
+		} else if set[i] != nil {
+			errs[i] = unavailable(set[i])
 		}
-		byNode[addrs[i]] = append(byNode[addrs[i]], i)
 	}
+	r.settle(addrs, skip, func(i int) error { return errs[i] })
+	r.followRedirects(ctx, gs, set, unlink, errs)
+	return errs
+}
+
+// maxRedirects bounds the redirects one record write follows within a
+// SetGens: a slot can move on while it is followed (ASK to a master that
+// has since taken the slot answers it; a second resharding of it may
+// redirect again).
+const maxRedirects = 3
+
+// recordOp is what writeRecords sends for record i: its SET, its value's
+// UNLINK, each after ASKING when the cluster said ASK.
+type recordOp struct {
+	i           int
+	set, unlink bool
+	ask         bool
+}
+
+// followRedirects writes again the records (and the UNLINKs of their
+// values) the cluster redirected: MOVED, to the slot's new master (the
+// slot map reloads behind it); ASK (the slot is migrating and the key is
+// not, or no longer, on its old master), ASKING then the write on the
+// importing master, which takes it while the slot moves. A reader never
+// needs to follow: the old master answers ASK for a record it no longer
+// holds, never an absent one, so a reader refuses what it cannot check.
+// set and unlink hold what the cluster said of each write; errs gets each
+// record's outcome. An UNLINK is garbage collection only (the record makes
+// the value stale); its failure is not the record's.
+func (r *Redis) followRedirects(ctx context.Context, gs []GenWrite, set, unlink, errs []error) {
+	for round := 0; round < maxRedirects; round++ {
+		byAddr := map[string][]recordOp{}
+		moved := false
+		for i := range gs {
+			op := recordOp{i: i}
+			var to string
+			if addr, ask, ok := redirectOf(set[i]); ok {
+				op.set, op.unlink, op.ask, to = true, gs[i].Unlink != "", ask, addr
+				moved = moved || !ask
+			} else if addr, ask, ok := redirectOf(unlink[i]); ok && set[i] == nil {
+				op.unlink, op.ask, to = true, ask, addr
+			} else {
+				continue
+			}
+			byAddr[to] = append(byAddr[to], op)
+		}
+		if len(byAddr) == 0 {
+			return
+		}
+		if moved {
+			r.cc.ReloadState(ctx) // in the background; the writes below need no map
+		}
+		var wg sync.WaitGroup
+		for addr, ops := range byAddr {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				c, err := r.node(addr)
+				if err != nil {
+					for _, op := range ops {
+						if op.set {
+							set[op.i] = err
+						} else {
+							unlink[op.i] = err
+						}
+					}
+					return
+				}
+				r.writeRecords(ctx, c, gs, ops, set, unlink)
+			}()
+		}
+		wg.Wait()
+		var addrs []string
+		var res []error
+		for addr, ops := range byAddr {
+			for _, op := range ops {
+				if op.set {
+					errs[op.i] = unavailable(set[op.i])
+					addrs, res = append(addrs, addr), append(res, errs[op.i])
+				}
+			}
+		}
+		r.settle(addrs, make([]bool, len(addrs)), func(i int) error { return res[i] })
+	}
+}
+
+// redirectOf reads a MOVED or ASK reply: the node it names and whether it
+// is ASK.
+func redirectOf(err error) (addr string, ask, ok bool) {
+	if err == nil {
+		return "", false, false
+	}
+	if addr, ok := redis.IsAskError(err); ok {
+		return addr, true, true
+	}
+	if addr, ok := redis.IsMovedError(err); ok {
+		return addr, false, true
+	}
+	return "", false, false
+}
+
+// writeRecords sends ops to one master in one pipeline (one connection):
+// each SET and UNLINK after ASKING where the op says so, and with
+// WaitReplicas a WAIT at the end, which counts the replicas that
+// acknowledged every write made on its connection before it (so it must
+// share the writes' connection, which a cluster pipeline cannot promise
+// for a command with no key). A master whose replicas fall short fails
+// its records with ErrReplicas (not a node failure: its breaker is not
+// tripped). It fills in set and unlink for each op.
+func (r *Redis) writeRecords(ctx context.Context, c *redis.Client, gs []GenWrite, ops []recordOp, set, unlink []error) {
 	// WAIT's own timeout leaves the deadline room for its reply: one
 	// that ran out would read as the node's timeout.
 	waitMs := int64(1000)
 	if dl, ok := ctx.Deadline(); ok {
 		waitMs = max(1, time.Until(dl).Milliseconds()/2)
 	}
-	var wg sync.WaitGroup
-	for _, idx := range byNode {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			c, err := r.cc.MasterForKey(ctx, gs[idx[0]].Key)
-			if err != nil {
-				for _, i := range idx {
-					errs[i] = unavailable(err)
+	setCmds := make([]*redis.StatusCmd, len(ops))
+	unlinkCmds := make([]*redis.IntCmd, len(ops))
+	var wait *redis.Cmd
+	c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for j, op := range ops {
+			g := &gs[op.i]
+			if op.set {
+				if op.ask {
+					p.Do(ctx, "asking")
 				}
-				return
+				setCmds[j] = p.Set(ctx, g.Key, genText(g.Gen), 0)
 			}
-			cmds := make([]*redis.StatusCmd, len(idx))
-			var wait *redis.Cmd
-			c.Pipelined(ctx, func(p redis.Pipeliner) error {
-				for j, i := range idx {
-					cmds[j] = p.Set(ctx, gs[i].Key, genText(gs[i].Gen), 0)
-					if gs[i].Unlink != "" {
-						p.Unlink(ctx, gs[i].Unlink)
-					}
+			if op.unlink {
+				if op.ask {
+					p.Do(ctx, "asking")
 				}
-				wait = p.Do(ctx, "wait", r.waitReplicas, waitMs)
-				return nil
-			})
-			acked, werr := wait.Int64()
-			for j, i := range idx {
-				switch err := cmds[j].Err(); {
-				case err != nil:
-					errs[i] = unavailable(err)
-				case werr != nil:
-					errs[i] = unavailable(werr)
-				case acked < int64(r.waitReplicas):
-					errs[i] = fmt.Errorf("%w: %w: %d of %d replicas acknowledged within %d ms", ErrUnavailable, ErrReplicas, acked, r.waitReplicas, waitMs)
-				}
+				unlinkCmds[j] = p.Unlink(ctx, g.Unlink)
 			}
-		}()
+		}
+		if r.waitReplicas > 0 {
+			wait = p.Do(ctx, "wait", r.waitReplicas, waitMs)
+		}
+		return nil
+	})
+	var acked int64
+	var werr error
+	if wait != nil {
+		acked, werr = wait.Int64()
 	}
-	wg.Wait()
-	r.settle(addrs, skip, func(i int) error { return errs[i] })
-	return errs
+	for j, op := range ops {
+		if op.unlink {
+			unlink[op.i] = unlinkCmds[j].Err()
+		}
+		if !op.set {
+			continue
+		}
+		switch err := setCmds[j].Err(); {
+		case err != nil:
+			set[op.i] = err
+		case werr != nil:
+			set[op.i] = werr
+		case wait != nil && acked < int64(r.waitReplicas):
+			set[op.i] = fmt.Errorf("%w: %d of %d replicas acknowledged within %d ms", ErrReplicas, acked, r.waitReplicas, waitMs)
+		default:
+			set[op.i] = nil
+		}
+	}
+}
+
+// maxNodes bounds the node clients kept for redirects (a cluster's
+// masters, and those a resharding brings in).
+const maxNodes = 256
+
+// node is a client of the master at addr, for the writes a redirect sends
+// there: one per address, kept until Close. The cluster client keeps its
+// own but does not lend them by address, and the master a slot migrates
+// to may be one that serves no slot yet (a cluster growing).
+func (r *Redis) node(addr string) (*redis.Client, error) {
+	r.nodesMu.Lock()
+	defer r.nodesMu.Unlock()
+	if c := r.nodes[addr]; c != nil {
+		return c, nil
+	}
+	if r.closed {
+		return nil, redis.ErrClosed
+	}
+	if len(r.nodes) >= maxNodes {
+		return nil, fmt.Errorf("redirected to %s: already %d nodes known, at most %d", addr, len(r.nodes), maxNodes)
+	}
+	opt := *r.nodeOpt
+	opt.Addr = addr
+	c := redis.NewClient(&opt)
+	r.nodes[addr] = c
+	return c, nil
 }
 
 // Delete implements Store with UNLINK: Redis frees a large value off its
@@ -541,7 +721,18 @@ func (r *Redis) Ping(ctx context.Context) error {
 }
 
 // Close implements Store.
-func (r *Redis) Close() error { return r.cc.Close() }
+func (r *Redis) Close() error {
+	r.nodesMu.Lock()
+	r.closed = true
+	nodes := r.nodes
+	r.nodes = nil
+	r.nodesMu.Unlock()
+	errs := []error{r.cc.Close()}
+	for _, c := range nodes {
+		errs = append(errs, c.Close())
+	}
+	return errors.Join(errs...)
+}
 
 func cmp(first, err error) error {
 	if first != nil {

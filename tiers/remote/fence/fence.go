@@ -1,7 +1,8 @@
 // Package fence holds the remote tier's invalidation state on one node
 // (docs/remote.md, Invalidation): what the node must not read from the
 // store until an invalidation's generation records are written (its
-// fences), the record writes still to go through (tried again every 2 s,
+// fences), the record writes still to go through (tried again after
+// 100 ms, then less often, at least every 2 s,
 // and kept in the disk tier's fences file so that they outlive a
 // restart), and the garbage sweeps of namespaces invalidated whole. The
 // contract holds by generations, not by the order of deletes and writes:
@@ -127,9 +128,15 @@ const maxFencedNamespaces = 1024
 // the store; past it the oldest is left to the store's eviction.
 const maxSweeps = 1024
 
-// sweepRetry is how long a failed record write or sweep waits before the
-// next try.
-const sweepRetry = 2 * time.Second
+// retryFirst is how long a failed record write or sweep waits before its
+// next try; each try that leaves work doubles the wait, up to sweepRetry.
+// A record write fails mostly for moments (a master failing over, a slot
+// map reloading) while other nodes may load the block: the first retry
+// comes soon; a master that stays down is not asked ten times a second.
+const (
+	retryFirst = 100 * time.Millisecond
+	sweepRetry = 2 * time.Second
+)
 
 // Key is a key fenced on this node, by namespace digest: it outlives
 // the namespace's id if the namespace is dropped and registered again.
@@ -574,8 +581,8 @@ func (inv *Inval) Reach() (unrecorded, err error) {
 		cancel()
 		failed, first := s.settleWrites(inv.writes, joinErrs(len(inv.writes), of, errs), false)
 		if failed > 0 {
-			unrecorded = fmt.Errorf("%w: %d of the invalidation's %d generation records could not be written (%w); this node does not load the blocks, other nodes may until a retry (every %v, or this call again) writes them",
-				ErrUnrecorded, failed, len(inv.writes), first, sweepRetry)
+			unrecorded = fmt.Errorf("%w: %d of the invalidation's %d generation records could not be written (%w); this node does not load the blocks, other nodes may until a retry (after %v, then at least every %v, or this call again) writes them",
+				ErrUnrecorded, failed, len(inv.writes), first, retryFirst, sweepRetry)
 		}
 	}
 	return unrecorded, s.save()
@@ -649,7 +656,7 @@ func (s *Set) settleWrites(ws []genWrite, errs []error, retried bool) (failed in
 		s.cfg.Log.Info("remote tier: invalidations whose record had failed are recorded in the store", "records", written, "still_pending", pending)
 	}
 	if failed > 0 && !retried {
-		f.kick() // the sweeper tries again (and then every sweepRetry)
+		f.kick() // the sweeper tries again (and then after retryFirst, ...)
 	}
 	return failed, firstErr
 }
@@ -713,19 +720,22 @@ func (s *Set) retryWrites() bool {
 
 // sweeper tries the failed record writes again and sweeps the garbage of
 // the namespaces invalidated whole from the store, by key prefix; a round
-// with work left waits sweepRetry and tries again. It keeps the fences file
-// up to date.
+// with work left waits (retryFirst, doubling to sweepRetry) and tries
+// again; new work (a failed write, a namespace to sweep) starts the wait
+// over. It keeps the fences file up to date.
 func (s *Set) sweeper(ctx context.Context) {
 	defer s.wg.Done()
 	f := &s.f
 	retry := time.NewTimer(time.Hour)
 	retry.Stop()
 	defer retry.Stop()
+	delay := retryFirst
 	for {
 		select {
 		case <-s.stop:
 			return
 		case <-f.wake:
+			delay = retryFirst
 		case <-retry.C:
 		}
 		again := s.retryWrites()
@@ -739,7 +749,10 @@ func (s *Set) sweeper(ctx context.Context) {
 			s.cfg.Log.Warn("remote tier: could not update the fences file; it lists records written since (a restart writes them again)", "err", err)
 		}
 		if again {
-			retry.Reset(sweepRetry)
+			retry.Reset(delay)
+			delay = min(2*delay, sweepRetry)
+		} else {
+			delay = retryFirst
 		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -12,6 +13,8 @@ import (
 	"strings"
 
 	"github.com/zeebo/xxh3"
+
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/vfs"
 )
 
 // The remote tier's fences on disk. An invalidation whose generation
@@ -289,12 +292,41 @@ func nsPrefixOf(store string) string {
 // a disk tier (--remote-state-dir): each file is written like the disk
 // tier's (a temporary file written and synced, renamed over the old one,
 // the directory synced), so after a crash it holds the old or the new
-// contents, never a mix.
-type DirState string
+// contents, never a mix. The directory is locked (kvoffload.remote.lock,
+// flock) from OpenDirState to Close: two daemons on one directory would
+// overwrite each other's fences file, and each would forget the records
+// the other still owes the cluster.
+type DirState struct {
+	dir  string
+	lock io.Closer
+}
+
+// ErrStateDirInUse: another daemon holds the directory's lock.
+var ErrStateDirInUse = errors.New("in use by another kvoffloadd")
+
+// stateLockName is the lock file of a --remote-state-dir.
+const stateLockName = "kvoffload.remote.lock"
+
+// OpenDirState locks dir (which must exist) for this process; a directory
+// another process holds is refused (ErrStateDirInUse, naming the holder's
+// pid).
+func OpenDirState(dir string) (*DirState, error) {
+	lock, err := vfs.Default.Lock(filepath.Join(dir, stateLockName))
+	if errors.Is(err, vfs.ErrLocked) {
+		return nil, fmt.Errorf("--remote-state-dir: directory %s is %w (%w); two daemons on one directory would overwrite each other's fences file and forget the invalidations the other still owes the cluster", dir, ErrStateDirInUse, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--remote-state-dir: lock %s: %w", dir, err)
+	}
+	return &DirState{dir: dir, lock: lock}, nil
+}
+
+// Close releases the directory's lock.
+func (d *DirState) Close() error { return d.lock.Close() }
 
 // SaveState implements StateFile.
-func (d DirState) SaveState(name string, data []byte) error {
-	dir := string(d)
+func (d *DirState) SaveState(name string, data []byte) error {
+	dir := d.dir
 	tmp, err := os.CreateTemp(dir, "."+name+".tmp-*")
 	if err != nil {
 		return err
@@ -323,7 +355,7 @@ func (d DirState) SaveState(name string, data []byte) error {
 }
 
 // LoadState implements StateFile.
-func (d DirState) LoadState(name string) (map[string][]byte, error) {
+func (d *DirState) LoadState(name string) (map[string][]byte, error) {
 	p := d.path(name)
 	b, err := os.ReadFile(p)
 	switch {
@@ -335,4 +367,4 @@ func (d DirState) LoadState(name string) (map[string][]byte, error) {
 	return map[string][]byte{p: b}, nil
 }
 
-func (d DirState) path(name string) string { return filepath.Join(string(d), "kvoffload."+name) }
+func (d *DirState) path(name string) string { return filepath.Join(d.dir, "kvoffload."+name) }
