@@ -1125,6 +1125,96 @@ func (x *LookupResponse) GetLeaseId() uint64 {
 	return 0
 }
 
+type ReleaseLeasesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At most 4096 ids.
+	LeaseIds      []uint64 `protobuf:"varint,1,rep,packed,name=lease_ids,json=leaseIds,proto3" json:"lease_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseLeasesRequest) Reset() {
+	*x = ReleaseLeasesRequest{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseLeasesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseLeasesRequest) ProtoMessage() {}
+
+func (x *ReleaseLeasesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseLeasesRequest.ProtoReflect.Descriptor instead.
+func (*ReleaseLeasesRequest) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ReleaseLeasesRequest) GetLeaseIds() []uint64 {
+	if x != nil {
+		return x.LeaseIds
+	}
+	return nil
+}
+
+type ReleaseLeasesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How many of the named leases this connection held and are now ended.
+	Released      uint32 `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseLeasesResponse) Reset() {
+	*x = ReleaseLeasesResponse{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseLeasesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseLeasesResponse) ProtoMessage() {}
+
+func (x *ReleaseLeasesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseLeasesResponse.ProtoReflect.Descriptor instead.
+func (*ReleaseLeasesResponse) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ReleaseLeasesResponse) GetReleased() uint32 {
+	if x != nil {
+		return x.Released
+	}
+	return 0
+}
+
 // One request's blocks for one group: keys[i] moves to or from engine block
 // block_ids[i].
 type Job struct {
@@ -1146,7 +1236,7 @@ type Job struct {
 
 func (x *Job) Reset() {
 	*x = Job{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1158,7 +1248,7 @@ func (x *Job) String() string {
 func (*Job) ProtoMessage() {}
 
 func (x *Job) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[13]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1171,7 +1261,7 @@ func (x *Job) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Job.ProtoReflect.Descriptor instead.
 func (*Job) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{13}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Job) GetJobId() uint64 {
@@ -1238,7 +1328,7 @@ type TransferRequest struct {
 
 func (x *TransferRequest) Reset() {
 	*x = TransferRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1250,7 +1340,7 @@ func (x *TransferRequest) String() string {
 func (*TransferRequest) ProtoMessage() {}
 
 func (x *TransferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[14]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1263,7 +1353,7 @@ func (x *TransferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferRequest.ProtoReflect.Descriptor instead.
 func (*TransferRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{14}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *TransferRequest) GetRegistrationId() uint64 {
@@ -1332,7 +1422,7 @@ type TransferResponse struct {
 
 func (x *TransferResponse) Reset() {
 	*x = TransferResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1344,7 +1434,7 @@ func (x *TransferResponse) String() string {
 func (*TransferResponse) ProtoMessage() {}
 
 func (x *TransferResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[15]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1357,7 +1447,7 @@ func (x *TransferResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferResponse.ProtoReflect.Descriptor instead.
 func (*TransferResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{15}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *TransferResponse) GetResults() []*JobResult {
@@ -1395,7 +1485,7 @@ type BlockFailure struct {
 
 func (x *BlockFailure) Reset() {
 	*x = BlockFailure{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1407,7 +1497,7 @@ func (x *BlockFailure) String() string {
 func (*BlockFailure) ProtoMessage() {}
 
 func (x *BlockFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1420,7 +1510,7 @@ func (x *BlockFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockFailure.ProtoReflect.Descriptor instead.
 func (*BlockFailure) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BlockFailure) GetIndex() uint32 {
@@ -1473,7 +1563,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1485,7 +1575,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1498,7 +1588,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *JobResult) GetJobId() uint64 {
@@ -1577,7 +1667,7 @@ type CompletionsRequest struct {
 
 func (x *CompletionsRequest) Reset() {
 	*x = CompletionsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1589,7 +1679,7 @@ func (x *CompletionsRequest) String() string {
 func (*CompletionsRequest) ProtoMessage() {}
 
 func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1602,7 +1692,7 @@ func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsRequest.ProtoReflect.Descriptor instead.
 func (*CompletionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CompletionsRequest) GetRegistrationId() uint64 {
@@ -1648,7 +1738,7 @@ type CompletionsResponse struct {
 
 func (x *CompletionsResponse) Reset() {
 	*x = CompletionsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1660,7 +1750,7 @@ func (x *CompletionsResponse) String() string {
 func (*CompletionsResponse) ProtoMessage() {}
 
 func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1673,7 +1763,7 @@ func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsResponse.ProtoReflect.Descriptor instead.
 func (*CompletionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *CompletionsResponse) GetResults() []*JobResult {
@@ -1708,7 +1798,7 @@ type InvalidateRequest struct {
 
 func (x *InvalidateRequest) Reset() {
 	*x = InvalidateRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1720,7 +1810,7 @@ func (x *InvalidateRequest) String() string {
 func (*InvalidateRequest) ProtoMessage() {}
 
 func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1733,7 +1823,7 @@ func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRequest.ProtoReflect.Descriptor instead.
 func (*InvalidateRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *InvalidateRequest) GetNamespaceIds() []uint32 {
@@ -1760,7 +1850,7 @@ type InvalidateResponse struct {
 
 func (x *InvalidateResponse) Reset() {
 	*x = InvalidateResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1772,7 +1862,7 @@ func (x *InvalidateResponse) String() string {
 func (*InvalidateResponse) ProtoMessage() {}
 
 func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1785,7 +1875,7 @@ func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateResponse.ProtoReflect.Descriptor instead.
 func (*InvalidateResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *InvalidateResponse) GetRemoved() uint64 {
@@ -1803,7 +1893,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1815,7 +1905,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1828,7 +1918,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
 }
 
 type TierStats struct {
@@ -1843,7 +1933,7 @@ type TierStats struct {
 
 func (x *TierStats) Reset() {
 	*x = TierStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1855,7 +1945,7 @@ func (x *TierStats) String() string {
 func (*TierStats) ProtoMessage() {}
 
 func (x *TierStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1868,7 +1958,7 @@ func (x *TierStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierStats.ProtoReflect.Descriptor instead.
 func (*TierStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *TierStats) GetName() string {
@@ -1911,7 +2001,7 @@ type NamespaceStats struct {
 
 func (x *NamespaceStats) Reset() {
 	*x = NamespaceStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1923,7 +2013,7 @@ func (x *NamespaceStats) String() string {
 func (*NamespaceStats) ProtoMessage() {}
 
 func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1936,7 +2026,7 @@ func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NamespaceStats.ProtoReflect.Descriptor instead.
 func (*NamespaceStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *NamespaceStats) GetNamespaceId() uint32 {
@@ -1987,7 +2077,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1999,7 +2089,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2012,7 +2102,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *StatsResponse) GetTiers() []*TierStats {
@@ -2110,7 +2200,7 @@ type DiskRecovery struct {
 
 func (x *DiskRecovery) Reset() {
 	*x = DiskRecovery{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2122,7 +2212,7 @@ func (x *DiskRecovery) String() string {
 func (*DiskRecovery) ProtoMessage() {}
 
 func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2135,7 +2225,7 @@ func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DiskRecovery.ProtoReflect.Descriptor instead.
 func (*DiskRecovery) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DiskRecovery) GetState() RecoveryState {
@@ -2210,7 +2300,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2222,7 +2312,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2235,7 +2325,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *WatchEventsRequest) GetNamespaceIds() []uint32 {
@@ -2261,7 +2351,7 @@ type WatchEventsResponse struct {
 
 func (x *WatchEventsResponse) Reset() {
 	*x = WatchEventsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2273,7 +2363,7 @@ func (x *WatchEventsResponse) String() string {
 func (*WatchEventsResponse) ProtoMessage() {}
 
 func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2286,7 +2376,7 @@ func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsResponse.ProtoReflect.Descriptor instead.
 func (*WatchEventsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WatchEventsResponse) GetEvents() []*KVEvent {
@@ -2316,7 +2406,7 @@ type KVEvent struct {
 
 func (x *KVEvent) Reset() {
 	*x = KVEvent{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2328,7 +2418,7 @@ func (x *KVEvent) String() string {
 func (*KVEvent) ProtoMessage() {}
 
 func (x *KVEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2341,7 +2431,7 @@ func (x *KVEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVEvent.ProtoReflect.Descriptor instead.
 func (*KVEvent) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *KVEvent) GetSeq() uint64 {
@@ -2441,7 +2531,11 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x0eLookupResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\rR\x05ready\x12(\n" +
 	"\x05tiers\x18\x02 \x03(\x0e2\x12.kvoffload.v1.TierR\x05tiers\x12\x19\n" +
-	"\blease_id\x18\x03 \x01(\x04R\aleaseId\"\x9e\x01\n" +
+	"\blease_id\x18\x03 \x01(\x04R\aleaseId\"3\n" +
+	"\x14ReleaseLeasesRequest\x12\x1b\n" +
+	"\tlease_ids\x18\x01 \x03(\x04R\bleaseIds\"3\n" +
+	"\x15ReleaseLeasesResponse\x12\x1a\n" +
+	"\breleased\x18\x01 \x01(\rR\breleased\"\x9e\x01\n" +
 	"\x03Job\x12\x15\n" +
 	"\x06job_id\x18\x01 \x01(\x04R\x05jobId\x12\x1d\n" +
 	"\n" +
@@ -2574,7 +2668,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x18EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n" +
 	"\x1dEVENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n" +
 	"\x16EVENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n" +
-	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\x80\x06\n" +
+	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\xda\x06\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
@@ -2587,7 +2681,8 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\n" +
 	"Invalidate\x12\x1f.kvoffload.v1.InvalidateRequest\x1a .kvoffload.v1.InvalidateResponse\x12@\n" +
 	"\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponse\x12T\n" +
-	"\vWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01B?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
+	"\vWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01\x12X\n" +
+	"\rReleaseLeases\x12\".kvoffload.v1.ReleaseLeasesRequest\x1a#.kvoffload.v1.ReleaseLeasesResponseB?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
 
 var (
 	file_kvoffload_v1_kvoffload_proto_rawDescOnce sync.Once
@@ -2602,43 +2697,45 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 }
 
 var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
-	(BlockStatus)(0),            // 0: kvoffload.v1.BlockStatus
-	(Tier)(0),                   // 1: kvoffload.v1.Tier
-	(Op)(0),                     // 2: kvoffload.v1.Op
-	(RecoveryState)(0),          // 3: kvoffload.v1.RecoveryState
-	(EventKind)(0),              // 4: kvoffload.v1.EventKind
-	(*Segment)(nil),             // 5: kvoffload.v1.Segment
-	(*Layout)(nil),              // 6: kvoffload.v1.Layout
-	(*CudaIpcMemory)(nil),       // 7: kvoffload.v1.CudaIpcMemory
-	(*Region)(nil),              // 8: kvoffload.v1.Region
-	(*RegisterRequest)(nil),     // 9: kvoffload.v1.RegisterRequest
-	(*RegisterResponse)(nil),    // 10: kvoffload.v1.RegisterResponse
-	(*UnregisterRequest)(nil),   // 11: kvoffload.v1.UnregisterRequest
-	(*UnregisterResponse)(nil),  // 12: kvoffload.v1.UnregisterResponse
-	(*ResolveRequest)(nil),      // 13: kvoffload.v1.ResolveRequest
-	(*ResolveResponse)(nil),     // 14: kvoffload.v1.ResolveResponse
-	(*KeyList)(nil),             // 15: kvoffload.v1.KeyList
-	(*LookupRequest)(nil),       // 16: kvoffload.v1.LookupRequest
-	(*LookupResponse)(nil),      // 17: kvoffload.v1.LookupResponse
-	(*Job)(nil),                 // 18: kvoffload.v1.Job
-	(*TransferRequest)(nil),     // 19: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),    // 20: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),        // 21: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),           // 22: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),  // 23: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil), // 24: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),   // 25: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),  // 26: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),        // 27: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),           // 28: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),      // 29: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),       // 30: kvoffload.v1.StatsResponse
-	(*DiskRecovery)(nil),        // 31: kvoffload.v1.DiskRecovery
-	(*WatchEventsRequest)(nil),  // 32: kvoffload.v1.WatchEventsRequest
-	(*WatchEventsResponse)(nil), // 33: kvoffload.v1.WatchEventsResponse
-	(*KVEvent)(nil),             // 34: kvoffload.v1.KVEvent
+	(BlockStatus)(0),              // 0: kvoffload.v1.BlockStatus
+	(Tier)(0),                     // 1: kvoffload.v1.Tier
+	(Op)(0),                       // 2: kvoffload.v1.Op
+	(RecoveryState)(0),            // 3: kvoffload.v1.RecoveryState
+	(EventKind)(0),                // 4: kvoffload.v1.EventKind
+	(*Segment)(nil),               // 5: kvoffload.v1.Segment
+	(*Layout)(nil),                // 6: kvoffload.v1.Layout
+	(*CudaIpcMemory)(nil),         // 7: kvoffload.v1.CudaIpcMemory
+	(*Region)(nil),                // 8: kvoffload.v1.Region
+	(*RegisterRequest)(nil),       // 9: kvoffload.v1.RegisterRequest
+	(*RegisterResponse)(nil),      // 10: kvoffload.v1.RegisterResponse
+	(*UnregisterRequest)(nil),     // 11: kvoffload.v1.UnregisterRequest
+	(*UnregisterResponse)(nil),    // 12: kvoffload.v1.UnregisterResponse
+	(*ResolveRequest)(nil),        // 13: kvoffload.v1.ResolveRequest
+	(*ResolveResponse)(nil),       // 14: kvoffload.v1.ResolveResponse
+	(*KeyList)(nil),               // 15: kvoffload.v1.KeyList
+	(*LookupRequest)(nil),         // 16: kvoffload.v1.LookupRequest
+	(*LookupResponse)(nil),        // 17: kvoffload.v1.LookupResponse
+	(*ReleaseLeasesRequest)(nil),  // 18: kvoffload.v1.ReleaseLeasesRequest
+	(*ReleaseLeasesResponse)(nil), // 19: kvoffload.v1.ReleaseLeasesResponse
+	(*Job)(nil),                   // 20: kvoffload.v1.Job
+	(*TransferRequest)(nil),       // 21: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),      // 22: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),          // 23: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),             // 24: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),    // 25: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil),   // 26: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),     // 27: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),    // 28: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),          // 29: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),             // 30: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),        // 31: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),         // 32: kvoffload.v1.StatsResponse
+	(*DiskRecovery)(nil),          // 33: kvoffload.v1.DiskRecovery
+	(*WatchEventsRequest)(nil),    // 34: kvoffload.v1.WatchEventsRequest
+	(*WatchEventsResponse)(nil),   // 35: kvoffload.v1.WatchEventsResponse
+	(*KVEvent)(nil),               // 36: kvoffload.v1.KVEvent
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	5,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
@@ -2648,42 +2745,44 @@ var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	15, // 4: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
 	1,  // 5: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
 	15, // 6: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	18, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	22, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	20, // 7: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	24, // 8: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
 	0,  // 9: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
 	2,  // 10: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	21, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	22, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	23, // 11: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	24, // 12: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
 	15, // 13: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	28, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	29, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
-	31, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
+	30, // 14: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	31, // 15: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	33, // 16: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
 	3,  // 17: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
-	34, // 18: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
+	36, // 18: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
 	4,  // 19: kvoffload.v1.KVEvent.kind:type_name -> kvoffload.v1.EventKind
 	1,  // 20: kvoffload.v1.KVEvent.tier:type_name -> kvoffload.v1.Tier
 	9,  // 21: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
 	11, // 22: kvoffload.v1.KVOffload.Unregister:input_type -> kvoffload.v1.UnregisterRequest
 	13, // 23: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
 	16, // 24: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	19, // 25: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	19, // 26: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	23, // 27: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	25, // 28: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	27, // 29: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	32, // 30: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
-	10, // 31: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	12, // 32: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	14, // 33: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
-	17, // 34: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	20, // 35: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	20, // 36: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	24, // 37: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	26, // 38: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	30, // 39: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	33, // 40: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
-	31, // [31:41] is the sub-list for method output_type
-	21, // [21:31] is the sub-list for method input_type
+	21, // 25: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	21, // 26: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	25, // 27: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	27, // 28: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	29, // 29: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	34, // 30: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
+	18, // 31: kvoffload.v1.KVOffload.ReleaseLeases:input_type -> kvoffload.v1.ReleaseLeasesRequest
+	10, // 32: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	12, // 33: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	14, // 34: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	17, // 35: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	22, // 36: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	22, // 37: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	26, // 38: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	28, // 39: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	32, // 40: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	35, // 41: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
+	19, // 42: kvoffload.v1.KVOffload.ReleaseLeases:output_type -> kvoffload.v1.ReleaseLeasesResponse
+	32, // [32:43] is the sub-list for method output_type
+	21, // [21:32] is the sub-list for method input_type
 	21, // [21:21] is the sub-list for extension type_name
 	21, // [21:21] is the sub-list for extension extendee
 	0,  // [0:21] is the sub-list for field type_name
@@ -2698,15 +2797,15 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[14].OneofWrappers = []any{}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[18].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[16].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[20].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   30,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
