@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -30,6 +31,7 @@ from .client import Client
 from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
 from .kv_events import BlockInfoMap, EventFeed, VLLMEventTypes, remember, translate
+from .mirror import LookupMirror
 from .plan import GroupJob, StepPlan, as_groups, iter_scheduled, iter_written
 from .settings import derive_fingerprint
 from .stats import StatsRecorder
@@ -53,6 +55,11 @@ _PROBE_BATCH_CALLS = 256
 _MAX_LOOKUP_TASKS = 4
 # Lease ids waiting to be released (ReleaseLeases takes at most 4096).
 _MAX_SPARE_LEASES = 4096
+# Blocks this engine planned to store lately, kept so that the mirror's miss
+# of one (its event not there yet) goes to the daemon instead: how many, and
+# for how long after the plan.
+_RECENT_STORES = 65536
+_RECENT_STORE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,11 @@ class SchedulerSide:
             is one Lookup per windowed group, at most 24 per request a round
             (fewer probes for a model with more than 3 windowed groups) and
             256 per batch a round (requests past that get none that round).
+        lookup_mirror: answer lookups from an in-process mirror of what the
+            daemon holds for the engine's namespaces (kvoffload.mirror), in
+            the step they are asked, while it is live and no lease is asked
+            for; the daemon is asked otherwise.
+        mirror_max_blocks: entries the mirror keeps at most (then it stops).
     """
 
     def __init__(
@@ -182,6 +194,8 @@ class SchedulerSide:
         group_windows: Sequence[int | None] = (),
         window_rounds: int = 4,
         window_probes: int = 8,
+        lookup_mirror: bool = True,
+        mirror_max_blocks: int = 2_000_000,
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None)
         self._window_rounds = max(1, int(window_rounds))
@@ -202,6 +216,15 @@ class SchedulerSide:
         self._rpc_timeout = rpc_timeout_s
         self._clock = clock
         self._io = Background(self._client, "kvoffload-scheduler", slow_after_s=lookup_deadline_s, clock=clock)
+        # The mirror follows the daemon's events on a connection of its own
+        # (only with a daemon of our own making: not with an injected client).
+        self._mirror: LookupMirror | None = None
+        if lookup_mirror and client is None and not lease_ms:
+            self._mirror = LookupMirror(Client(socket, timeout=rpc_timeout_s), max_blocks=mirror_max_blocks)
+        self._shadow: list[tuple[_Lookup, _Lookup]] = []  # (mirror's answer, the daemon's lookup of the same)
+        self.mirror_answers = 0  # requests answered from the mirror
+        self.mirror_behind = 0  # asks the mirror left to the daemon: a block stored lately not mirrored yet
+        self._recent: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # (group, key) -> when planned
         self._wait = lookup_wait_s
         self._step_wait_left = lookup_wait_s
         self._deadline = lookup_deadline_s
@@ -269,6 +292,9 @@ class SchedulerSide:
     # -- helpers ----------------------------------------------------------
 
     def close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror._client.close()
         if self.events is not None:
             self.events.close()
         self._io.close()
@@ -323,6 +349,10 @@ class SchedulerSide:
                                 "hits are offered, blocks are still stored")
             return None
         now = self._clock()
+        if self._mirror is not None and self._ns_ids and self._ns_task is None and self._mirror.wants_ids():
+            # The mirror's stream ended (a daemon restart?): the ids may
+            # have changed with the daemon; resolve them now.
+            self._ns_next = min(self._ns_next, now)
         t = self._ns_task
         if t is not None and t.done.is_set():
             self._ns_task = None
@@ -330,6 +360,8 @@ class SchedulerSide:
             if ids and all(ids):
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
                 self._resetting = False
+                if self._mirror is not None:
+                    self._mirror.follow(self._ns_ids)
             else:
                 # After a reset the workers register the new identity within
                 # a step or two: look again soon.
@@ -491,6 +523,8 @@ class SchedulerSide:
         running (they go with a later flush), and the leases no load will
         name."""
         self._release_spare()
+        if self._shadow:
+            self._compare_shadows()
         self._lookup_tasks = [t for t in self._lookup_tasks if not t.done.is_set()]
         if not self._batch or len(self._lookup_tasks) >= _MAX_LOOKUP_TASKS:
             return
@@ -890,6 +924,10 @@ class SchedulerSide:
                 return None, False
             return self._miss(rid, timed_out=late)
         key = (start, end, tuple(ns))
+        if self._mirror is not None and self._mirror.live(key[2]):
+            got = self._from_mirror(rid, key, hashes, now)
+            if got is not None:
+                return got
         rec = self._lookups.get(rid)
         if rec is not None and (rec.key[2] != key[2] or (rec.done and rec.answered_at and not self._fresh(rec, now))):
             # Another identity's namespaces, or an answer too old to give again.
@@ -924,6 +962,72 @@ class SchedulerSide:
         if self._await(rec):
             return self._answer(rid, rec, rec)
         return None, False
+
+    def _from_mirror(self, rid: str, key: tuple, hashes: Sequence[bytes], now: float) -> tuple[int, bool] | None:
+        """The lookup of ``key`` run against the mirror, on vLLM's loop (the
+        same rounds as the daemon's, from memory): the answer in this very
+        step. None where the daemon must be asked: a hit short of the asked
+        range once the daemon has shown a remote tier (other nodes' blocks
+        are not all mirrored). The daemon still sees the lookup (its
+        admission policy counts the keys as accessed): the same lookup goes
+        with the step's batch, and its answer is compared, not used."""
+        rec = _Lookup(key, list(hashes), True, now)
+        self._batch_fn([rec])(self._mirror)
+        if rec.error is not None:
+            return None
+        if rec.hit_units < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
+            if not self._mirror.remote_seen:
+                self.mirror_behind += 1
+            return None
+        if rid not in self._looked_up and len(self._batch) < _MAX_SPARE_LEASES:
+            self._looked_up.add(rid)
+            shadow = _Lookup(key, rec.hashes, False, now)
+            self._batch.append(shadow)
+            self._shadow.append((rec, shadow))
+        old = self._lookups.pop(rid, None)
+        if old is not None:
+            self._drop(old)
+        self._lookups[rid] = rec
+        self.mirror_answers += 1
+        return self._answer(rid, rec, rec)
+
+    def _note_stores(self, jobs: Sequence[GroupJob]) -> None:
+        now = self._clock()
+        recent = self._recent
+        for j in jobs:
+            for h in j.hashes:
+                k = (j.group, bytes(h))
+                recent[k] = now
+                recent.move_to_end(k)
+        while len(recent) > _RECENT_STORES:
+            recent.popitem(last=False)
+
+    def _mirror_behind(self, rec: _Lookup, now: float) -> bool:
+        """Whether a block past the mirror's hit is one this engine planned
+        to store within the last second: its event may not be mirrored yet
+        (the daemon is asked instead)."""
+        recent = self._recent
+        if not recent:
+            return False
+        start, end, _ = rec.key
+        for g in self.keys.full_groups or range(self.keys.num_groups):
+            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, start + rec.hit_units, end)):
+                t = recent.get((g, bytes(k)))
+                if t is not None and now - t < _RECENT_STORE_S:
+                    return True
+        return False
+
+    def _compare_shadows(self) -> None:
+        """Whether the daemon's lookups of the requests the mirror answered
+        found remote blocks: then other nodes' blocks are not all mirrored,
+        and a mirror's answer short of the asked range goes to the daemon."""
+        keep = []
+        for mine, theirs in self._shadow:
+            if not theirs.done:
+                keep.append((mine, theirs))
+            elif theirs.error is None and any(t == Tier.REMOTE for t in theirs.tiers):
+                self._mirror.remote_seen = True
+        self._shadow = keep[-_MAX_SPARE_LEASES:]
 
     def _miss(self, rid: str, timed_out: bool = False) -> tuple[int, bool]:
         """Answers a miss (the lookup in flight, if any, stays: it is not
@@ -1107,6 +1211,8 @@ class SchedulerSide:
             st.next_store_unit = end
             if jobs:
                 plan.stores[rid] = jobs
+                if self._mirror is not None:
+                    self._note_stores(jobs)
                 st.store_seq = self._seq
                 st.store_starts.append((self._seq, first))
                 self._note_reads(rid, jobs)

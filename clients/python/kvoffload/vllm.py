@@ -389,6 +389,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
                 eagle_groups=s.eagle_groups, group_windows=s.group_windows,
+                lookup_mirror=s.lookup_mirror, mirror_max_blocks=s.lookup_mirror_max_blocks,
             )
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
                      s.socket, s.num_ranks, s.hash_block_size, s.block_sizes.scheduler, s.failure_policy)

@@ -28,15 +28,17 @@ NB = 40
 class Harness:
     """A scheduler side and ``tp`` worker sides, each worker with its own
     engine memory, its own connection and its own namespace. Lookups wait
-    for their answer (``lookup_wait_s``) so each ask is answered at once."""
+    for their answer (``lookup_wait_s``) so each ask is answered at once;
+    they go to the daemon (``mirror``: from its events, test_lookup_steps.py),
+    so an Invalidate a test makes counts from the moment it returns."""
 
     def __init__(self, daemon, shm, fp: bytes, *, block_sizes=(4,), layers=None, tp=1, request_level=False,
-                 hash_block_size=4, lease_ms=0):
+                 hash_block_size=4, lease_ms=0, mirror=False):
         layers = layers or {0: ["layers.0.attn", "layers.1.attn"]}
         self.fps = [fp + b"/tp%d" % r for r in range(tp)]
         self.daemon = daemon
         self.sched = SchedulerSide(daemon.socket, tp, hash_block_size, block_sizes, 32, lookup_wait_s=5.0,
-                                   namespace_retry_s=0, lease_ms=lease_ms)
+                                   namespace_retry_s=0, lease_ms=lease_ms, lookup_mirror=mirror)
         self.sched.set_worker_fingerprints({(r,): f for r, f in enumerate(self.fps)})
         self.engines = [Engine(shm, layers, block_sizes, NB) for _ in range(tp)]
         self.workers = [WorkerSide(daemon.socket, f, len(block_sizes), rank=(r,), request_level_failures=request_level)
@@ -747,7 +749,7 @@ def _never_waits(h: Harness, clock: list, deadline_s: float = 0.2, lease_ms: int
     and whose clock is ``clock[0]``: the deadline runs on it."""
     h.sched.close()
     h.sched = SchedulerSide(h.daemon.socket, 1, 4, (4,), 32, lookup_wait_s=0, lookup_deadline_s=deadline_s,
-                            namespace_retry_s=0, clock=lambda: clock[0], lease_ms=lease_ms)
+                            namespace_retry_s=0, clock=lambda: clock[0], lease_ms=lease_ms, lookup_mirror=False)
     h.sched.set_worker_fingerprints({(0,): h.fps[0]})
     assert wait_for(lambda: h.sched.namespace_ids())
     return h.sched
@@ -868,7 +870,7 @@ def test_lookups_queued_for_a_slow_daemon_are_bounded(fresh_daemon, shm, fingerp
     d = fresh_daemon()
     clock = [0.0]
     sched = SchedulerSide(d.socket, 1, 4, (4,), 32, lookup_wait_s=0, lookup_deadline_s=0.2, namespace_retry_s=0,
-                          rpc_timeout_s=60, clock=lambda: clock[0])
+                          rpc_timeout_s=60, clock=lambda: clock[0], lookup_mirror=False)
     try:
         sched.set_worker_fingerprints({(0,): fingerprint})
         # Nothing registered it: resolve answers 0s; register it through a worker.
