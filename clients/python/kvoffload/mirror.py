@@ -80,6 +80,8 @@ class LookupMirror:
         self.remote_seen = False  # a REMOTE event came: other nodes' blocks are not all here
         self.streams = 0
         self.resets = 0
+        self._fails = 0
+        self._caught = False  # the current stream has caught up once
         self._thread = threading.Thread(target=self._run, name="kvoffload-mirror", daemon=True)
         self._thread.start()
 
@@ -189,7 +191,10 @@ class LookupMirror:
                     # a new one numbers its namespaces anew. Follow again
                     # only ids the scheduler resolves from here on.
                     self._want = ()
-                end = time.monotonic() + self._retry
+                # Streams that end before catching up (the daemon's 64
+                # streams taken, a daemon starting) back off to 5 s.
+                self._fails = 0 if self._caught else self._fails + 1
+                end = time.monotonic() + min(5.0, self._retry * (1 << min(self._fails, 5)))
                 while not self._stop and time.monotonic() < end:
                     self._cv.wait(end - time.monotonic())
 
@@ -207,6 +212,7 @@ class LookupMirror:
                 return
             self._stream = stream
             self.streams += 1
+            self._caught = False
         self._clear()
         try:
             for evs in stream:
@@ -240,6 +246,7 @@ class LookupMirror:
                             with self._cv:
                                 if want == self._want:
                                     self._live = want
+                                    self._caught = True
                     elif k == EventKind.ALL_BLOCKS_CLEARED or k == EventKind.EVENTS_LOST:
                         self._clear()
                         maps = self._maps

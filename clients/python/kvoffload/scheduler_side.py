@@ -1,11 +1,14 @@
 """The scheduler half of the vLLM connector, free of vLLM.
 
-It answers ``get_num_new_matched_tokens`` from Lookups made on a background
-thread (:mod:`kvoffload.background`), never on vLLM's scheduling loop: the
-first ask for a request queues one lookup and waits a few milliseconds for
-it; if the daemon has not answered by then the request is deferred (vLLM
-asks again next step, ``None``), and a daemon that is down or slow is a
-miss. A hit holds what it promised: the Lookup takes a lease on the blocks,
+It answers ``get_num_new_matched_tokens`` from an in-process mirror of what
+the daemon holds (:mod:`kvoffload.mirror`, fed by its event stream) in the
+step it is asked, while that mirror is live; otherwise from Lookups made on
+a background thread (:mod:`kvoffload.background`), never on vLLM's
+scheduling loop: the first ask for a request queues one lookup and waits a
+few milliseconds for it; if the daemon has not answered by then the request
+is deferred (vLLM asks again next step, ``None``), and a daemon that is down
+or slow is a miss. Whatever vLLM passes, a request has its answer
+``lookup_deadline_s`` after its first ask. A hit holds what it promised: the Lookup takes a lease on the blocks,
 and the load names it. It turns the scheduler's allocation into load jobs and
 each step's newly computed full blocks into store jobs, and says in
 ``request_finished`` whether vLLM must keep a request's blocks for stores
@@ -409,6 +412,7 @@ class SchedulerSide:
         self._lookups.clear()
         self._matched.clear()
         self._batch = []
+        self._shadow = []
         for rid, jobs in self._loads.items():
             # Planned under the old identity and not yet sent: fail them.
             self._loads[rid] = [GroupJob(j.group, [], j.block_ids) for j in jobs]
@@ -1003,15 +1007,20 @@ class SchedulerSide:
             recent.popitem(last=False)
 
     def _mirror_behind(self, rec: _Lookup, now: float) -> bool:
-        """Whether a block past the mirror's hit is one this engine planned
-        to store within the last second: its event may not be mirrored yet
-        (the daemon is asked instead)."""
+        """Whether a block of the first unit past the mirror's hit is one
+        this engine planned to store within the last second: its event may
+        not be mirrored yet (the daemon is asked instead). A unit no store
+        of ours wrote lately is as missing in the daemon as in the mirror
+        (unless another engine stored it this very moment)."""
         recent = self._recent
         if not recent:
             return False
-        start, end, _ = rec.key
-        for g in self.keys.full_groups or range(self.keys.num_groups):
-            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, start + rec.hit_units, end)):
+        u = rec.key[0] + rec.hit_units
+        # A windowed group's missing block may lie anywhere up to the end
+        # (the windows of every candidate were asked): all of them there.
+        spans = [(g, u + 1) for g in self.keys.full_groups] + [(g, rec.key[1]) for g in self.keys.windowed_groups]
+        for g, stop in spans:
+            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, u, stop)):
                 t = recent.get((g, bytes(k)))
                 if t is not None and now - t < _RECENT_STORE_S:
                     return True

@@ -213,3 +213,62 @@ def test_the_mirror_answers_only_while_it_follows_the_daemon(fresh_daemon, shm, 
         assert h.ask(r7) == (0, False)
     finally:
         h.close()
+
+
+def test_the_mirror_says_what_the_daemons_lookup_says(fresh_daemon, shm, fingerprint):
+    """Two ranks, blocks stored, some invalidated in one rank only: once
+    the events are in, the mirror answers every lookup (ready prefix and
+    tiers, across both ranks' namespaces) exactly as the daemon does."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2, mirror=True)
+    try:
+        reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 22))) for i in range(4)]
+        for i, r in enumerate(reqs):
+            prefill(h, r, [1 + 6 * i + j for j in range(6)])
+        assert h.run_until(h.idle)
+        c = d.client()
+        ns0 = h.workers[0].namespace_id
+        c.invalidate([ns0], [reqs[1].block_hashes[2], reqs[3].block_hashes[0]])
+        ns = h.sched.namespace_ids()
+        m = h.sched._mirror
+        calls = [(ns, r.block_hashes[a:], 0, 0, True) for r in reqs for a in (0, 1, 3)]
+        calls += [([n], r.block_hashes, 0, 0, True) for r in reqs for n in ns]
+
+        def same():
+            if not m.live(ns):
+                return False
+            want = [(x.ready, tuple(x.tiers)) for x in c.lookup_many(calls)]
+            return [(x.ready, tuple(x.tiers)) for x in m.lookup_many(calls)] == want
+
+        assert wait_for(same)
+        # p1 lost block 2 and p3 block 0 in rank 0: ranks together hold less.
+        got = [x.ready for x in m.lookup_many(calls[:12])]
+        assert got == [5, 4, 2, 2, 1, 2, 5, 4, 2, 0, 4, 2], got
+    finally:
+        h.close()
+
+
+def test_a_mirror_past_its_bound_stops_and_the_daemon_answers(fresh_daemon, shm, fingerprint):
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    from kvoffload.scheduler_side import SchedulerSide
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    h.sched.close()
+    h.sched = SchedulerSide(d.socket, 1, 4, (4,), 32, lookup_wait_s=5.0, namespace_retry_s=0, mirror_max_blocks=3)
+    h.sched.set_worker_fingerprints({(0,): h.fps[0]})
+    try:
+        m = h.sched._mirror
+        prefill(h, Request("a", list(range(100, 126))), [1, 2, 3, 4, 5, 6, 7])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.overflow)
+        assert m.blocks() == 0 and not m.live(h.sched.namespace_ids())
+        assert h.ask(Request("b", list(range(100, 126)) + [1])) == (24, True)
+        assert h.sched.mirror_answers == 0
+    finally:
+        h.close()
