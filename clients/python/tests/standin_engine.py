@@ -793,6 +793,7 @@ class Engine:
         self.admitted: dict[str, tuple[bool, int]] = {}  # request -> (hit, steps from arrival to admission)
         self.lookup_call_s: list[float] = []  # each get_num_new_matched_tokens call's time
         self.deferred_rids: set[str] = set()  # requests the connector answered None at least once
+        self.none_answers: dict[str, int] = {}  # request -> how many times (steps it waited for the connector)
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
@@ -954,6 +955,7 @@ class Engine:
                     self.lookup_call_s.append(time.perf_counter() - t0)
                     if ext is None:
                         self.deferred_rids.add(rid)
+                        self.none_answers[rid] = self.none_answers.get(rid, 0) + 1
                         self.counters["deferred_lookups"] += 1
                         step_skipped.append(queue.popleft())
                         continue
