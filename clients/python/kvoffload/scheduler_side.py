@@ -8,11 +8,11 @@ scheduling loop: the first ask for a request queues one lookup and waits a
 few milliseconds for it; if the daemon has not answered by then the request
 is deferred (vLLM asks again next step, ``None``), and a daemon that is down
 or slow is a miss. Whatever vLLM passes, a request has its answer
-``lookup_deadline_s`` after its first ask. A hit holds what it promised: the Lookup takes a lease on the blocks,
-and the load names it. It turns the scheduler's allocation into load jobs and
-each step's newly computed full blocks into store jobs, and says in
-``request_finished`` whether vLLM must keep a request's blocks for stores
-still in flight.
+``lookup_deadline_s`` after its first ask. A hit holds what it promised:
+the Lookup takes a lease on the blocks, and the load names it. It turns the
+scheduler's allocation into load jobs and each step's newly computed full
+blocks into store jobs, and says in ``request_finished`` whether vLLM must
+keep a request's blocks for stores still in flight.
 
 The namespaces it looks in are the ones every worker actually registered:
 each worker reports its fingerprint (which covers its tensors' byte order)
@@ -84,9 +84,10 @@ def request_controls(request: Any) -> RequestControls:
     return RequestControls(load=load, store=store)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lookup:
-    """One request's lookup: batched, sent, then answered."""
+    """One request's lookup: batched, sent, then answered. Compared by
+    identity (a batch may hold two alike)."""
 
     key: tuple  # (start unit, end unit, namespace ids)
     hashes: list

@@ -24,28 +24,51 @@ from standin_engine import Config, Engine, Group, Workload, quantile  # noqa: E4
 from standin_run import connector_module  # noqa: E402
 
 from kvoffload import ShmRegion  # noqa: E402
-seed = int(sys.argv[1]); extra = json.loads(sys.argv[2])
-d = conftest.Daemon(log_level="warn")
-shms = []
-def shm(n):
-    s = ShmRegion(n); shms.append(s); return s
-try:
-    with connector_module() as mod:
-        cfg = Config(groups=[Group("full", 4, 2), Group("swa", 4, 1, window=8)], async_scheduling=True,
-                     reuse_freed_first=True, long_prefill=8, max_batched_tokens=32, num_blocks=160,
-                     model=f"starve-{seed}", extra=extra)
-        eng = Engine(cfg, mod, d.socket, shm)
-        wl = Workload(seed, eng.block_size, prefixes=2, arrival=0.5, max_prompt_units=8)
-        for i in range(500):
-            wl.tick(eng); eng.step()
-        n = 0
-        while not eng.idle() and n < 3000:
-            wl.tick(eng, stop_arrivals=True); eng.step(); n += 1
-        steps = [s for _, s, _ in eng.admit_waits]; ms = [m for _, _, m in eng.admit_waits]
-        print(json.dumps({"seed": seed, "requests": len(steps), "idle": eng.idle(), "max_steps": max(steps), "max_none": max(eng.none_answers.values(), default=0), "p99_steps": quantile(steps, 0.99),
-                          "max_ms": round(max(ms)), "hit_tokens": eng.counters["hit_tokens"], "deferred": eng.counters["deferred_lookups"],
-                          "load_failures": eng.counters["load_failures"]}))
-        eng.close()
-finally:
-    for s in shms: s.close()
-    d.stop(); d.cleanup()
+
+
+def main() -> int:
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    d = conftest.Daemon(log_level="warn")
+    shms: list[ShmRegion] = []
+
+    def shm(n: int) -> ShmRegion:
+        s = ShmRegion(n)
+        shms.append(s)
+        return s
+
+    try:
+        with connector_module() as mod:
+            cfg = Config(groups=[Group("full", 4, 2), Group("swa", 4, 1, window=8)], async_scheduling=True,
+                         reuse_freed_first=True, long_prefill=8, max_batched_tokens=32, num_blocks=160,
+                         model=f"starve-{seed}", extra=extra)
+            eng = Engine(cfg, mod, d.socket, shm)
+            try:
+                wl = Workload(seed, eng.block_size, prefixes=2, arrival=0.5, max_prompt_units=8)
+                for _ in range(500):
+                    wl.tick(eng)
+                    eng.step()
+                n = 0
+                while not eng.idle() and n < 3000:
+                    wl.tick(eng, stop_arrivals=True)
+                    eng.step()
+                    n += 1
+                steps = [s for _, s, _ in eng.admit_waits]
+                ms = [m for _, _, m in eng.admit_waits]
+                print(json.dumps({
+                    "seed": seed, "requests": len(steps), "idle": eng.idle(), "max_steps": max(steps),
+                    "max_none": max(eng.none_answers.values(), default=0), "p99_steps": quantile(steps, 0.99),
+                    "max_ms": round(max(ms)), "hit_tokens": eng.counters["hit_tokens"],
+                    "deferred": eng.counters["deferred_lookups"], "load_failures": eng.counters["load_failures"]}))
+            finally:
+                eng.close()
+    finally:
+        for s in shms:
+            s.close()
+        d.stop()
+        d.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

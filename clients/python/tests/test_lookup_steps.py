@@ -90,7 +90,8 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             "call_us_p99": round(quantile(calls, 0.99) * 1e6, 1),
             "call_us_max": round(max(calls, default=0) * 1e6, 1),
             "load_failures": eng.counters["load_failures"],
-            "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items() if k.startswith("hit_") and k != "hit_tokens"},
+            "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items()
+                                   if k.startswith("hit_") and k != "hit_tokens"},
             "mirror_answers": getattr(sched, "mirror_answers", 0),
         }
     finally:
