@@ -939,7 +939,7 @@ class SchedulerSide:
             self._lookups.pop(rid, None)
             self._drop(rec)
             rec = None
-        if rec is not None and rec.task is None:
+        if rec is not None and rec.task is None and not rec.done:
             rec.key, rec.hashes = key, list(hashes)  # not sent yet: it asks for this range
         if rec is not None and not rec.done:
             # In flight: it answers this ask once back (_cover), whatever

@@ -273,3 +273,28 @@ def test_a_mirror_past_its_bound_stops_and_the_daemon_answers(fresh_daemon, shm,
         assert h.sched.mirror_answers == 0
     finally:
         h.close()
+
+
+def test_an_answer_from_the_mirror_is_not_taken_for_another_start(fresh_daemon, shm, fingerprint):
+    """A request the mirror answered is asked again (vLLM could not admit
+    it) from another start while the mirror is not live: the daemon's
+    answer from there, or what the mirror found from its own start, never
+    the mirror's hit taken as if it began at the new start."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, mirror=True)
+    try:
+        sched, m = h.sched, h.sched._mirror
+        prefill(h, Request("a", list(range(100, 126))), [1, 2, 3, 4, 5, 6, 7])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.blocks() >= 6 and m.live(sched.namespace_ids()))
+        r = Request("b", list(range(100, 126)) + [7])
+        assert sched.get_num_new_matched_tokens(r, 0) == (24, True)
+        assert sched.mirror_answers == 1
+        m._live = None  # as while a new snapshot comes
+        got = sched.get_num_new_matched_tokens(r, 8)
+        assert got == (16, True), got  # 24 tokens in all, from what it found
+    finally:
+        h.close()
