@@ -18,7 +18,7 @@ snapshot comes (after ``EVENTS_LOST`` or a whole-namespace invalidation)
 and for namespaces it does not follow (a reset moved the engine to new
 ones), :meth:`live` is False and the scheduler side asks the daemon as
 before. Past ``max_blocks`` entries it stops for good (the memory is the
-bound: about 100 bytes an entry) and says so in the log.
+bound: about 120 bytes an entry, one per block and rank) and says so in the log.
 
 Its answers are as fresh as the stream: a block stored a moment ago may not
 be offered yet (a miss), and a block evicted a moment ago may still be (its
