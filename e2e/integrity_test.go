@@ -87,6 +87,49 @@ func TestLeasesAreBounded(t *testing.T) {
 	}
 }
 
+// TestReleaseLeasesEndsOnlyTheCallersLeases: ReleaseLeases ends the named
+// leases of the calling connection (their pins go, the connection's bound
+// has room again); another connection naming them, or ids that are not
+// leases, changes nothing; too many ids is INVALID_ARGUMENT.
+func TestReleaseLeasesEndsOnlyTheCallersLeases(t *testing.T) {
+	d := testenv.Start(t, testenv.Options{Limits: offload.Limits{MaxLeasesPerOwner: 2, MaxLeasePinsPerOwner: 100}})
+	e := register(t, d, small, "m")
+	hs := e.hashes(1, 8)
+	e.store(t, 1, hs, seq(0, 8))
+	var ids []uint64
+	for i := 0; i < 2; i++ {
+		lr, err := e.leaseLookup(t, e.c, hs[2*i:2*i+2])
+		if err != nil || lr.LeaseId == 0 {
+			t.Fatalf("lease %d: %v %v", i, lr, err)
+		}
+		ids = append(ids, lr.LeaseId)
+	}
+	_, err := e.leaseLookup(t, e.c, hs[4:6])
+	wantCode(t, err, codes.ResourceExhausted, "leases")
+	other := d.Client(t)
+	if r, err := other.API.ReleaseLeases(ctx(t), &pb.ReleaseLeasesRequest{LeaseIds: ids}); err != nil || r.Released != 0 {
+		t.Fatalf("another connection released %v (%v)", r, err)
+	}
+	if n := d.Svc.CPU().Pinned(); n != 4 {
+		t.Fatalf("%d slots pinned after another connection's release, want 4", n)
+	}
+	r, err := e.c.API.ReleaseLeases(ctx(t), &pb.ReleaseLeasesRequest{LeaseIds: []uint64{ids[0], ids[0], 999_999}})
+	if err != nil || r.Released != 1 {
+		t.Fatalf("release: %v %v", r, err)
+	}
+	if n := d.Svc.CPU().Pinned(); n != 2 {
+		t.Fatalf("%d slots pinned after the release, want the other lease's 2", n)
+	}
+	if lr, err := e.leaseLookup(t, e.c, hs[4:6]); err != nil || lr.LeaseId == 0 {
+		t.Fatalf("a lease after the release: %v %v", lr, err)
+	}
+	_, err = e.c.API.ReleaseLeases(ctx(t), &pb.ReleaseLeasesRequest{LeaseIds: make([]uint64, offload.MaxReleaseIDs+1)})
+	wantCode(t, err, codes.InvalidArgument, "lease ids")
+	if err := d.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestManyLeasesNeverServeAnotherBlock: 65,536 leases on one block used to
 // wrap its slot's pin count to 0; the slot went to another block, and a Load
 // naming one of the leases copied that block's bytes and reported OK.

@@ -270,6 +270,36 @@ func (s *Service) releaseLeases(match func(*lease) bool) {
 	}
 }
 
+// MaxReleaseIDs bounds the lease ids one ReleaseLeases names.
+const MaxReleaseIDs = 4096
+
+// ReleaseLeases ends the leases of ids that owner holds (a client dropped
+// the lookups that took them: no Load will name them) and says how many
+// there were. Other owners' leases, and ids unknown or already ended, are
+// left alone.
+func (s *Service) ReleaseLeases(owner Owner, ids []uint64) (int, error) {
+	if len(ids) > MaxReleaseIDs {
+		return 0, fmt.Errorf("%w: %d lease ids, at most %d", ErrInvalid, len(ids), MaxReleaseIDs)
+	}
+	var gone []*lease
+	s.mu.Lock()
+	for _, id := range ids {
+		ls, ok := s.mu.leases[id]
+		if !ok || ls.owner != owner {
+			continue
+		}
+		gone = append(gone, ls)
+		delete(s.mu.leases, id)
+		s.releaseUseLocked(ls.owner, 1, ls.n)
+	}
+	s.mu.Unlock()
+	for _, ls := range gone {
+		s.unpinLease(ls)
+		s.m.leases.Dec()
+	}
+	return len(gone), nil
+}
+
 // ReleaseOwner drops every lease owner holds: its connection closed, and
 // no one else may use them.
 func (s *Service) ReleaseOwner(owner Owner) {

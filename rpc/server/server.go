@@ -384,6 +384,15 @@ func (s *Server) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.LookupR
 	return out, nil
 }
 
+// ReleaseLeases implements pb.KVOffloadServer.
+func (s *Server) ReleaseLeases(ctx context.Context, req *pb.ReleaseLeasesRequest) (*pb.ReleaseLeasesResponse, error) {
+	n, err := s.svc.ReleaseLeases(ownerOf(ctx), req.GetLeaseIds())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.ReleaseLeasesResponse{Released: uint32(n)}, nil
+}
+
 // Store implements pb.KVOffloadServer.
 func (s *Server) Store(ctx context.Context, req *pb.TransferRequest) (*pb.TransferResponse, error) {
 	return s.transfer(ctx, offload.OpStore, req)

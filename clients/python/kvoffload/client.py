@@ -425,6 +425,12 @@ class Client:
             out.append(LookupResult(ready=r.ready, tiers=tiers, lease_id=r.lease_id))
         return out
 
+    def release_leases(self, lease_ids: Sequence[int], *, timeout: float | None = None) -> int:
+        """Ends leases this connection took that no Load will name; returns
+        how many it held (others' and unknown ids are ignored)."""
+        r = self._call("ReleaseLeases", pb.ReleaseLeasesRequest(lease_ids=list(lease_ids)), timeout=timeout)
+        return int(r.released)
+
     def _transfer(
         self, method: str, registration_id: int, jobs: Sequence[Job], wait: bool, ready_event: bytes,
         timeout: float | None, wait_for_ready: bool | None = None, completions: bool = False,

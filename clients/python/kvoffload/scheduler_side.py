@@ -1,15 +1,18 @@
 """The scheduler half of the vLLM connector, free of vLLM.
 
-It answers ``get_num_new_matched_tokens`` from Lookups made on a background
-thread (:mod:`kvoffload.background`), never on vLLM's scheduling loop: the
-first ask for a request queues one lookup and waits a few milliseconds for
-it; if the daemon has not answered by then the request is deferred (vLLM
-asks again next step, ``None``), and a daemon that is down or slow is a
-miss. A hit holds what it promised: the Lookup takes a lease on the blocks,
-and the load names it. It turns the scheduler's allocation into load jobs and
-each step's newly computed full blocks into store jobs, and says in
-``request_finished`` whether vLLM must keep a request's blocks for stores
-still in flight.
+It answers ``get_num_new_matched_tokens`` from an in-process mirror of what
+the daemon holds (:mod:`kvoffload.mirror`, fed by its event stream) in the
+step it is asked, while that mirror is live; otherwise from Lookups made on
+a background thread (:mod:`kvoffload.background`), never on vLLM's
+scheduling loop: the first ask for a request queues one lookup and waits a
+few milliseconds for it; if the daemon has not answered by then the request
+is deferred (vLLM asks again next step, ``None``), and a daemon that is down
+or slow is a miss. Whatever vLLM passes, a request has its answer
+``lookup_deadline_s`` after its first ask. A hit holds what it promised:
+the Lookup takes a lease on the blocks, and the load names it. It turns the
+scheduler's allocation into load jobs and each step's newly computed full
+blocks into store jobs, and says in ``request_finished`` whether vLLM must
+keep a request's blocks for stores still in flight.
 
 The namespaces it looks in are the ones every worker actually registered:
 each worker reports its fingerprint (which covers its tensors' byte order)
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -30,6 +34,7 @@ from .client import Client
 from .errors import KVOffloadError
 from .keys import KeyMapper, check_hash_granularity
 from .kv_events import BlockInfoMap, EventFeed, VLLMEventTypes, remember, translate
+from .mirror import LookupMirror
 from .plan import GroupJob, StepPlan, as_groups, iter_scheduled, iter_written
 from .settings import derive_fingerprint
 from .stats import StatsRecorder
@@ -47,6 +52,17 @@ _MAX_READERS = 8
 # its tier) probes for the first of them, the rest step down as without.
 _PROBE_CALLS = 24
 _PROBE_BATCH_CALLS = 256
+# Lookup batches queued or running on the background thread at once: past
+# this, new lookups wait in the next batch (a slow daemon does not grow the
+# queue; each request is answered by its deadline all the same).
+_MAX_LOOKUP_TASKS = 4
+# Lease ids waiting to be released (ReleaseLeases takes at most 4096).
+_MAX_SPARE_LEASES = 4096
+# Blocks this engine planned to store lately, kept so that the mirror's miss
+# of one (its event not there yet) goes to the daemon instead: how many, and
+# for how long after the plan.
+_RECENT_STORES = 65536
+_RECENT_STORE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,9 +84,10 @@ def request_controls(request: Any) -> RequestControls:
     return RequestControls(load=load, store=store)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lookup:
-    """One request's lookup: batched, sent, then answered."""
+    """One request's lookup: batched, sent, then answered. Compared by
+    identity (a batch may hold two alike)."""
 
     key: tuple  # (start unit, end unit, namespace ids)
     hashes: list
@@ -81,6 +98,7 @@ class _Lookup:
     error: BaseException | None = None
     hit_units: int = 0
     ready_before: int = 0  # units of the local prefix the daemon already holds
+    prefix_tiers: list = field(default_factory=list)  # the tier group's tiers of the local prefix's peek
     leases: dict[int, int] = field(default_factory=dict)
     tiers: list = field(default_factory=list)
     took: float = 0.0
@@ -88,6 +106,7 @@ class _Lookup:
     task: Any = None  # the background call that answers it, once sent
     keys_asked: int = 0  # keys looked up for the hit (not the local prefix's peek)
     keys_outside: int = 0  # of those, windowed groups' keys outside the hit's windows
+    spare: list = field(default_factory=list)  # lease ids its rounds took and did not keep (the thread's)
 
 
 @dataclass
@@ -145,6 +164,11 @@ class SchedulerSide:
             is one Lookup per windowed group, at most 24 per request a round
             (fewer probes for a model with more than 3 windowed groups) and
             256 per batch a round (requests past that get none that round).
+        lookup_mirror: answer lookups from an in-process mirror of what the
+            daemon holds for the engine's namespaces (kvoffload.mirror), in
+            the step they are asked, while it is live and no lease is asked
+            for; the daemon is asked otherwise.
+        mirror_max_blocks: entries the mirror keeps at most (then it stops).
     """
 
     def __init__(
@@ -175,6 +199,8 @@ class SchedulerSide:
         scratch_groups: Sequence[bool] = (),
         window_rounds: int = 4,
         window_probes: int = 8,
+        lookup_mirror: bool = True,
+        mirror_max_blocks: int = 2_000_000,
     ):
         self.keys = KeyMapper(hash_block_size, group_block_sizes, tuple(group_windows) or None,
                               tuple(scratch_groups) or None)
@@ -196,6 +222,15 @@ class SchedulerSide:
         self._rpc_timeout = rpc_timeout_s
         self._clock = clock
         self._io = Background(self._client, "kvoffload-scheduler", slow_after_s=lookup_deadline_s, clock=clock)
+        # The mirror follows the daemon's events on a connection of its own
+        # (only with a daemon of our own making: not with an injected client).
+        self._mirror: LookupMirror | None = None
+        if lookup_mirror and client is None and not lease_ms:
+            self._mirror = LookupMirror(Client(socket, timeout=rpc_timeout_s), max_blocks=mirror_max_blocks)
+        self._shadow: list[tuple[_Lookup, _Lookup]] = []  # (mirror's answer, the daemon's lookup of the same)
+        self.mirror_answers = 0  # requests answered from the mirror
+        self.mirror_behind = 0  # asks the mirror left to the daemon: a block stored lately not mirrored yet
+        self._recent: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # (group, key) -> when planned
         self._wait = lookup_wait_s
         self._step_wait_left = lookup_wait_s
         self._deadline = lookup_deadline_s
@@ -225,6 +260,13 @@ class SchedulerSide:
         self._looked_up: set[str] = set()
         self._loads: dict[str, list[GroupJob]] = {}
         self._batch: list[_Lookup] = []
+        self._asked: dict[str, float] = {}  # request -> its first ask not yet answered
+        self._lookup_tasks: list[Any] = []  # lookup batches queued or running (_MAX_LOOKUP_TASKS)
+        self._orphans: list[_Lookup] = []  # dropped lookups still running: their leases go once done
+        self._spare: list[int] = []  # lease ids no load will name, to release
+        self._release_task: Any = None
+        self._released = 0  # leases the daemon confirmed released (scheduler thread)
+        self._thread_released = 0  # (the background thread, by lookup batches)
         self._load_blocks: dict[str, set[int]] = {}  # request -> engine blocks of its load in flight
         self._load_units: dict[str, tuple[int, dict[int, int]]] = {}  # request -> (first unit, block -> unit)
         self._no_hits: set[str] = set()  # requests whose load failed: computed, not loaded again
@@ -258,6 +300,9 @@ class SchedulerSide:
     # -- helpers ----------------------------------------------------------
 
     def close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror._client.close()
         if self.events is not None:
             self.events.close()
         self._io.close()
@@ -384,6 +429,10 @@ class SchedulerSide:
                                 "hits are offered, blocks are still stored")
             return None
         now = self._clock()
+        if self._mirror is not None and self._ns_ids and self._ns_task is None and self._mirror.wants_ids():
+            # The mirror's stream ended (a daemon restart?): the ids may
+            # have changed with the daemon; resolve them now.
+            self._ns_next = min(self._ns_next, now)
         t = self._ns_task
         if t is not None and t.done.is_set():
             self._ns_task = None
@@ -391,6 +440,8 @@ class SchedulerSide:
             if ids and all(ids):
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
                 self._resetting = False
+                if self._mirror is not None:
+                    self._mirror.follow(self._ns_ids)
             else:
                 # After a reset the workers register the new identity within
                 # a step or two: look again soon.
@@ -433,9 +484,12 @@ class SchedulerSide:
                 self._events_fp = self._fingerprints[min(self._fingerprints, key=str)]
         self._ns_ids, self._ns_task, self._ns_next = None, None, 0.0
         self._resetting = True
+        for rec in list(self._lookups.values()) + list(self._matched.values()):
+            self._drop(rec)
         self._lookups.clear()
         self._matched.clear()
         self._batch = []
+        self._shadow = []
         for rid, jobs in self._loads.items():
             # Planned under the old identity and not yet sent: fail them.
             self._loads[rid] = [GroupJob(j.group, [], j.block_ids) for j in jobs]
@@ -547,15 +601,68 @@ class SchedulerSide:
     # -- lookups ------------------------------------------------------------
 
     def _flush(self) -> None:
-        """Sends the lookups vLLM asked for since the last flush, all at once."""
-        batch, self._batch = self._batch, []
-        if not batch:
+        """Sends the lookups vLLM asked for since the last flush, all at
+        once, unless ``_MAX_LOOKUP_TASKS`` batches are still queued or
+        running (they go with a later flush), and the leases no load will
+        name."""
+        self._release_spare()
+        if self._shadow:
+            self._compare_shadows()
+        self._lookup_tasks = [t for t in self._lookup_tasks if not t.done.is_set()]
+        if not self._batch or len(self._lookup_tasks) >= _MAX_LOOKUP_TASKS:
             return
+        batch, self._batch = self._batch, []
         now = self._clock()
         task = self._io.submit(self._batch_fn(batch))
+        self._lookup_tasks.append(task)
         for rec in batch:
             rec.submitted = now
             rec.task = task
+
+    def _drop(self, rec: _Lookup | None) -> None:
+        """A lookup no load will use: its leases are released (now, or once
+        the thread is done with it), and one not yet sent is not sent."""
+        if rec is None:
+            return
+        if rec.task is None and rec in self._batch:
+            self._batch.remove(rec)
+        if not self._lease_ms:
+            return
+        if rec.done:
+            self._spare.extend(rec.leases.values())
+            rec.leases = {}
+        elif rec.task is not None:
+            self._orphans.append(rec)
+
+    def _release_spare(self) -> None:
+        """Sends ReleaseLeases for the leases no load will name (one call
+        at a time, on the background thread)."""
+        if not self._lease_ms:
+            return
+        keep = []
+        for rec in self._orphans:
+            if rec.done:
+                self._spare.extend(rec.leases.values())
+                rec.leases = {}
+            else:
+                keep.append(rec)
+        self._orphans = keep
+        t = self._release_task
+        if t is not None and t.done.is_set():
+            self._release_task = None
+            if t.error is None:
+                self._released += int(t.result or 0)
+        if not self._io.healthy() or len(self._spare) > 4 * _MAX_SPARE_LEASES:
+            # Not sent to a daemon that may have restarted since (its lease
+            # ids start again and could name this connection's new leases):
+            # they expire after lease_ms.
+            self._spare = []
+        if not self._spare or self._release_task is not None:
+            return
+        ids = self._spare[:_MAX_SPARE_LEASES]
+        del self._spare[:_MAX_SPARE_LEASES]
+        timeout = self._rpc_timeout
+        self._release_task = self._io.submit(lambda c: c.release_leases(ids, timeout=timeout))
 
     def _batch_fn(self, batch: list[_Lookup]):
         """What the background thread runs: every lookup of the batch, in a
@@ -622,10 +729,13 @@ class SchedulerSide:
                 errs = [r for r in rs if isinstance(r, KVOffloadError)]
                 if errs:
                     rec.error = errs[0]
+                    rec.spare += [r.lease_id for r in rs if not isinstance(r, KVOffloadError) and r.lease_id]
                     down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
                     continue
                 start, end, _ = rec.key
                 nf = len(full)
+                if start > 0 and full:
+                    rec.prefix_tiers = list(rs[nf + tier_group].tiers)
                 f = start + min([end - start] + [rs[i].ready // bpu[g] for i, g in enumerate(full)])
                 rec.keys_asked = sum(len(keys.block_range(g, start, end)) for g in full)
                 rec.leases = {g: rs[i].lease_id for i, g in enumerate(full) if rs[i].lease_id}
@@ -669,8 +779,11 @@ class SchedulerSide:
                     rs = results[at:at + nw * len(cs)]
                     at += nw * len(cs)
                     errs = [r for r in rs if isinstance(r, KVOffloadError)]
+                    # The candidate's leases: kept only where it settles.
+                    cand_leases = [r.lease_id for r in rs[:nw] if not isinstance(r, KVOffloadError) and r.lease_id]
                     if errs:
                         rec.error = errs[0]
+                        rec.spare += cand_leases
                         down = down or next((e for e in errs if e.code in _DOWN_CODES), None)
                         continue
                     whole = {}  # candidate -> its windows' answers, where every window is there
@@ -686,6 +799,8 @@ class SchedulerSide:
                     # (every one above the last candidate was ruled out).
                     f = cs[0]
                     nf = next((c for c in range(f, rec.key[0], -1) if not ruled_out(rec, c, missing[n])), rec.key[0])
+                    if not (nf == f and nf in whole):
+                        rec.spare += cand_leases  # a candidate this round rejected
                     if nf in whole and (nf == f or not lease_ms):
                         # Every window ending at nf is there: the hit stands,
                         # held by this round's leases (a probe's hit asks
@@ -705,11 +820,22 @@ class SchedulerSide:
             for n in cand:
                 batch[n].hit_units = 0  # not settled within the rounds: a miss
             took = time.monotonic() - t0
+            spare = []
             for rec in batch:
                 if rec.error is not None or rec.hit_units <= 0:
+                    rec.spare += rec.leases.values()
                     rec.leases = {}
+                spare += rec.spare
+                rec.spare = []
                 rec.took = took
                 rec.done = True
+            if spare and down is None:
+                # Leases no load will name (candidates rejected, misses):
+                # released now rather than held until lease_ms.
+                try:
+                    self._thread_released += client.release_leases(spare[:_MAX_SPARE_LEASES], timeout=timeout)
+                except KVOffloadError as e:
+                    log.info("kvoffload: ReleaseLeases failed (%s); those leases expire after lease_ms", e)
             if down is not None:
                 raise down
 
@@ -723,12 +849,59 @@ class SchedulerSide:
         fwd = list(tiers)[::-1]
         return ([fwd[0]] * max(0, blocks - len(fwd)) + fwd) if fwd else []
 
-    def _answer(self, rid: str, rec: _Lookup) -> tuple[int, bool]:
+    def _cover(self, rec: _Lookup, key: tuple) -> _Lookup | None:
+        """The answer a finished lookup gives for ``key`` (same namespaces):
+        itself for its own range, a lookup of the same findings for another
+        start (vLLM's local hit moved since it was asked: a prefill of the
+        same prefix went on, or blocks of it were evicted), or None when
+        what it found says nothing about that start.
+
+        It found a run the daemon holds from the request's start (its local
+        prefix's peek, ``ready_before`` units) and one from its own start
+        (the hit); a unit right past either run is missing. An ask from
+        inside a run is that run's hit from there; from a missing unit, a
+        miss. A windowed group's windows were looked up ending at the hit's
+        end only: from a start within the hit, the same end."""
+        if rec.key == key or rec.error is not None:
+            return rec
+        s0, e0, _ = rec.key
+        s, e, _ = key
+        f = s0 + max(0, rec.hit_units)
+        bpu = self.keys.blocks_per_unit[self._tier_group]
+        if self.keys.windowed_groups:
+            if not s0 <= s < f or f > e:
+                return None
+            hit, tiers = f - s, list(rec.tiers)[(s - s0) * bpu:]
+        else:
+            held0 = rec.ready_before if s0 > 0 else 0  # the run from 0
+            if held0 >= s0:
+                held0 = f  # the peek's run and the hit are one
+            if s < held0:
+                hit = held0 - s
+                tiers = list(rec.prefix_tiers)[s * bpu:held0 * bpu]
+                if held0 > s0:
+                    tiers = (tiers + list(rec.tiers))[:hit * bpu]
+            elif s0 <= s < f:
+                hit, tiers = f - s, list(rec.tiers)[(s - s0) * bpu:]
+            elif (s == held0 < s0) or (s == f < e0):
+                hit, tiers = 0, []  # the unit at s was missing
+            else:
+                return None
+            hit = min(hit, e - s)
+        held = rec.ready_before if rec.ready_before < s0 else f
+        return _Lookup(key, rec.hashes, rec.peek, rec.created, submitted=rec.submitted, done=True, hit_units=hit,
+                       ready_before=min(held, s), leases=rec.leases, tiers=tiers, took=rec.took,
+                       answered_at=rec.answered_at)
+
+    def _answer(self, rid: str, base: _Lookup, rec: _Lookup) -> tuple[int, bool]:
+        """The answer ``rec`` gives (``base`` itself or what it found for
+        another start, :meth:`_cover`): vLLM's wait for it ends."""
         U = self.keys.unit_tokens
-        if rec.answered_at == 0.0:
-            rec.answered_at = self._clock()
+        self._asked.pop(rid, None)
+        if base.answered_at == 0.0:
+            base.answered_at = rec.answered_at = self._clock()
             if rec.error is not None:
-                rec.hit_units = 0
+                rec.hit_units = base.hit_units = 0
                 e = rec.error
                 if not isinstance(e, KVOffloadError):
                     log.error("kvoffload: lookup failed: %r", e)
@@ -737,7 +910,7 @@ class SchedulerSide:
                     self._ns_next = 0.0  # namespaces may have changed: resolve again
             else:
                 self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
-                self.stats.lookup_keys(rec.keys_asked, rec.keys_outside if rec.hit_units > 0 else 0,
+                self.stats.lookup_keys(base.keys_asked, rec.keys_outside if rec.hit_units > 0 else 0,
                                        rec.hit_units > 0)
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
@@ -816,6 +989,12 @@ class SchedulerSide:
         end = self.keys.units_in(len(hashes), int(request.num_tokens) - 1)
         if end <= start:
             return 0, False
+        now = self._clock()
+        # vLLM's wait for this request's answer runs from its first ask,
+        # whatever it passes on later ones (the local hit moves while it
+        # waits): by ``lookup_deadline_s`` from there it has one.
+        first = self._asked.setdefault(rid, now)
+        late = now - first >= self._deadline
         ns = self.namespace_ids()
         if not ns and self._ns_task is not None and self._wait > 0 and self._step_wait_left > 0 and self._io.healthy():
             t0 = time.monotonic()
@@ -824,43 +1003,142 @@ class SchedulerSide:
             ns = self.namespace_ids()
         if not ns:
             # Being resolved (just started, or after a daemon restart): ask again.
-            return (None, False) if self._ns_task is not None and self._io.healthy() else (0, False)
-        now = self._clock()
+            if self._ns_task is not None and self._io.healthy() and not late:
+                return None, False
+            return self._miss(rid, timed_out=late)
         key = (start, end, tuple(ns))
+        if self._mirror is not None and self._mirror.live(key[2]):
+            got = self._from_mirror(rid, key, hashes, now)
+            if got is not None:
+                return got
         rec = self._lookups.get(rid)
-        if rec is not None and rec.key == key:
-            if rec.done:
-                if rec.answered_at == 0.0 or self._fresh(rec, now):
-                    return self._answer(rid, rec)
-            elif rec.submitted and (now - rec.submitted >= self._deadline or not self._io.healthy()):
-                self._lookups.pop(rid, None)
-                self.stats.lookup_timeout()
-                return 0, False
-            else:
-                return self._await(rid, rec)
+        if rec is not None and (rec.key[2] != key[2] or (rec.done and rec.answered_at and not self._fresh(rec, now))):
+            # Another identity's namespaces, or an answer too old to give again.
+            self._lookups.pop(rid, None)
+            self._drop(rec)
+            rec = None
+        if rec is not None and rec.task is None and not rec.done:
+            rec.key, rec.hashes = key, list(hashes)  # not sent yet: it asks for this range
+        if rec is not None and not rec.done:
+            # In flight: it answers this ask once back (_cover), whatever
+            # start vLLM passes now; it is not sent again meanwhile.
+            if not self._await(rec):
+                if late or not self._io.healthy():
+                    return self._miss(rid, timed_out=True)
+                return None, False
+        if rec is not None:
+            sub = self._cover(rec, key)
+            if sub is not None:
+                return self._answer(rid, rec, sub)
+            # What it found says nothing of this start: look again.
+            self._lookups.pop(rid, None)
+            self._drop(rec)
+        if late:
+            return self._miss(rid, timed_out=True)
         if not self._io.healthy():
-            return 0, False
+            return self._miss(rid)
         peek = rid in self._looked_up
         self._looked_up.add(rid)
         rec = _Lookup(key, list(hashes), peek, now)
         self._lookups[rid] = rec
         self._batch.append(rec)
-        return self._await(rid, rec)
+        if self._await(rec):
+            return self._answer(rid, rec, rec)
+        return None, False
 
-    def _await(self, rid: str, rec: _Lookup) -> tuple[int | None, bool]:
+    def _from_mirror(self, rid: str, key: tuple, hashes: Sequence[bytes], now: float) -> tuple[int, bool] | None:
+        """The lookup of ``key`` run against the mirror, on vLLM's loop (the
+        same rounds as the daemon's, from memory): the answer in this very
+        step. None where the daemon must be asked: a hit short of the asked
+        range once the daemon has shown a remote tier (other nodes' blocks
+        are not all mirrored). The daemon still sees the lookup (its
+        admission policy counts the keys as accessed): the same lookup goes
+        with the step's batch, and its answer is compared, not used."""
+        rec = _Lookup(key, list(hashes), True, now)
+        self._batch_fn([rec])(self._mirror)
+        if rec.error is not None:
+            return None
+        if rec.hit_units < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
+            if not self._mirror.remote_seen:
+                self.mirror_behind += 1
+            return None
+        if rid not in self._looked_up and len(self._batch) < _MAX_SPARE_LEASES:
+            self._looked_up.add(rid)
+            shadow = _Lookup(key, rec.hashes, False, now)
+            self._batch.append(shadow)
+            self._shadow.append((rec, shadow))
+        old = self._lookups.pop(rid, None)
+        if old is not None:
+            self._drop(old)
+        self._lookups[rid] = rec
+        self.mirror_answers += 1
+        return self._answer(rid, rec, rec)
+
+    def _note_stores(self, jobs: Sequence[GroupJob]) -> None:
+        now = self._clock()
+        recent = self._recent
+        for j in jobs:
+            for h in j.hashes:
+                k = (j.group, bytes(h))
+                recent[k] = now
+                recent.move_to_end(k)
+        while len(recent) > _RECENT_STORES:
+            recent.popitem(last=False)
+
+    def _mirror_behind(self, rec: _Lookup, now: float) -> bool:
+        """Whether a block of the first unit past the mirror's hit is one
+        this engine planned to store within the last second: its event may
+        not be mirrored yet (the daemon is asked instead). A unit no store
+        of ours wrote lately is as missing in the daemon as in the mirror
+        (unless another engine stored it this very moment)."""
+        recent = self._recent
+        if not recent:
+            return False
+        u = rec.key[0] + rec.hit_units
+        # A windowed group's missing block may lie anywhere up to the end
+        # (the windows of every candidate were asked): all of them there.
+        spans = [(g, u + 1) for g in self.keys.full_groups] + [(g, rec.key[1]) for g in self.keys.windowed_groups]
+        for g, stop in spans:
+            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, u, stop)):
+                t = recent.get((g, bytes(k)))
+                if t is not None and now - t < _RECENT_STORE_S:
+                    return True
+        return False
+
+    def _compare_shadows(self) -> None:
+        """Whether the daemon's lookups of the requests the mirror answered
+        found remote blocks: then other nodes' blocks are not all mirrored,
+        and a mirror's answer short of the asked range goes to the daemon."""
+        keep = []
+        for mine, theirs in self._shadow:
+            if not theirs.done:
+                keep.append((mine, theirs))
+            elif theirs.error is None and any(t == Tier.REMOTE for t in theirs.tiers):
+                self._mirror.remote_seen = True
+        self._shadow = keep[-_MAX_SPARE_LEASES:]
+
+    def _miss(self, rid: str, timed_out: bool = False) -> tuple[int, bool]:
+        """Answers a miss (the lookup in flight, if any, stays: it is not
+        sent again, and a later ask may use what it finds)."""
+        if timed_out:
+            self.stats.lookup_timeout()
+        self._asked.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._hit_tiers.pop(rid, None)
+        return 0, False
+
+    def _await(self, rec: _Lookup) -> bool:
         """Sends the lookup now and waits for its answer while this step's
         ``lookup_wait_s`` lasts (a daemon that answers within it costs the
-        request no step); otherwise asks again next step (None), the lookup
-        going out with the step's batch."""
+        request no step); False when it is not back (vLLM asks again next
+        step: None), the lookup going out with the step's batch."""
         if self._wait > 0 and self._step_wait_left > 0 and self._io.healthy():
             self._flush()
             t0 = time.monotonic()
             if rec.task is not None:
                 rec.task.done.wait(self._step_wait_left)
             self._step_wait_left -= time.monotonic() - t0
-            if rec.done:
-                return self._answer(rid, rec)
-        return None, False
+        return rec.done
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plans the load of ``num_external_tokens`` tokens into the blocks
@@ -868,7 +1146,13 @@ class SchedulerSide:
         rid = request.request_id
         st = self._state(request)
         rec = self._matched.pop(rid, None)
-        self._lookups.pop(rid, None)
+        base = self._lookups.pop(rid, None)
+        self._asked.pop(rid, None)
+        if rec is None or num_external_tokens <= 0:
+            # Its leases (if any) are named by no load.
+            self._drop(base)
+            if rec is not None and rec is not base:
+                self._drop(rec)
         # Blocks the daemon already holds (the local prefix it has, what this
         # load brings) are not stored again; a local prefix it lacks is.
         holds_prefix = rec is not None and rec.ready_before >= rec.key[0]
@@ -1018,6 +1302,8 @@ class SchedulerSide:
             st.next_store_unit = end
             if jobs:
                 plan.stores[rid] = jobs
+                if self._mirror is not None:
+                    self._note_stores(jobs)
                 st.store_seq = self._seq
                 st.store_starts.append((self._seq, first))
                 self._note_reads(rid, jobs)
@@ -1197,8 +1483,9 @@ class SchedulerSide:
         settled = self.stores_settled(rid) or rid in self._load_blocks
         self._reqs.pop(rid, None)
         self._settled.pop(rid, None)
-        self._matched.pop(rid, None)
-        self._lookups.pop(rid, None)
+        self._drop(self._matched.pop(rid, None))
+        self._drop(self._lookups.pop(rid, None))
+        self._asked.pop(rid, None)
         self._looked_up.discard(rid)
         self._no_hits.discard(rid)
         self._load_blocks.pop(rid, None)
@@ -1211,6 +1498,11 @@ class SchedulerSide:
             return False, None
         self._delay_free.add(rid)
         return True, None
+
+    @property
+    def leases_released(self) -> int:
+        """Leases the daemon confirmed released, no load naming them."""
+        return self._released + self._thread_released
 
     def pending_lookups(self) -> int:
         return sum(1 for r in self._lookups.values() if not r.done)

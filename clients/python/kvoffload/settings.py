@@ -43,7 +43,7 @@ __all__ = [
 # kv_connector_extra_config keys this connector understands.
 EXTRA_KEYS = ("socket", "timeout_s", "lookup_wait_ms", "lookup_deadline_ms", "lease_ms", "sync_stores",
               "hash_bytes", "request_level_failures", "drain_timeout_s", "kv_events", "kv_events_max_blocks",
-              "weights_version")
+              "weights_version", "lookup_mirror", "lookup_mirror_max_blocks")
 
 # Version of how this connector lays keys and blocks out. Part of every
 # fingerprint: a change here must not hit blocks stored by the old code.
@@ -268,6 +268,8 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.001
     lookup_deadline_s: float = 0.2
     lease_ms: int = 0
+    lookup_mirror: bool = True  # answer lookups from the daemon's events, in-process (kvoffload.mirror)
+    lookup_mirror_max_blocks: int = 2_000_000
     # Report what the daemon holds as vLLM KV cache events (default: whether
     # vLLM's own KV events are enabled, --kv-events-config).
     kv_events: bool = False
@@ -479,6 +481,8 @@ def settings_from_vllm(
         lookup_wait_s=float(extra.get("lookup_wait_ms", 1)) / 1000.0,
         lookup_deadline_s=float(extra.get("lookup_deadline_ms", 200)) / 1000.0,
         lease_ms=int(extra.get("lease_ms", 0)),
+        lookup_mirror=extra.get("lookup_mirror", True) is not False,
+        lookup_mirror_max_blocks=int(extra.get("lookup_mirror_max_blocks", 2_000_000)),
         kv_events=bool(extra.get("kv_events", getattr(getattr(vllm_config, "kv_events_config", None),
                                                       "enable_kv_cache_events", False))),
         kv_events_max_blocks=int(extra.get("kv_events_max_blocks", 65536)),

@@ -416,6 +416,7 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 lookup_deadline_s=s.lookup_deadline_s, lease_ms=s.lease_ms, stats=self._stats,
                 kv_events=self._event_types is not None, kv_events_max_blocks=s.kv_events_max_blocks,
                 eagle_groups=s.eagle_groups, group_windows=s.group_windows, scratch_groups=s.scratch_groups,
+                lookup_mirror=s.lookup_mirror, mirror_max_blocks=s.lookup_mirror_max_blocks,
             )
             if offer and s.engine is not None:
                 self._scheduler.discover_workers({tuple(sorted(r.items())): s.registration_key(r) for r in s.ranks()})

@@ -223,7 +223,11 @@ class WorkerSide:
         self.fence_waits = 0  # fences that found a store of a fenced block not yet done (and waited for it)
         self.fence_wait_s: list[float] = []  # how long each of those waited (the last 1024)
         self.fence_trimmed = 0  # blocks left out of stores not yet sent, for a fence
-        self._retired: list[int] = []  # registrations to Unregister (their jobs are done)
+        # Registrations to Unregister (their jobs are done), each with the
+        # daemon process that holds it: a daemon that restarted since holds
+        # none of them, and its ids start again at 1 (they may name this
+        # worker's new registration).
+        self._retired: list[tuple[int, DaemonProcess]] = []
         self._retire_after = 0.0
         self._switching = False  # registering under a new identity: jobs wait in the queue, unsent
         self._calls = 0
@@ -295,22 +299,39 @@ class WorkerSide:
         connection closing at exit ends them anyway)."""
         with self._cv:
             for r in [r for r in self._regs.values() if r.retired and not r.jobs]:
-                r.daemon.close()
                 del self._regs[r.id]
-                self._retired.append(r.id)
+                self._retired.append((r.id, r.daemon))
             todo, self._retired = self._retired, []
         keep = []
-        for rid in todo:
+        for rid, proc in todo:
+            if not self._still_serves(proc):
+                # The daemon that held it is gone, and the registration with
+                # it: the id is not sent to the one answering now.
+                log.info("kvoffload: retired registration %d went with its daemon", rid)
+                proc.close()
+                continue
             try:
                 self._client.unregister(rid, timeout=self._register_timeout)
             except NotFound:
                 pass
             except KVOffloadError as e:
                 log.info("kvoffload: Unregister of retired registration %d: %s", rid, e)
-                keep.append(rid)
+                keep.append((rid, proc))
+                continue
+            proc.close()
         if keep:
             with self._cv:
                 self._retired.extend(keep)
+
+    def _still_serves(self, proc: DaemonProcess) -> bool:
+        """Whether the daemon answering on the socket may be ``proc`` (True
+        when that cannot be told: neither pid nor life file known)."""
+        if proc.exited():
+            return False
+        if proc.pid is not None:
+            pid = self._pid_probe(self._socket)
+            return pid is None or pid == proc.pid  # None: nobody answers (the call fails, kept)
+        return proc.serves(self._socket) or not proc.known
 
     def _register(self) -> bool:
         kv = self._kv
@@ -354,9 +375,7 @@ class WorkerSide:
             if fingerprint != self.fingerprint:
                 # A cache reset moved the identity on during the call: this
                 # registration is of the old one.
-                if life is not None:
-                    os.close(life)
-                self._retired.append(reg.registration_id)
+                self._retired.append((reg.registration_id, DaemonProcess(pid, life)))
                 self._cv.notify_all()
                 return False
             self.registration_id, self.namespace_id = reg.registration_id, reg.namespace_id
@@ -996,6 +1015,9 @@ class WorkerSide:
             for r in list(self._regs.values()):
                 r.daemon.close()
             self._regs.clear()
+            for _, proc in self._retired:
+                proc.close()
+            self._retired = []
 
 
 # The daemon bounds request_id (it only echoes it; jobs are matched by id).

@@ -837,6 +837,10 @@ class Engine:
         # cfg.record_stores: (group, key) -> (sequence, block index, weights) of every block a plan stored
         self.stored: dict[tuple[int, bytes], tuple[Sequence, int, int]] = {}
         self.admit_waits: list[tuple[bool, int, float]] = []  # (hit, steps, ms) from arrival to admission
+        self.admitted: dict[str, tuple[bool, int]] = {}  # request -> (hit, steps from arrival to admission)
+        self.lookup_call_s: list[float] = []  # each get_num_new_matched_tokens call's time
+        self.deferred_rids: set[str] = set()  # requests the connector answered None at least once
+        self.none_answers: dict[str, int] = {}  # request -> how many times (steps it waited for the connector)
         self.counters = {"finished": 0, "errored": 0, "aborted": 0, "preempted": 0, "hit_tokens": 0,
                          "deferred_lookups": 0, "deferred_loads": 0, "positions_checked": 0, "loads_finished": 0, "load_failures": 0}
 
@@ -993,8 +997,12 @@ class Engine:
                 ext, load_async, local_blocks, local = 0, False, None, 0
                 if req.num_computed_tokens == 0:
                     local_blocks, local = self.kvm.get_computed_blocks(req)
+                    t0 = time.perf_counter()
                     ext, load_async = self._timed(self.sched_conn.get_num_new_matched_tokens, req, local)
+                    self.lookup_call_s.append(time.perf_counter() - t0)
                     if ext is None:
+                        self.deferred_rids.add(rid)
+                        self.none_answers[rid] = self.none_answers.get(rid, 0) + 1
                         self.counters["deferred_lookups"] += 1
                         step_skipped.append(queue.popleft())
                         continue
@@ -1046,6 +1054,7 @@ class Engine:
                     if req.num_preemptions == 0 and getattr(req, "arrived", None) is not None:
                         s0, t0 = req.arrived
                         self.admit_waits.append((ext > 0, self.step_seq - 1 - s0, (time.perf_counter() - t0) * 1000))
+                        self.admitted[rid] = (ext > 0, self.step_seq - 1 - s0)
                         req.arrived = None
                 if load_async:
                     req.status = REMOTE

@@ -28,15 +28,17 @@ NB = 40
 class Harness:
     """A scheduler side and ``tp`` worker sides, each worker with its own
     engine memory, its own connection and its own namespace. Lookups wait
-    for their answer (``lookup_wait_s``) so each ask is answered at once."""
+    for their answer (``lookup_wait_s``) so each ask is answered at once;
+    they go to the daemon (``mirror``: from its events, test_lookup_steps.py),
+    so an Invalidate a test makes counts from the moment it returns."""
 
     def __init__(self, daemon, shm, fp: bytes, *, block_sizes=(4,), layers=None, tp=1, request_level=False,
-                 hash_block_size=4, lease_ms=0):
+                 hash_block_size=4, lease_ms=0, mirror=False):
         layers = layers or {0: ["layers.0.attn", "layers.1.attn"]}
         self.fps = [fp + b"/tp%d" % r for r in range(tp)]
         self.daemon = daemon
         self.sched = SchedulerSide(daemon.socket, tp, hash_block_size, block_sizes, 32, lookup_wait_s=5.0,
-                                   namespace_retry_s=0, lease_ms=lease_ms)
+                                   namespace_retry_s=0, lease_ms=lease_ms, lookup_mirror=mirror)
         self.sched.set_worker_fingerprints({(r,): f for r, f in enumerate(self.fps)})
         self.engines = [Engine(shm, layers, block_sizes, NB) for _ in range(tp)]
         self.workers = [WorkerSide(daemon.socket, f, len(block_sizes), rank=(r,), request_level_failures=request_level)
@@ -739,3 +741,162 @@ def test_the_fence_table_stays_bounded_by_the_block_count(harness):
     assert len(sc._store_reads[7]) <= 9 and sum(len(b) for b in sc._reads_by_req.values()) <= 9
     assert sc._fence({7, 8}) == [7]
     assert not sc._store_reads and not sc._reads_by_req
+
+
+def _never_waits(h: Harness, clock: list, deadline_s: float = 0.2, lease_ms: int = 0) -> SchedulerSide:
+    """Replaces the harness's scheduler side with one whose loop never waits
+    for a lookup (``lookup_wait_ms: 0``: each is sent with the step's plan)
+    and whose clock is ``clock[0]``: the deadline runs on it."""
+    h.sched.close()
+    h.sched = SchedulerSide(h.daemon.socket, 1, 4, (4,), 32, lookup_wait_s=0, lookup_deadline_s=deadline_s,
+                            namespace_retry_s=0, clock=lambda: clock[0], lease_ms=lease_ms, lookup_mirror=False)
+    h.sched.set_worker_fingerprints({(0,): h.fps[0]})
+    assert wait_for(lambda: h.sched.namespace_ids())
+    return h.sched
+
+
+def test_a_lookup_answers_the_ask_whatever_start_vllm_passes(harness):
+    """vLLM's local hit of a waiting request moves between asks (a request
+    of the same prefix prefills chunk by chunk, blocks of it are evicted).
+    The lookup in flight answers whatever start vLLM passes when it is back
+    (the start within what it found): it is not dropped and started again
+    (issue 30.6: with lookup_wait_ms 0 such a request was never answered)."""
+    h = harness()
+    r1 = Request("a", list(range(100, 126)))  # 6 full blocks
+    prefill(h, r1, [1, 2, 3, 4, 5, 6, 7])
+    assert h.run_until(h.idle)
+    clock = [0.0]
+    sched = _never_waits(h, clock)
+    r2 = Request("b", list(range(100, 126)) + [7])
+    answers = []
+    for step in range(20):
+        # The daemon answers the lookups sent so far; the loop never waits.
+        assert wait_for(lambda: sched.pending_lookups() == 0)
+        local = 4 * (step % 3 + 1)  # vLLM's local hit: 4, 8, 12, 4, ...
+        got = sched.get_num_new_matched_tokens(r2, local)
+        h.step()
+        clock[0] += 0.005
+        if got[0] is not None:
+            answers.append((local, got))
+            break
+    assert answers == [(8, (16, True))], answers  # the second ask, from its own start
+    # The hit loads: what it found from unit 0 is loaded from unit 2.
+    sched.update_state_after_alloc(r2, KVCacheBlocks([20, 21, 22, 23, 24, 25, 26]), 16)
+    plan = h.step()
+    assert leased(plan.loads) == {"b": [GroupJob(0, r2.block_hashes[2:6], [22, 23, 24, 25])]}
+    assert h.run_until(lambda: "b" in h.recv[0])
+    assert h.failed[0] == set()
+    for src, dst in zip([3, 4, 5, 6], [22, 23, 24, 25]):
+        assert h.engines[0].read(0, dst) == h.engines[0].read(0, src)
+    # A local hit that shrank below the lookup's start: the peek found the
+    # daemon holds the local prefix too, so the hit runs from there.
+    r3 = Request("c", list(range(100, 126)) + [8])
+    for _ in range(10):
+        got = sched.get_num_new_matched_tokens(r3, 16)
+        if got[0] is not None:
+            break
+        h.step()  # sends it
+        assert wait_for(lambda: sched.pending_lookups() == 0)
+    assert got == (8, True)
+    assert sched.get_num_new_matched_tokens(r3, 4) == (20, True)
+    assert (sched.stats.take() or {}).get("lookup_timeouts_total", 0) == 0
+
+
+def test_every_ask_is_answered_by_the_deadline_of_the_first(harness):
+    """A request whose lookups never cover vLLM's next ask (nothing of it is
+    in the daemon, and its local hit grows every step) is answered, a miss,
+    once ``lookup_deadline_ms`` has passed since its first ask: the clock
+    does not start again with each lookup (issue 30.6)."""
+    h = harness()
+    clock = [0.0]
+    sched = _never_waits(h, clock, deadline_s=0.2)
+    r = Request("d", list(range(5000, 5101)))  # 25 units, none in the daemon
+    answered = None
+    for step in range(24):
+        assert wait_for(lambda: sched.pending_lookups() == 0)
+        got = sched.get_num_new_matched_tokens(r, 4 * step)
+        h.step()
+        if got[0] is not None:
+            answered = (step, clock[0], got)
+            break
+        clock[0] += 0.01
+    assert answered is not None, "never answered"
+    step, at, got = answered
+    assert got == (0, False) and at <= 0.2 + 1e-9, answered
+
+
+def test_a_retired_registration_is_not_unregistered_in_the_next_daemon(fresh_daemon, shm, fingerprint):
+    """A cache reset retires the worker's registration; when its Unregister
+    fails (the daemon is down) it is retried, but only with the daemon that
+    held it. A daemon started since holds none of it and numbers its
+    registrations from 1 again: the worker's new one there must stay
+    (issue 30.7). The worker's clock is the test's: the new registration
+    comes before the retry."""
+    import signal
+
+    d = fresh_daemon()
+    e = Engine(shm, {0: ["layers.0.attn"]}, (4,), NB)
+    clock = [0.0]
+    w = WorkerSide(d.socket, fingerprint, 1, clock=lambda: clock[0], reregister_after_s=0.1)
+    try:
+        assert w.register(regions_from_kv_caches(e.kv_caches, e.layer_groups(), NB, 32))
+        old = w.registration_id
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(timeout=30)
+        w.switch_identity(fingerprint + b"/reset")
+        # The poller took up the retired one (its Unregister cannot go) and
+        # failed to register the new identity.
+        assert wait_for(lambda: old not in w._regs and w._next_rereg > 0)
+        d.restarts += 1
+        d._start()
+        clock[0] = 0.5  # the new registration is due, a retry of the Unregister is not
+        assert wait_for(lambda: w.registration_id is not None, timeout=60)
+        assert w.registration_id == old  # the new daemon's ids start again
+        clock[0] = 5.0  # now it is
+        assert wait_for(lambda: not w._retired, timeout=60)
+        c = d.client()
+        regs = {n.fingerprint: n.registrations for n in c.stats().namespaces}
+        assert regs.get(fingerprint + b"/reset") == 1, regs
+    finally:
+        w.shutdown()
+
+
+def test_lookups_queued_for_a_slow_daemon_are_bounded(fresh_daemon, shm, fingerprint):
+    """A daemon that answers no lookup for a while (stopped here; on the
+    scheduler's clock it is not yet too slow) does not grow the queue of
+    lookup batches: a few go out, the rest wait for them, and every
+    request is answered (a miss) by its deadline all the same. Before, each
+    step queued a batch of its own (issue 30.7: 800-1200 seen)."""
+    d = fresh_daemon()
+    clock = [0.0]
+    sched = SchedulerSide(d.socket, 1, 4, (4,), 32, lookup_wait_s=0, lookup_deadline_s=0.2, namespace_retry_s=0,
+                          rpc_timeout_s=60, clock=lambda: clock[0], lookup_mirror=False)
+    try:
+        sched.set_worker_fingerprints({(0,): fingerprint})
+        # Nothing registered it: resolve answers 0s; register it through a worker.
+        e = Engine(shm, {0: ["layers.0.attn"]}, (4,), NB)
+        w = WorkerSide(d.socket, fingerprint, 1)
+        assert w.register(regions_from_kv_caches(e.kv_caches, e.layer_groups(), NB, 32))
+        assert wait_for(lambda: sched.namespace_ids())
+        d.pause()
+        answered, waiting = {}, {}
+        for step in range(60):
+            for i in range(3):  # 3 new requests a step
+                rid = f"s{step}-{i}"
+                waiting[rid] = Request(rid, list(range(1000 * step + 10 * i, 1000 * step + 10 * i + 13)))
+            for rid, r in list(waiting.items()):
+                got = sched.get_num_new_matched_tokens(r, 0)
+                if got[0] is not None:
+                    answered[rid] = got
+                    del waiting[rid]
+            sched.build_connector_meta(SchedulerOutput())
+            assert len(sched._io._queue) <= 4, (step, len(sched._io._queue))
+            clock[0] += 0.01
+        # Every request asked more than 0.2 s ago has its answer, a miss.
+        assert all(got == (0, False) for got in answered.values())
+        assert len(answered) >= 3 * 60 - 3 * 21, len(answered)
+        d.resume()
+        w.shutdown()
+    finally:
+        d.resume()
+        sched.close()

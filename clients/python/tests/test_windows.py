@@ -31,6 +31,11 @@ class PresenceDaemon:
         self.present = present
         self.leases: dict[int, tuple[int, list[bytes]]] = {}
         self.calls: list[tuple[int, list[bytes], bool]] = []
+        self.released: list[int] = []
+
+    def release_leases(self, ids, timeout=None):
+        self.released += list(ids)
+        return len(ids)
 
     def lookup_many(self, calls, timeout=None):
         out = []
@@ -147,6 +152,11 @@ def test_lookup_rule_matches_brute_force_model():
             if f == fa_prefix:
                 settled_first += 1
                 assert rec.keys_outside == 0, ctx
+        # Every lease the lookup took and does not hand to the load (window
+        # candidates a later round rejected, a miss's) is released at once.
+        kept = set(rec.leases.values())
+        assert sorted(kept | set(daemon.released)) == sorted(daemon.leases), ctx
+        assert not kept & set(daemon.released), ctx
         # Windowed groups are asked only for window keys, never from block 0.
         for g, keys, peek in daemon.calls:
             assert set(keys) <= keyset[g], ctx

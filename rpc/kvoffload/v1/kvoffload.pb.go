@@ -1273,6 +1273,96 @@ func (x *LookupResponse) GetLeaseId() uint64 {
 	return 0
 }
 
+type ReleaseLeasesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At most 4096 ids.
+	LeaseIds      []uint64 `protobuf:"varint,1,rep,packed,name=lease_ids,json=leaseIds,proto3" json:"lease_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseLeasesRequest) Reset() {
+	*x = ReleaseLeasesRequest{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseLeasesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseLeasesRequest) ProtoMessage() {}
+
+func (x *ReleaseLeasesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseLeasesRequest.ProtoReflect.Descriptor instead.
+func (*ReleaseLeasesRequest) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *ReleaseLeasesRequest) GetLeaseIds() []uint64 {
+	if x != nil {
+		return x.LeaseIds
+	}
+	return nil
+}
+
+type ReleaseLeasesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How many of the named leases this connection held and are now ended.
+	Released      uint32 `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseLeasesResponse) Reset() {
+	*x = ReleaseLeasesResponse{}
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseLeasesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseLeasesResponse) ProtoMessage() {}
+
+func (x *ReleaseLeasesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseLeasesResponse.ProtoReflect.Descriptor instead.
+func (*ReleaseLeasesResponse) Descriptor() ([]byte, []int) {
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ReleaseLeasesResponse) GetReleased() uint32 {
+	if x != nil {
+		return x.Released
+	}
+	return 0
+}
+
 // One request's blocks for one group: keys[i] moves to or from engine block
 // block_ids[i].
 type Job struct {
@@ -1294,7 +1384,7 @@ type Job struct {
 
 func (x *Job) Reset() {
 	*x = Job{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1306,7 +1396,7 @@ func (x *Job) String() string {
 func (*Job) ProtoMessage() {}
 
 func (x *Job) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[16]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1319,7 +1409,7 @@ func (x *Job) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Job.ProtoReflect.Descriptor instead.
 func (*Job) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{16}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Job) GetJobId() uint64 {
@@ -1386,7 +1476,7 @@ type TransferRequest struct {
 
 func (x *TransferRequest) Reset() {
 	*x = TransferRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1398,7 +1488,7 @@ func (x *TransferRequest) String() string {
 func (*TransferRequest) ProtoMessage() {}
 
 func (x *TransferRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[17]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1411,7 +1501,7 @@ func (x *TransferRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferRequest.ProtoReflect.Descriptor instead.
 func (*TransferRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{17}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *TransferRequest) GetRegistrationId() uint64 {
@@ -1480,7 +1570,7 @@ type TransferResponse struct {
 
 func (x *TransferResponse) Reset() {
 	*x = TransferResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1492,7 +1582,7 @@ func (x *TransferResponse) String() string {
 func (*TransferResponse) ProtoMessage() {}
 
 func (x *TransferResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[18]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1505,7 +1595,7 @@ func (x *TransferResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferResponse.ProtoReflect.Descriptor instead.
 func (*TransferResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{18}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TransferResponse) GetResults() []*JobResult {
@@ -1543,7 +1633,7 @@ type BlockFailure struct {
 
 func (x *BlockFailure) Reset() {
 	*x = BlockFailure{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1555,7 +1645,7 @@ func (x *BlockFailure) String() string {
 func (*BlockFailure) ProtoMessage() {}
 
 func (x *BlockFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[19]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1568,7 +1658,7 @@ func (x *BlockFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockFailure.ProtoReflect.Descriptor instead.
 func (*BlockFailure) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{19}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *BlockFailure) GetIndex() uint32 {
@@ -1621,7 +1711,7 @@ type JobResult struct {
 
 func (x *JobResult) Reset() {
 	*x = JobResult{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1633,7 +1723,7 @@ func (x *JobResult) String() string {
 func (*JobResult) ProtoMessage() {}
 
 func (x *JobResult) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[20]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1646,7 +1736,7 @@ func (x *JobResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JobResult.ProtoReflect.Descriptor instead.
 func (*JobResult) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{20}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *JobResult) GetJobId() uint64 {
@@ -1725,7 +1815,7 @@ type CompletionsRequest struct {
 
 func (x *CompletionsRequest) Reset() {
 	*x = CompletionsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1737,7 +1827,7 @@ func (x *CompletionsRequest) String() string {
 func (*CompletionsRequest) ProtoMessage() {}
 
 func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[21]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1750,7 +1840,7 @@ func (x *CompletionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsRequest.ProtoReflect.Descriptor instead.
 func (*CompletionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{21}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *CompletionsRequest) GetRegistrationId() uint64 {
@@ -1796,7 +1886,7 @@ type CompletionsResponse struct {
 
 func (x *CompletionsResponse) Reset() {
 	*x = CompletionsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1808,7 +1898,7 @@ func (x *CompletionsResponse) String() string {
 func (*CompletionsResponse) ProtoMessage() {}
 
 func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[22]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1821,7 +1911,7 @@ func (x *CompletionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompletionsResponse.ProtoReflect.Descriptor instead.
 func (*CompletionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{22}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *CompletionsResponse) GetResults() []*JobResult {
@@ -1856,7 +1946,7 @@ type InvalidateRequest struct {
 
 func (x *InvalidateRequest) Reset() {
 	*x = InvalidateRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1868,7 +1958,7 @@ func (x *InvalidateRequest) String() string {
 func (*InvalidateRequest) ProtoMessage() {}
 
 func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[23]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1881,7 +1971,7 @@ func (x *InvalidateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateRequest.ProtoReflect.Descriptor instead.
 func (*InvalidateRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{23}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *InvalidateRequest) GetNamespaceIds() []uint32 {
@@ -1908,7 +1998,7 @@ type InvalidateResponse struct {
 
 func (x *InvalidateResponse) Reset() {
 	*x = InvalidateResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1920,7 +2010,7 @@ func (x *InvalidateResponse) String() string {
 func (*InvalidateResponse) ProtoMessage() {}
 
 func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[24]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1933,7 +2023,7 @@ func (x *InvalidateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvalidateResponse.ProtoReflect.Descriptor instead.
 func (*InvalidateResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{24}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *InvalidateResponse) GetRemoved() uint64 {
@@ -1951,7 +2041,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1963,7 +2053,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[25]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1976,7 +2066,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{25}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
 }
 
 type TierStats struct {
@@ -1991,7 +2081,7 @@ type TierStats struct {
 
 func (x *TierStats) Reset() {
 	*x = TierStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2093,7 @@ func (x *TierStats) String() string {
 func (*TierStats) ProtoMessage() {}
 
 func (x *TierStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[26]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2106,7 @@ func (x *TierStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierStats.ProtoReflect.Descriptor instead.
 func (*TierStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{26}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *TierStats) GetName() string {
@@ -2059,7 +2149,7 @@ type NamespaceStats struct {
 
 func (x *NamespaceStats) Reset() {
 	*x = NamespaceStats{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2071,7 +2161,7 @@ func (x *NamespaceStats) String() string {
 func (*NamespaceStats) ProtoMessage() {}
 
 func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[27]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2084,7 +2174,7 @@ func (x *NamespaceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NamespaceStats.ProtoReflect.Descriptor instead.
 func (*NamespaceStats) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{27}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *NamespaceStats) GetNamespaceId() uint32 {
@@ -2135,7 +2225,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2147,7 +2237,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[28]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2160,7 +2250,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{28}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *StatsResponse) GetTiers() []*TierStats {
@@ -2258,7 +2348,7 @@ type DiskRecovery struct {
 
 func (x *DiskRecovery) Reset() {
 	*x = DiskRecovery{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2270,7 +2360,7 @@ func (x *DiskRecovery) String() string {
 func (*DiskRecovery) ProtoMessage() {}
 
 func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[29]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2283,7 +2373,7 @@ func (x *DiskRecovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DiskRecovery.ProtoReflect.Descriptor instead.
 func (*DiskRecovery) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{29}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *DiskRecovery) GetState() RecoveryState {
@@ -2358,7 +2448,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2370,7 +2460,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[30]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2383,7 +2473,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{30}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *WatchEventsRequest) GetNamespaceIds() []uint32 {
@@ -2409,7 +2499,7 @@ type WatchEventsResponse struct {
 
 func (x *WatchEventsResponse) Reset() {
 	*x = WatchEventsResponse{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2421,7 +2511,7 @@ func (x *WatchEventsResponse) String() string {
 func (*WatchEventsResponse) ProtoMessage() {}
 
 func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[31]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2434,7 +2524,7 @@ func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsResponse.ProtoReflect.Descriptor instead.
 func (*WatchEventsResponse) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{31}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *WatchEventsResponse) GetEvents() []*KVEvent {
@@ -2464,7 +2554,7 @@ type KVEvent struct {
 
 func (x *KVEvent) Reset() {
 	*x = KVEvent{}
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2476,7 +2566,7 @@ func (x *KVEvent) String() string {
 func (*KVEvent) ProtoMessage() {}
 
 func (x *KVEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[32]
+	mi := &file_kvoffload_v1_kvoffload_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2489,7 +2579,7 @@ func (x *KVEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVEvent.ProtoReflect.Descriptor instead.
 func (*KVEvent) Descriptor() ([]byte, []int) {
-	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{32}
+	return file_kvoffload_v1_kvoffload_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *KVEvent) GetSeq() uint64 {
@@ -2596,7 +2686,11 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x0eLookupResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\rR\x05ready\x12(\n" +
 	"\x05tiers\x18\x02 \x03(\x0e2\x12.kvoffload.v1.TierR\x05tiers\x12\x19\n" +
-	"\blease_id\x18\x03 \x01(\x04R\aleaseId\"\x9e\x01\n" +
+	"\blease_id\x18\x03 \x01(\x04R\aleaseId\"3\n" +
+	"\x14ReleaseLeasesRequest\x12\x1b\n" +
+	"\tlease_ids\x18\x01 \x03(\x04R\bleaseIds\"3\n" +
+	"\x15ReleaseLeasesResponse\x12\x1a\n" +
+	"\breleased\x18\x01 \x01(\rR\breleased\"\x9e\x01\n" +
 	"\x03Job\x12\x15\n" +
 	"\x06job_id\x18\x01 \x01(\x04R\x05jobId\x12\x1d\n" +
 	"\n" +
@@ -2729,7 +2823,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\x18EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n" +
 	"\x1dEVENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n" +
 	"\x16EVENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n" +
-	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\xe6\x06\n" +
+	"\x14EVENT_KIND_CAUGHT_UP\x10\x052\xc0\a\n" +
 	"\tKVOffload\x12I\n" +
 	"\bRegister\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n" +
 	"\n" +
@@ -2743,7 +2837,8 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\n" +
 	"Invalidate\x12\x1f.kvoffload.v1.InvalidateRequest\x1a .kvoffload.v1.InvalidateResponse\x12@\n" +
 	"\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponse\x12T\n" +
-	"\vWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01B?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
+	"\vWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01\x12X\n" +
+	"\rReleaseLeases\x12\".kvoffload.v1.ReleaseLeasesRequest\x1a#.kvoffload.v1.ReleaseLeasesResponseB?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3"
 
 var (
 	file_kvoffload_v1_kvoffload_proto_rawDescOnce sync.Once
@@ -2758,7 +2853,7 @@ func file_kvoffload_v1_kvoffload_proto_rawDescGZIP() []byte {
 }
 
 var file_kvoffload_v1_kvoffload_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_kvoffload_v1_kvoffload_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
 var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(BlockStatus)(0),                  // 0: kvoffload.v1.BlockStatus
 	(Tier)(0),                         // 1: kvoffload.v1.Tier
@@ -2781,23 +2876,25 @@ var file_kvoffload_v1_kvoffload_proto_goTypes = []any{
 	(*KeyList)(nil),                   // 18: kvoffload.v1.KeyList
 	(*LookupRequest)(nil),             // 19: kvoffload.v1.LookupRequest
 	(*LookupResponse)(nil),            // 20: kvoffload.v1.LookupResponse
-	(*Job)(nil),                       // 21: kvoffload.v1.Job
-	(*TransferRequest)(nil),           // 22: kvoffload.v1.TransferRequest
-	(*TransferResponse)(nil),          // 23: kvoffload.v1.TransferResponse
-	(*BlockFailure)(nil),              // 24: kvoffload.v1.BlockFailure
-	(*JobResult)(nil),                 // 25: kvoffload.v1.JobResult
-	(*CompletionsRequest)(nil),        // 26: kvoffload.v1.CompletionsRequest
-	(*CompletionsResponse)(nil),       // 27: kvoffload.v1.CompletionsResponse
-	(*InvalidateRequest)(nil),         // 28: kvoffload.v1.InvalidateRequest
-	(*InvalidateResponse)(nil),        // 29: kvoffload.v1.InvalidateResponse
-	(*StatsRequest)(nil),              // 30: kvoffload.v1.StatsRequest
-	(*TierStats)(nil),                 // 31: kvoffload.v1.TierStats
-	(*NamespaceStats)(nil),            // 32: kvoffload.v1.NamespaceStats
-	(*StatsResponse)(nil),             // 33: kvoffload.v1.StatsResponse
-	(*DiskRecovery)(nil),              // 34: kvoffload.v1.DiskRecovery
-	(*WatchEventsRequest)(nil),        // 35: kvoffload.v1.WatchEventsRequest
-	(*WatchEventsResponse)(nil),       // 36: kvoffload.v1.WatchEventsResponse
-	(*KVEvent)(nil),                   // 37: kvoffload.v1.KVEvent
+	(*ReleaseLeasesRequest)(nil),      // 21: kvoffload.v1.ReleaseLeasesRequest
+	(*ReleaseLeasesResponse)(nil),     // 22: kvoffload.v1.ReleaseLeasesResponse
+	(*Job)(nil),                       // 23: kvoffload.v1.Job
+	(*TransferRequest)(nil),           // 24: kvoffload.v1.TransferRequest
+	(*TransferResponse)(nil),          // 25: kvoffload.v1.TransferResponse
+	(*BlockFailure)(nil),              // 26: kvoffload.v1.BlockFailure
+	(*JobResult)(nil),                 // 27: kvoffload.v1.JobResult
+	(*CompletionsRequest)(nil),        // 28: kvoffload.v1.CompletionsRequest
+	(*CompletionsResponse)(nil),       // 29: kvoffload.v1.CompletionsResponse
+	(*InvalidateRequest)(nil),         // 30: kvoffload.v1.InvalidateRequest
+	(*InvalidateResponse)(nil),        // 31: kvoffload.v1.InvalidateResponse
+	(*StatsRequest)(nil),              // 32: kvoffload.v1.StatsRequest
+	(*TierStats)(nil),                 // 33: kvoffload.v1.TierStats
+	(*NamespaceStats)(nil),            // 34: kvoffload.v1.NamespaceStats
+	(*StatsResponse)(nil),             // 35: kvoffload.v1.StatsResponse
+	(*DiskRecovery)(nil),              // 36: kvoffload.v1.DiskRecovery
+	(*WatchEventsRequest)(nil),        // 37: kvoffload.v1.WatchEventsRequest
+	(*WatchEventsResponse)(nil),       // 38: kvoffload.v1.WatchEventsResponse
+	(*KVEvent)(nil),                   // 39: kvoffload.v1.KVEvent
 }
 var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	5,  // 0: kvoffload.v1.Layout.segments:type_name -> kvoffload.v1.Segment
@@ -2808,18 +2905,18 @@ var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	18, // 5: kvoffload.v1.LookupRequest.keys:type_name -> kvoffload.v1.KeyList
 	1,  // 6: kvoffload.v1.LookupResponse.tiers:type_name -> kvoffload.v1.Tier
 	18, // 7: kvoffload.v1.Job.keys:type_name -> kvoffload.v1.KeyList
-	21, // 8: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
-	25, // 9: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
+	23, // 8: kvoffload.v1.TransferRequest.jobs:type_name -> kvoffload.v1.Job
+	27, // 9: kvoffload.v1.TransferResponse.results:type_name -> kvoffload.v1.JobResult
 	0,  // 10: kvoffload.v1.BlockFailure.status:type_name -> kvoffload.v1.BlockStatus
 	2,  // 11: kvoffload.v1.JobResult.op:type_name -> kvoffload.v1.Op
-	24, // 12: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
-	25, // 13: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
+	26, // 12: kvoffload.v1.JobResult.failures:type_name -> kvoffload.v1.BlockFailure
+	27, // 13: kvoffload.v1.CompletionsResponse.results:type_name -> kvoffload.v1.JobResult
 	18, // 14: kvoffload.v1.InvalidateRequest.keys:type_name -> kvoffload.v1.KeyList
-	31, // 15: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
-	32, // 16: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
-	34, // 17: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
+	33, // 15: kvoffload.v1.StatsResponse.tiers:type_name -> kvoffload.v1.TierStats
+	34, // 16: kvoffload.v1.StatsResponse.namespaces:type_name -> kvoffload.v1.NamespaceStats
+	36, // 17: kvoffload.v1.StatsResponse.disk_recovery:type_name -> kvoffload.v1.DiskRecovery
 	3,  // 18: kvoffload.v1.DiskRecovery.state:type_name -> kvoffload.v1.RecoveryState
-	37, // 19: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
+	39, // 19: kvoffload.v1.WatchEventsResponse.events:type_name -> kvoffload.v1.KVEvent
 	4,  // 20: kvoffload.v1.KVEvent.kind:type_name -> kvoffload.v1.EventKind
 	1,  // 21: kvoffload.v1.KVEvent.tier:type_name -> kvoffload.v1.Tier
 	9,  // 22: kvoffload.v1.KVOffload.Register:input_type -> kvoffload.v1.RegisterRequest
@@ -2827,25 +2924,27 @@ var file_kvoffload_v1_kvoffload_proto_depIdxs = []int32{
 	13, // 24: kvoffload.v1.KVOffload.Resolve:input_type -> kvoffload.v1.ResolveRequest
 	14, // 25: kvoffload.v1.KVOffload.FindRegistrations:input_type -> kvoffload.v1.FindRegistrationsRequest
 	19, // 26: kvoffload.v1.KVOffload.Lookup:input_type -> kvoffload.v1.LookupRequest
-	22, // 27: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
-	22, // 28: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
-	26, // 29: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
-	28, // 30: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
-	30, // 31: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
-	35, // 32: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
-	10, // 33: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
-	12, // 34: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
-	17, // 35: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
-	16, // 36: kvoffload.v1.KVOffload.FindRegistrations:output_type -> kvoffload.v1.FindRegistrationsResponse
-	20, // 37: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
-	23, // 38: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
-	23, // 39: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
-	27, // 40: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
-	29, // 41: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
-	33, // 42: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
-	36, // 43: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
-	33, // [33:44] is the sub-list for method output_type
-	22, // [22:33] is the sub-list for method input_type
+	24, // 27: kvoffload.v1.KVOffload.Store:input_type -> kvoffload.v1.TransferRequest
+	24, // 28: kvoffload.v1.KVOffload.Load:input_type -> kvoffload.v1.TransferRequest
+	28, // 29: kvoffload.v1.KVOffload.Completions:input_type -> kvoffload.v1.CompletionsRequest
+	30, // 30: kvoffload.v1.KVOffload.Invalidate:input_type -> kvoffload.v1.InvalidateRequest
+	32, // 31: kvoffload.v1.KVOffload.Stats:input_type -> kvoffload.v1.StatsRequest
+	37, // 32: kvoffload.v1.KVOffload.WatchEvents:input_type -> kvoffload.v1.WatchEventsRequest
+	21, // 33: kvoffload.v1.KVOffload.ReleaseLeases:input_type -> kvoffload.v1.ReleaseLeasesRequest
+	10, // 34: kvoffload.v1.KVOffload.Register:output_type -> kvoffload.v1.RegisterResponse
+	12, // 35: kvoffload.v1.KVOffload.Unregister:output_type -> kvoffload.v1.UnregisterResponse
+	17, // 36: kvoffload.v1.KVOffload.Resolve:output_type -> kvoffload.v1.ResolveResponse
+	16, // 37: kvoffload.v1.KVOffload.FindRegistrations:output_type -> kvoffload.v1.FindRegistrationsResponse
+	20, // 38: kvoffload.v1.KVOffload.Lookup:output_type -> kvoffload.v1.LookupResponse
+	25, // 39: kvoffload.v1.KVOffload.Store:output_type -> kvoffload.v1.TransferResponse
+	25, // 40: kvoffload.v1.KVOffload.Load:output_type -> kvoffload.v1.TransferResponse
+	29, // 41: kvoffload.v1.KVOffload.Completions:output_type -> kvoffload.v1.CompletionsResponse
+	31, // 42: kvoffload.v1.KVOffload.Invalidate:output_type -> kvoffload.v1.InvalidateResponse
+	35, // 43: kvoffload.v1.KVOffload.Stats:output_type -> kvoffload.v1.StatsResponse
+	38, // 44: kvoffload.v1.KVOffload.WatchEvents:output_type -> kvoffload.v1.WatchEventsResponse
+	22, // 45: kvoffload.v1.KVOffload.ReleaseLeases:output_type -> kvoffload.v1.ReleaseLeasesResponse
+	34, // [34:46] is the sub-list for method output_type
+	22, // [22:34] is the sub-list for method input_type
 	22, // [22:22] is the sub-list for extension type_name
 	22, // [22:22] is the sub-list for extension extendee
 	0,  // [0:22] is the sub-list for field type_name
@@ -2860,15 +2959,15 @@ func file_kvoffload_v1_kvoffload_proto_init() {
 		(*Region_ShmPath)(nil),
 		(*Region_Cuda)(nil),
 	}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[17].OneofWrappers = []any{}
-	file_kvoffload_v1_kvoffload_proto_msgTypes[21].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[19].OneofWrappers = []any{}
+	file_kvoffload_v1_kvoffload_proto_msgTypes[23].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvoffload_v1_kvoffload_proto_rawDesc), len(file_kvoffload_v1_kvoffload_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   33,
+			NumMessages:   35,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -34,6 +34,7 @@ const (
 	KVOffload_Invalidate_FullMethodName        = "/kvoffload.v1.KVOffload/Invalidate"
 	KVOffload_Stats_FullMethodName             = "/kvoffload.v1.KVOffload/Stats"
 	KVOffload_WatchEvents_FullMethodName       = "/kvoffload.v1.KVOffload/WatchEvents"
+	KVOffload_ReleaseLeases_FullMethodName     = "/kvoffload.v1.KVOffload/ReleaseLeases"
 )
 
 // KVOffloadClient is the client API for KVOffload service.
@@ -74,6 +75,11 @@ type KVOffloadClient interface {
 	// and a snapshot, then every change, in order (docs/events.md). It lasts
 	// until the client cancels it or the daemon shuts down (UNAVAILABLE).
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEventsResponse], error)
+	// ReleaseLeases ends leases this connection took that no Load will name
+	// (a lookup its client dropped), so their pins do not last until
+	// lease_ms. Ids of other connections' leases, or of leases already
+	// ended, are ignored.
+	ReleaseLeases(ctx context.Context, in *ReleaseLeasesRequest, opts ...grpc.CallOption) (*ReleaseLeasesResponse, error)
 }
 
 type kVOffloadClient struct {
@@ -203,6 +209,16 @@ func (c *kVOffloadClient) WatchEvents(ctx context.Context, in *WatchEventsReques
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type KVOffload_WatchEventsClient = grpc.ServerStreamingClient[WatchEventsResponse]
 
+func (c *kVOffloadClient) ReleaseLeases(ctx context.Context, in *ReleaseLeasesRequest, opts ...grpc.CallOption) (*ReleaseLeasesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReleaseLeasesResponse)
+	err := c.cc.Invoke(ctx, KVOffload_ReleaseLeases_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // KVOffloadServer is the server API for KVOffload service.
 // All implementations must embed UnimplementedKVOffloadServer
 // for forward compatibility.
@@ -241,6 +257,11 @@ type KVOffloadServer interface {
 	// and a snapshot, then every change, in order (docs/events.md). It lasts
 	// until the client cancels it or the daemon shuts down (UNAVAILABLE).
 	WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error
+	// ReleaseLeases ends leases this connection took that no Load will name
+	// (a lookup its client dropped), so their pins do not last until
+	// lease_ms. Ids of other connections' leases, or of leases already
+	// ended, are ignored.
+	ReleaseLeases(context.Context, *ReleaseLeasesRequest) (*ReleaseLeasesResponse, error)
 	mustEmbedUnimplementedKVOffloadServer()
 }
 
@@ -283,6 +304,9 @@ func (UnimplementedKVOffloadServer) Stats(context.Context, *StatsRequest) (*Stat
 }
 func (UnimplementedKVOffloadServer) WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error {
 	return status.Errorf(codes.Unimplemented, "method WatchEvents not implemented")
+}
+func (UnimplementedKVOffloadServer) ReleaseLeases(context.Context, *ReleaseLeasesRequest) (*ReleaseLeasesResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ReleaseLeases not implemented")
 }
 func (UnimplementedKVOffloadServer) mustEmbedUnimplementedKVOffloadServer() {}
 func (UnimplementedKVOffloadServer) testEmbeddedByValue()                   {}
@@ -496,6 +520,24 @@ func _KVOffload_WatchEvents_Handler(srv interface{}, stream grpc.ServerStream) e
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type KVOffload_WatchEventsServer = grpc.ServerStreamingServer[WatchEventsResponse]
 
+func _KVOffload_ReleaseLeases_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReleaseLeasesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVOffloadServer).ReleaseLeases(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVOffload_ReleaseLeases_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVOffloadServer).ReleaseLeases(ctx, req.(*ReleaseLeasesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // KVOffload_ServiceDesc is the grpc.ServiceDesc for KVOffload service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -542,6 +584,10 @@ var KVOffload_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Stats",
 			Handler:    _KVOffload_Stats_Handler,
+		},
+		{
+			MethodName: "ReleaseLeases",
+			Handler:    _KVOffload_ReleaseLeases_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

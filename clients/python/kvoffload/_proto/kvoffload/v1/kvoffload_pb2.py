@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvoffload/v1/kvoffload.proto\x12\x0ckvoffload.v1\"\'\n\x07Segment\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"E\n\x06Layout\x12\x12\n\nhash_bytes\x18\x01 \x01(\r\x12\'\n\x08segments\x18\x02 \x03(\x0b\x32\x15.kvoffload.v1.Segment\"X\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x12\n\nalloc_size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"\x8d\x01\n\x06Region\x12\x12\n\x08shm_path\x18\x01 \x01(\tH\x00\x12+\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x1b.kvoffload.v1.CudaIpcMemoryH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\rB\x08\n\x06memory\"\xa2\x01\n\x0fRegisterRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvoffload.v1.Layout\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvoffload.v1.Region\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\x12\x18\n\x10registration_key\x18< \x01(\x0c\"Z\n\x10RegisterResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\x12\x17\n\x0fjoined_existing\x18\x03 \x01(\x08\",\n\x11UnregisterRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\"\x14\n\x12UnregisterResponse\"&\n\x0eResolveRequest\x12\x14\n\x0c\x66ingerprints\x18\x01 \x03(\x0c\"(\n\x18\x46indRegistrationsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"*\n\x12\x46oundRegistrations\x12\x14\n\x0c\x66ingerprints\x18\x01 \x03(\x0c\"L\n\x19\x46indRegistrationsResponse\x12/\n\x05\x66ound\x18\x01 \x03(\x0b\x32 .kvoffload.v1.FoundRegistrations\"(\n\x0fResolveResponse\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\"(\n\x07KeyList\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\"k\n\rLookupRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12#\n\x04keys\x18\x02 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\x0c\n\x04peek\x18\x04 \x01(\x08\"T\n\x0eLookupResponse\x12\r\n\x05ready\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvoffload.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"s\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12#\n\x04keys\x18\x03 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\"\x90\x01\n\x0fTransferRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x1f\n\x04jobs\x18\x02 \x03(\x0b\x32\x11.kvoffload.v1.Job\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x12\x13\n\x0bready_event\x18\x04 \x01(\x0c\x12\x14\n\x07\x61\x63k_seq\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_ack_seq\"[\n\x10TransferResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.JobResult\x12\x0f\n\x07pending\x18\x02 \x01(\r\x12\x0c\n\x04more\x18\x03 \x01(\x08\"h\n\x0c\x42lockFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0c\n\x04hash\x18\x03 \x01(\x0c\x12)\n\x06status\x18\x04 \x01(\x0e\x32\x19.kvoffload.v1.BlockStatus\"\xb3\x01\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1c\n\x02op\x18\x03 \x01(\x0e\x32\x10.kvoffload.v1.Op\x12\n\n\x02ok\x18\x04 \x01(\x08\x12,\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x1a.kvoffload.v1.BlockFailure\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x0b\n\x03seq\x18\x08 \x01(\x04\"r\n\x12\x43ompletionsRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12\x10\n\x08max_jobs\x18\x03 \x01(\r\x12\x14\n\x07\x61\x63k_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_ack_seq\"^\n\x13\x43ompletionsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.JobResult\x12\x0f\n\x07pending\x18\x02 \x01(\r\x12\x0c\n\x04more\x18\x03 \x01(\x08\"O\n\x11InvalidateRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12#\n\x04keys\x18\x02 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"U\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"b\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x15\n\rregistrations\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\xab\x02\n\rStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.TierStats\x12\x30\n\nnamespaces\x18\x02 \x03(\x0b\x32\x1c.kvoffload.v1.NamespaceStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x15\n\rblocks_stored\x18\x05 \x01(\x04\x12\x15\n\rblocks_loaded\x18\x06 \x01(\x04\x12\x15\n\rblocks_failed\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x31\n\rdisk_recovery\x18\x14 \x01(\x0b\x32\x1a.kvoffload.v1.DiskRecovery\"\xd3\x01\n\x0c\x44iskRecovery\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.kvoffload.v1.RecoveryState\x12\x13\n\x0bslots_total\x18\x02 \x01(\x04\x12\x15\n\rslots_scanned\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x04\x12\x15\n\rbytes_scanned\x18\x05 \x01(\x04\x12\x18\n\x10\x62locks_recovered\x18\x06 \x01(\x04\x12\x11\n\tbad_slots\x18\x07 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x08 \x01(\x04\"?\n\x12WatchEventsRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12\x12\n\nmax_events\x18\x02 \x01(\r\"<\n\x13WatchEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.kvoffload.v1.KVEvent\"\x92\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvoffload.v1.EventKind\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.kvoffload.v1.Tier\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\r\x12\r\n\x05group\x18\x05 \x01(\r\x12\x0c\n\x04hash\x18\x06 \x01(\x0c*\xdf\x01\n\x0b\x42lockStatus\x12\x13\n\x0f\x42LOCK_STATUS_OK\x10\x00\x12\x18\n\x14\x42LOCK_STATUS_MISSING\x10\x01\x12\x19\n\x15\x42LOCK_STATUS_IO_ERROR\x10\x02\x12\x18\n\x14\x42LOCK_STATUS_CORRUPT\x10\x03\x12\x19\n\x15\x42LOCK_STATUS_NO_SPACE\x10\x04\x12\x1a\n\x16\x42LOCK_STATUS_DMA_ERROR\x10\x05\x12\x19\n\x15\x42LOCK_STATUS_REJECTED\x10\x06\x12\x1a\n\x16\x42LOCK_STATUS_CANCELLED\x10\x07*Z\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_CPU\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x12\x15\n\x11TIER_CPU_AND_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*3\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\x0c\n\x08OP_STORE\x10\x01\x12\x0b\n\x07OP_LOAD\x10\x02*y\n\rRecoveryState\x12\x17\n\x13RECOVERY_STATE_NONE\x10\x00\x12\x1a\n\x16RECOVERY_STATE_RUNNING\x10\x01\x12\x17\n\x13RECOVERY_STATE_DONE\x10\x02\x12\x1a\n\x16RECOVERY_STATE_STOPPED\x10\x03*\xbb\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45VENT_KIND_BLOCK_STORED\x10\x01\x12\x1c\n\x18\x45VENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n\x1d\x45VENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n\x16\x45VENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n\x14\x45VENT_KIND_CAUGHT_UP\x10\x05\x32\xe6\x06\n\tKVOffload\x12I\n\x08Register\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n\nUnregister\x12\x1f.kvoffload.v1.UnregisterRequest\x1a .kvoffload.v1.UnregisterResponse\x12\x46\n\x07Resolve\x12\x1c.kvoffload.v1.ResolveRequest\x1a\x1d.kvoffload.v1.ResolveResponse\x12\x64\n\x11\x46indRegistrations\x12&.kvoffload.v1.FindRegistrationsRequest\x1a\'.kvoffload.v1.FindRegistrationsResponse\x12\x43\n\x06Lookup\x12\x1b.kvoffload.v1.LookupRequest\x1a\x1c.kvoffload.v1.LookupResponse\x12\x46\n\x05Store\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12\x45\n\x04Load\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12R\n\x0b\x43ompletions\x12 .kvoffload.v1.CompletionsRequest\x1a!.kvoffload.v1.CompletionsResponse\x12O\n\nInvalidate\x12\x1f.kvoffload.v1.InvalidateRequest\x1a .kvoffload.v1.InvalidateResponse\x12@\n\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponse\x12T\n\x0bWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01\x42?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvoffload/v1/kvoffload.proto\x12\x0ckvoffload.v1\"\'\n\x07Segment\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"E\n\x06Layout\x12\x12\n\nhash_bytes\x18\x01 \x01(\r\x12\'\n\x08segments\x18\x02 \x03(\x0b\x32\x15.kvoffload.v1.Segment\"X\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x12\n\nalloc_size\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"\x8d\x01\n\x06Region\x12\x12\n\x08shm_path\x18\x01 \x01(\tH\x00\x12+\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x1b.kvoffload.v1.CudaIpcMemoryH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\rB\x08\n\x06memory\"\xa2\x01\n\x0fRegisterRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvoffload.v1.Layout\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvoffload.v1.Region\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\x12\x18\n\x10registration_key\x18< \x01(\x0c\"Z\n\x10RegisterResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\x12\x17\n\x0fjoined_existing\x18\x03 \x01(\x08\",\n\x11UnregisterRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\"\x14\n\x12UnregisterResponse\"&\n\x0eResolveRequest\x12\x14\n\x0c\x66ingerprints\x18\x01 \x03(\x0c\"(\n\x18\x46indRegistrationsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"*\n\x12\x46oundRegistrations\x12\x14\n\x0c\x66ingerprints\x18\x01 \x03(\x0c\"L\n\x19\x46indRegistrationsResponse\x12/\n\x05\x66ound\x18\x01 \x03(\x0b\x32 .kvoffload.v1.FoundRegistrations\"(\n\x0fResolveResponse\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\"(\n\x07KeyList\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0e\n\x06hashes\x18\x02 \x01(\x0c\"k\n\rLookupRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12#\n\x04keys\x18\x02 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\x0c\n\x04peek\x18\x04 \x01(\x08\"T\n\x0eLookupResponse\x12\r\n\x05ready\x18\x01 \x01(\r\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.kvoffload.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\")\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\")\n\x15ReleaseLeasesResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"s\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12#\n\x04keys\x18\x03 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\"\x90\x01\n\x0fTransferRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x1f\n\x04jobs\x18\x02 \x03(\x0b\x32\x11.kvoffload.v1.Job\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x12\x13\n\x0bready_event\x18\x04 \x01(\x0c\x12\x14\n\x07\x61\x63k_seq\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_ack_seq\"[\n\x10TransferResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.JobResult\x12\x0f\n\x07pending\x18\x02 \x01(\r\x12\x0c\n\x04more\x18\x03 \x01(\x08\"h\n\x0c\x42lockFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0c\n\x04hash\x18\x03 \x01(\x0c\x12)\n\x06status\x18\x04 \x01(\x0e\x32\x19.kvoffload.v1.BlockStatus\"\xb3\x01\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1c\n\x02op\x18\x03 \x01(\x0e\x32\x10.kvoffload.v1.Op\x12\n\n\x02ok\x18\x04 \x01(\x08\x12,\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x1a.kvoffload.v1.BlockFailure\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x0b\n\x03seq\x18\x08 \x01(\x04\"r\n\x12\x43ompletionsRequest\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12\x10\n\x08max_jobs\x18\x03 \x01(\r\x12\x14\n\x07\x61\x63k_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_ack_seq\"^\n\x13\x43ompletionsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.JobResult\x12\x0f\n\x07pending\x18\x02 \x01(\r\x12\x0c\n\x04more\x18\x03 \x01(\x08\"O\n\x11InvalidateRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12#\n\x04keys\x18\x02 \x01(\x0b\x32\x15.kvoffload.v1.KeyList\"%\n\x12InvalidateResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"U\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"b\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x15\n\rregistrations\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"\xab\x02\n\rStatsResponse\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.kvoffload.v1.TierStats\x12\x30\n\nnamespaces\x18\x02 \x03(\x0b\x32\x1c.kvoffload.v1.NamespaceStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x15\n\rblocks_stored\x18\x05 \x01(\x04\x12\x15\n\rblocks_loaded\x18\x06 \x01(\x04\x12\x15\n\rblocks_failed\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x31\n\rdisk_recovery\x18\x14 \x01(\x0b\x32\x1a.kvoffload.v1.DiskRecovery\"\xd3\x01\n\x0c\x44iskRecovery\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.kvoffload.v1.RecoveryState\x12\x13\n\x0bslots_total\x18\x02 \x01(\x04\x12\x15\n\rslots_scanned\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x04\x12\x15\n\rbytes_scanned\x18\x05 \x01(\x04\x12\x18\n\x10\x62locks_recovered\x18\x06 \x01(\x04\x12\x11\n\tbad_slots\x18\x07 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x08 \x01(\x04\"?\n\x12WatchEventsRequest\x12\x15\n\rnamespace_ids\x18\x01 \x03(\r\x12\x12\n\nmax_events\x18\x02 \x01(\r\"<\n\x13WatchEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.kvoffload.v1.KVEvent\"\x92\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.kvoffload.v1.EventKind\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.kvoffload.v1.Tier\x12\x14\n\x0cnamespace_id\x18\x04 \x01(\r\x12\r\n\x05group\x18\x05 \x01(\r\x12\x0c\n\x04hash\x18\x06 \x01(\x0c*\xdf\x01\n\x0b\x42lockStatus\x12\x13\n\x0f\x42LOCK_STATUS_OK\x10\x00\x12\x18\n\x14\x42LOCK_STATUS_MISSING\x10\x01\x12\x19\n\x15\x42LOCK_STATUS_IO_ERROR\x10\x02\x12\x18\n\x14\x42LOCK_STATUS_CORRUPT\x10\x03\x12\x19\n\x15\x42LOCK_STATUS_NO_SPACE\x10\x04\x12\x1a\n\x16\x42LOCK_STATUS_DMA_ERROR\x10\x05\x12\x19\n\x15\x42LOCK_STATUS_REJECTED\x10\x06\x12\x1a\n\x16\x42LOCK_STATUS_CANCELLED\x10\x07*Z\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_CPU\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x12\x15\n\x11TIER_CPU_AND_DISK\x10\x03\x12\x0f\n\x0bTIER_REMOTE\x10\x04*3\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\x0c\n\x08OP_STORE\x10\x01\x12\x0b\n\x07OP_LOAD\x10\x02*y\n\rRecoveryState\x12\x17\n\x13RECOVERY_STATE_NONE\x10\x00\x12\x1a\n\x16RECOVERY_STATE_RUNNING\x10\x01\x12\x17\n\x13RECOVERY_STATE_DONE\x10\x02\x12\x1a\n\x16RECOVERY_STATE_STOPPED\x10\x03*\xbb\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45VENT_KIND_BLOCK_STORED\x10\x01\x12\x1c\n\x18\x45VENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n\x1d\x45VENT_KIND_ALL_BLOCKS_CLEARED\x10\x03\x12\x1a\n\x16\x45VENT_KIND_EVENTS_LOST\x10\x04\x12\x18\n\x14\x45VENT_KIND_CAUGHT_UP\x10\x05\x32\xc0\x07\n\tKVOffload\x12I\n\x08Register\x12\x1d.kvoffload.v1.RegisterRequest\x1a\x1e.kvoffload.v1.RegisterResponse\x12O\n\nUnregister\x12\x1f.kvoffload.v1.UnregisterRequest\x1a .kvoffload.v1.UnregisterResponse\x12\x46\n\x07Resolve\x12\x1c.kvoffload.v1.ResolveRequest\x1a\x1d.kvoffload.v1.ResolveResponse\x12\x64\n\x11\x46indRegistrations\x12&.kvoffload.v1.FindRegistrationsRequest\x1a\'.kvoffload.v1.FindRegistrationsResponse\x12\x43\n\x06Lookup\x12\x1b.kvoffload.v1.LookupRequest\x1a\x1c.kvoffload.v1.LookupResponse\x12\x46\n\x05Store\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12\x45\n\x04Load\x12\x1d.kvoffload.v1.TransferRequest\x1a\x1e.kvoffload.v1.TransferResponse\x12R\n\x0b\x43ompletions\x12 .kvoffload.v1.CompletionsRequest\x1a!.kvoffload.v1.CompletionsResponse\x12O\n\nInvalidate\x12\x1f.kvoffload.v1.InvalidateRequest\x1a .kvoffload.v1.InvalidateResponse\x12@\n\x05Stats\x12\x1a.kvoffload.v1.StatsRequest\x1a\x1b.kvoffload.v1.StatsResponse\x12T\n\x0bWatchEvents\x12 .kvoffload.v1.WatchEventsRequest\x1a!.kvoffload.v1.WatchEventsResponse0\x01\x12X\n\rReleaseLeases\x12\".kvoffload.v1.ReleaseLeasesRequest\x1a#.kvoffload.v1.ReleaseLeasesResponseB?Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvoffload.v1.kvoffload_pb2', globals())
@@ -21,16 +21,16 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z=github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1;kvoffloadv1'
-  _BLOCKSTATUS._serialized_start=3173
-  _BLOCKSTATUS._serialized_end=3396
-  _TIER._serialized_start=3398
-  _TIER._serialized_end=3488
-  _OP._serialized_start=3490
-  _OP._serialized_end=3541
-  _RECOVERYSTATE._serialized_start=3543
-  _RECOVERYSTATE._serialized_end=3664
-  _EVENTKIND._serialized_start=3667
-  _EVENTKIND._serialized_end=3854
+  _BLOCKSTATUS._serialized_start=3259
+  _BLOCKSTATUS._serialized_end=3482
+  _TIER._serialized_start=3484
+  _TIER._serialized_end=3574
+  _OP._serialized_start=3576
+  _OP._serialized_end=3627
+  _RECOVERYSTATE._serialized_start=3629
+  _RECOVERYSTATE._serialized_end=3750
+  _EVENTKIND._serialized_start=3753
+  _EVENTKIND._serialized_end=3940
   _SEGMENT._serialized_start=46
   _SEGMENT._serialized_end=85
   _LAYOUT._serialized_start=87
@@ -63,40 +63,44 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _LOOKUPREQUEST._serialized_end=1112
   _LOOKUPRESPONSE._serialized_start=1114
   _LOOKUPRESPONSE._serialized_end=1198
-  _JOB._serialized_start=1200
-  _JOB._serialized_end=1315
-  _TRANSFERREQUEST._serialized_start=1318
-  _TRANSFERREQUEST._serialized_end=1462
-  _TRANSFERRESPONSE._serialized_start=1464
-  _TRANSFERRESPONSE._serialized_end=1555
-  _BLOCKFAILURE._serialized_start=1557
-  _BLOCKFAILURE._serialized_end=1661
-  _JOBRESULT._serialized_start=1664
-  _JOBRESULT._serialized_end=1843
-  _COMPLETIONSREQUEST._serialized_start=1845
-  _COMPLETIONSREQUEST._serialized_end=1959
-  _COMPLETIONSRESPONSE._serialized_start=1961
-  _COMPLETIONSRESPONSE._serialized_end=2055
-  _INVALIDATEREQUEST._serialized_start=2057
-  _INVALIDATEREQUEST._serialized_end=2136
-  _INVALIDATERESPONSE._serialized_start=2138
-  _INVALIDATERESPONSE._serialized_end=2175
-  _STATSREQUEST._serialized_start=2177
-  _STATSREQUEST._serialized_end=2191
-  _TIERSTATS._serialized_start=2193
-  _TIERSTATS._serialized_end=2278
-  _NAMESPACESTATS._serialized_start=2280
-  _NAMESPACESTATS._serialized_end=2378
-  _STATSRESPONSE._serialized_start=2381
-  _STATSRESPONSE._serialized_end=2680
-  _DISKRECOVERY._serialized_start=2683
-  _DISKRECOVERY._serialized_end=2894
-  _WATCHEVENTSREQUEST._serialized_start=2896
-  _WATCHEVENTSREQUEST._serialized_end=2959
-  _WATCHEVENTSRESPONSE._serialized_start=2961
-  _WATCHEVENTSRESPONSE._serialized_end=3021
-  _KVEVENT._serialized_start=3024
-  _KVEVENT._serialized_end=3170
-  _KVOFFLOAD._serialized_start=3857
-  _KVOFFLOAD._serialized_end=4727
+  _RELEASELEASESREQUEST._serialized_start=1200
+  _RELEASELEASESREQUEST._serialized_end=1241
+  _RELEASELEASESRESPONSE._serialized_start=1243
+  _RELEASELEASESRESPONSE._serialized_end=1284
+  _JOB._serialized_start=1286
+  _JOB._serialized_end=1401
+  _TRANSFERREQUEST._serialized_start=1404
+  _TRANSFERREQUEST._serialized_end=1548
+  _TRANSFERRESPONSE._serialized_start=1550
+  _TRANSFERRESPONSE._serialized_end=1641
+  _BLOCKFAILURE._serialized_start=1643
+  _BLOCKFAILURE._serialized_end=1747
+  _JOBRESULT._serialized_start=1750
+  _JOBRESULT._serialized_end=1929
+  _COMPLETIONSREQUEST._serialized_start=1931
+  _COMPLETIONSREQUEST._serialized_end=2045
+  _COMPLETIONSRESPONSE._serialized_start=2047
+  _COMPLETIONSRESPONSE._serialized_end=2141
+  _INVALIDATEREQUEST._serialized_start=2143
+  _INVALIDATEREQUEST._serialized_end=2222
+  _INVALIDATERESPONSE._serialized_start=2224
+  _INVALIDATERESPONSE._serialized_end=2261
+  _STATSREQUEST._serialized_start=2263
+  _STATSREQUEST._serialized_end=2277
+  _TIERSTATS._serialized_start=2279
+  _TIERSTATS._serialized_end=2364
+  _NAMESPACESTATS._serialized_start=2366
+  _NAMESPACESTATS._serialized_end=2464
+  _STATSRESPONSE._serialized_start=2467
+  _STATSRESPONSE._serialized_end=2766
+  _DISKRECOVERY._serialized_start=2769
+  _DISKRECOVERY._serialized_end=2980
+  _WATCHEVENTSREQUEST._serialized_start=2982
+  _WATCHEVENTSREQUEST._serialized_end=3045
+  _WATCHEVENTSRESPONSE._serialized_start=3047
+  _WATCHEVENTSRESPONSE._serialized_end=3107
+  _KVEVENT._serialized_start=3110
+  _KVEVENT._serialized_end=3256
+  _KVOFFLOAD._serialized_start=3943
+  _KVOFFLOAD._serialized_end=4903
 # @@protoc_insertion_point(module_scope)

@@ -69,6 +69,11 @@ class KVOffloadStub(object):
                 request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.FromString,
                 )
+        self.ReleaseLeases = channel.unary_unary(
+                '/kvoffload.v1.KVOffload/ReleaseLeases',
+                request_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesResponse.FromString,
+                )
 
 
 class KVOffloadServicer(object):
@@ -163,6 +168,16 @@ class KVOffloadServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseLeases(self, request, context):
+        """ReleaseLeases ends leases this connection took that no Load will name
+        (a lookup its client dropped), so their pins do not last until
+        lease_ms. Ids of other connections' leases, or of leases already
+        ended, are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVOffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +235,11 @@ def add_KVOffloadServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -415,5 +435,22 @@ class KVOffload(object):
         return grpc.experimental.unary_stream(request, target, '/kvoffload.v1.KVOffload/WatchEvents',
             kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsRequest.SerializeToString,
             kvoffload_dot_v1_dot_kvoffload__pb2.WatchEventsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvoffload.v1.KVOffload/ReleaseLeases',
+            kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesRequest.SerializeToString,
+            kvoffload_dot_v1_dot_kvoffload__pb2.ReleaseLeasesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -1,0 +1,264 @@
+"""What the daemon holds for the engine's namespaces, mirrored in-process.
+
+A lookup over gRPC is a round trip (0.25-0.45 ms on an idle machine, several
+ms on a busy one): longer than vLLM's scheduler can wait for it, so a new
+request used to wait a step for its answer (issue 32). The daemon's
+``WatchEvents`` stream says every change of what its CPU and disk tiers hold
+(a reset and a snapshot first), and replaying it gives exactly what a
+``Lookup`` of every key says once ``CAUGHT_UP`` has come (docs/events.md).
+:class:`LookupMirror` follows that stream for the engine's namespaces (every
+rank's) on a thread it owns and answers ``lookup_many`` from memory, in
+microseconds, on vLLM's loop: the scheduler side runs its usual lookup
+(windows and all) against it instead of the daemon.
+
+It answers only while it is *live*: caught up on exactly the namespaces
+asked about, following a stream that has not ended. Before the first
+``CAUGHT_UP``, after the stream ended (a daemon restart), while a new
+snapshot comes (after ``EVENTS_LOST`` or a whole-namespace invalidation)
+and for namespaces it does not follow (a reset moved the engine to new
+ones), :meth:`live` is False and the scheduler side asks the daemon as
+before. Past ``max_blocks`` entries it stops for good (the memory is the
+bound: about 120 bytes an entry, one per block and rank) and says so in the log.
+
+Its answers are as fresh as the stream: a block stored a moment ago may not
+be offered yet (a miss), and a block evicted a moment ago may still be (its
+load fails, vLLM recomputes it: counted as a failed load, as with any block
+evicted between a lookup and its load).
+
+:meth:`close` stops the thread and waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import grpc
+
+from .errors import KVOffloadError
+from .types import EventKind, LookupResult, Tier
+
+__all__ = ["LookupMirror"]
+
+log = logging.getLogger("kvoffload.mirror")
+
+_BIT = {Tier.CPU: 1, Tier.DISK: 2, Tier.REMOTE: 4}
+# A namespace's tier of a block from its bits, and each tier's rank (the
+# slowest across namespaces is the block's tier, as the daemon's Lookup).
+_TIER = {1: Tier.CPU, 2: Tier.DISK, 3: Tier.CPU_AND_DISK, 4: Tier.REMOTE, 5: Tier.CPU_AND_DISK, 6: Tier.DISK,
+         7: Tier.CPU_AND_DISK}
+_RANK = {Tier.CPU: 0, Tier.CPU_AND_DISK: 0, Tier.DISK: 1, Tier.REMOTE: 2}
+
+
+class LookupMirror:
+    """Follows ``WatchEvents`` for the namespaces given to :meth:`follow`.
+
+    Args:
+        client: a kvoffload Client of its own (the stream holds a thread).
+        max_blocks: entries (block, namespace) kept at most; past it the
+            mirror stops for good.
+        retry_s: wait before following again after a stream ended.
+    """
+
+    def __init__(self, client: Any, *, max_blocks: int = 2_000_000, retry_s: float = 0.2, max_events: int = 128):
+        self._client = client
+        self.max_blocks = int(max_blocks)
+        self._retry = retry_s
+        self._max_events = max_events
+        self._cv = threading.Condition()
+        self._want: tuple[int, ...] = ()  # the namespaces to follow
+        self._live: tuple[int, ...] | None = None  # the namespaces it answers for
+        # namespace -> group -> block hash -> tier bits. Replaced, never
+        # cleared in place: a reader holding the old maps sees them whole.
+        self._maps: dict[int, dict[int, dict[bytes, int]]] = {}
+        self._n = 0
+        self._stream: Any = None
+        self._stop = False
+        self.overflow = False
+        self.remote_seen = False  # a REMOTE event came: other nodes' blocks are not all here
+        self.streams = 0
+        self.resets = 0
+        self._fails = 0
+        self._caught = False  # the current stream has caught up once
+        self._thread = threading.Thread(target=self._run, name="kvoffload-mirror", daemon=True)
+        self._thread.start()
+
+    # -- the loop's side ---------------------------------------------------
+
+    def follow(self, namespace_ids: Sequence[int]) -> None:
+        """Follows these namespaces from now on (a change starts a new stream)."""
+        ids = tuple(int(i) for i in namespace_ids)
+        with self._cv:
+            if ids == self._want:
+                return
+            self._want = ids
+            self._live = None
+            s = self._stream
+            self._cv.notify_all()
+        if s is not None:
+            s.cancel()
+
+    def wants_ids(self) -> bool:
+        """True when it follows nothing (its stream ended): resolve the
+        namespaces again and :meth:`follow` them."""
+        return not self._want and not self.overflow
+
+    def live(self, namespace_ids: Sequence[int]) -> bool:
+        """Whether answers for exactly these namespaces are the stream's."""
+        return self._live is not None and self._live == tuple(namespace_ids)
+
+    def blocks(self) -> int:
+        return self._n
+
+    def lookup_many(self, calls: Sequence[tuple], timeout: float | None = None) -> list[LookupResult]:
+        """As Client.lookup_many, from memory: per ``(namespace_ids, hashes,
+        group, lease_ms, peek)`` the leading hashes every namespace holds
+        (CPU, disk or remote) and the slowest tier of each. No lease."""
+        maps = self._maps
+        out = []
+        for ns, hashes, g, _lease, _peek in calls:
+            ms = []
+            for n in ns:
+                m = maps.get(n)
+                m = m.get(g) if m is not None else None
+                if m is None:
+                    ms = None
+                    break
+                ms.append(m)
+            tiers: list[Tier] = []
+            if ms and len(ms) == 1:
+                m = ms[0]
+                for h in hashes:
+                    b = m.get(h)
+                    if not b:
+                        break
+                    tiers.append(_TIER[b])
+            elif ms:
+                for h in hashes:
+                    worst = None
+                    for m in ms:
+                        b = m.get(h)
+                        if not b:
+                            worst = None
+                            break
+                        t = _TIER[b]
+                        if worst is None or _RANK[t] > _RANK[worst]:
+                            worst = t
+                    if worst is None:
+                        break
+                    tiers.append(worst)
+            out.append(LookupResult(ready=len(tiers), tiers=tuple(tiers), lease_id=0))
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            s = self._stream
+            self._cv.notify_all()
+        if s is not None:
+            s.cancel()
+        self._thread.join(timeout)
+
+    # -- the thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (not self._want or self.overflow):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                want = self._want
+            try:
+                self._follow(want)
+            except KVOffloadError as e:
+                log.debug("kvoffload: mirror stream ended: %s", e)
+                if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("kvoffload: the daemon has no WatchEvents; lookups go to it (%s)", e)
+                    with self._cv:
+                        self.overflow = True
+            except Exception:  # pragma: no cover - never let the thread die silently
+                log.exception("kvoffload: mirror stream failed")
+            with self._cv:
+                self._live = None
+                self._stream = None
+                if self._stop:
+                    return
+                if want == self._want:
+                    # The stream ended: the daemon may have restarted, and
+                    # a new one numbers its namespaces anew. Follow again
+                    # only ids the scheduler resolves from here on.
+                    self._want = ()
+                # Streams that end before catching up (the daemon's 64
+                # streams taken, a daemon starting) back off to 5 s.
+                self._fails = 0 if self._caught else self._fails + 1
+                end = time.monotonic() + min(5.0, self._retry * (1 << min(self._fails, 5)))
+                while not self._stop and time.monotonic() < end:
+                    self._cv.wait(end - time.monotonic())
+
+    def _clear(self) -> None:
+        self._live = None
+        self._maps = {}
+        self._n = 0
+        self.resets += 1
+
+    def _follow(self, want: tuple[int, ...]) -> None:
+        stream = self._client.watch_events(list(want), max_events=self._max_events)
+        with self._cv:
+            if self._stop or want != self._want:
+                stream.cancel()
+                return
+            self._stream = stream
+            self.streams += 1
+            self._caught = False
+        self._clear()
+        try:
+            for evs in stream:
+                maps = self._maps
+                for e in evs:
+                    k = e.kind
+                    if k == EventKind.BLOCK_STORED or k == EventKind.BLOCK_REMOVED:
+                        bit = _BIT.get(e.tier, 0)
+                        if bit == 4:
+                            self.remote_seen = True
+                        byg = maps.get(e.namespace_id)
+                        if byg is None:
+                            byg = maps[e.namespace_id] = {}
+                        m = byg.get(e.group)
+                        if m is None:
+                            m = byg[e.group] = {}
+                        old = m.get(e.hash, 0)
+                        if k == EventKind.BLOCK_STORED:
+                            if not old:
+                                self._n += 1
+                            m[e.hash] = old | bit
+                        elif old:
+                            new = old & ~bit
+                            if new:
+                                m[e.hash] = new
+                            else:
+                                del m[e.hash]
+                                self._n -= 1
+                    elif k == EventKind.CAUGHT_UP:
+                        if self._live is None:
+                            with self._cv:
+                                if want == self._want:
+                                    self._live = want
+                                    self._caught = True
+                    elif k == EventKind.ALL_BLOCKS_CLEARED or k == EventKind.EVENTS_LOST:
+                        self._clear()
+                        maps = self._maps
+                if self._n > self.max_blocks:
+                    log.warning("kvoffload: the lookup mirror passed %d blocks; lookups go to the daemon from now "
+                                "on (kv_connector_extra_config lookup_mirror_max_blocks)", self.max_blocks)
+                    with self._cv:
+                        self.overflow = True
+                    self._clear()
+                    return
+                with self._cv:
+                    if self._stop or want != self._want:
+                        return
+        finally:
+            stream.cancel()

@@ -1,0 +1,300 @@
+"""No new request waits a scheduler step for its lookup (issue 32).
+
+The stand-in engine (a 10 ms forward) serves requests arriving 3 a step, 40 %
+of them repeating the first units of an earlier prompt (vLLM's own prefix
+cache off, so a repeat is the daemon's hit; 10 steps or more after the prompt
+it repeats arrived), against the real daemon on this
+machine. Per new request it records whether the connector answered ``None``
+(the request waits a step), the steps from arrival to admission, and the
+time of each ``get_num_new_matched_tokens`` call; the same workload with
+lookups off (``kvoffload_load: false``: the connector answers at once, as
+without one) is the baseline. The assertion is on steps, never on time.
+
+    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk]
+
+prints the figures of docs/vllm.md (Lookups in the step they are asked).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from standin_engine import Config, Engine, quantile  # noqa: E402
+from standin_run import connector_module  # noqa: E402
+
+ARRIVALS = 3  # new requests a step
+STEPS = 50
+
+
+def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str) -> dict:
+    """One run; returns per-request and per-call figures."""
+    cfg = Config(model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
+                 max_seqs=64, extra={"lookup_deadline_ms": 2000, **extra})
+    eng = Engine(cfg, mod, socket, shm)
+    try:
+        u = eng.block_size
+        sched = eng.sched_conn._scheduler
+        # Until the workers' namespaces resolve (and the mirror catches up),
+        # the daemon is asked: that start is not what is measured.
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            ns = sched.namespace_ids()
+            m = sched._mirror
+            if ns and (m is None or m.live(ns)):
+                break
+            time.sleep(0.01)
+        rng = random.Random(seed)
+        prompts: list[tuple[int, list[int]]] = []  # (step, prompt)
+        repeats: set[str] = set()
+        kw = {} if load else {"kv_transfer_params": {"kvoffload_load": False}}
+        n = 0
+        for step in range(STEPS):
+            for _ in range(ARRIVALS):
+                n += 1
+                old = [p for s, p in prompts if s <= step - 10]
+                if old and rng.random() < 0.4:
+                    base = rng.choice(old)[: 3 * u]
+                    prompt = base + [rng.randrange(10, 5000) for _ in range(rng.randint(1, u))]
+                    repeats.add(f"q{n}")
+                else:
+                    prompt = [rng.randrange(10, 5000) for _ in range(rng.randint(2 * u, 5 * u))]
+                    prompts.append((step, prompt))
+                eng.add_request(f"q{n}", prompt, 2, **kw)
+            eng.step()
+            eng.verify()
+        for _ in range(2000):
+            if eng.idle():
+                break
+            eng.step()
+            eng.verify()
+        assert eng.idle(), "requests never finished"
+        calls = eng.lookup_call_s
+        hits = sum(1 for h, _ in eng.admitted.values() if h)
+        return {
+            "requests": len(eng.admitted),
+            "repeats": len(repeats),
+            "hits": hits,
+            "hit_tokens": eng.counters["hit_tokens"],
+            "deferred": len(eng.deferred_rids),
+            "deferred_hits": sum(1 for r in eng.deferred_rids if eng.admitted.get(r, (False,))[0]),
+            "steps_waited_mean": round(sum(s for _, s in eng.admitted.values()) / max(1, len(eng.admitted)), 3),
+            "steps_waited_max": max((s for _, s in eng.admitted.values()), default=0),
+            "call_us_p50": round(quantile(calls, 0.5) * 1e6, 1),
+            "call_us_p99": round(quantile(calls, 0.99) * 1e6, 1),
+            "call_us_max": round(max(calls, default=0) * 1e6, 1),
+            "load_failures": eng.counters["load_failures"],
+            "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items()
+                                   if k.startswith("hit_") and k != "hit_tokens"},
+            "mirror_answers": getattr(sched, "mirror_answers", 0),
+        }
+    finally:
+        eng.close()
+
+
+def test_no_new_request_waits_a_step_for_its_lookup(daemon, shm):
+    with connector_module() as mod:
+        got = serve(mod, daemon.socket, shm, seed=1, extra={}, model="steps-mirror")
+        base = serve(mod, daemon.socket, shm, seed=1, extra={}, load=False, model="steps-off")
+    print(got, base)
+    assert got["requests"] == base["requests"] == STEPS * ARRIVALS
+    assert base["deferred"] == 0
+    # At most 1 % of new requests, hits and misses, wait a step for the connector.
+    assert got["deferred"] <= got["requests"] // 100, got
+    # The repeats hit (their prompt's blocks were stored 10 steps or more before).
+    assert got["hits"] >= got["repeats"] * 9 // 10, got
+    assert got["mirror_answers"] >= got["requests"] * 9 // 10, got
+    assert got["load_failures"] == 0, got
+
+
+def main() -> int:
+    import argparse
+    import json
+
+    import conftest
+
+    from kvoffload import ShmRegion
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
+    args = ap.parse_args()
+    flags = ["--disk-dir", "{dir}/disk"] if args.disk else []
+    d = conftest.Daemon(flags, cpu_bytes="4MiB" if args.disk else "64MiB", log_level="warn")
+    shms: list = []
+
+    def shm(n: int):
+        s = ShmRegion(n)
+        shms.append(s)
+        return s
+
+    try:
+        out = {}
+        with connector_module() as mod:
+            for name, extra, load in (("off", {}, False), ("rpc", {"lookup_mirror": False}, True),
+                                      ("mirror", {}, True)):
+                out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load,
+                                  model=f"steps-{name}-{args.seed}-{args.disk}")
+        print(json.dumps(out, indent=1))
+    finally:
+        for s in shms:
+            s.close()
+        d.stop()
+        d.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def test_the_mirror_answers_only_while_it_follows_the_daemon(fresh_daemon, shm, fingerprint):
+    """The mirror answers from the daemon's events in the step a request is
+    asked; a block this engine has just stored is asked of the daemon when
+    its event has not come yet (no hit lost); after a daemon restart it
+    answers nothing until it follows the new daemon's namespaces, and after
+    a cache reset nothing of the old identity."""
+    from helpers import KVCacheBlocks, Request, wait_for
+    from test_connector import Harness, prefill
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, mirror=True)
+    try:
+        sched = h.sched
+        m = sched._mirror
+        assert m is not None
+        assert wait_for(lambda: (lambda ns: ns and m.live(ns))(sched.namespace_ids()))
+        r1 = Request("a", list(range(100, 126)))  # 6 full blocks
+        prefill(h, r1, [1, 2, 3, 4, 5, 6, 7])
+        assert h.run_until(h.idle)
+        # Asked at once: either the mirror has the blocks, or they are this
+        # engine's recent stores and the daemon is asked. A hit either way.
+        r2 = Request("b", list(range(100, 126)) + [7])
+        assert h.ask(r2) == (24, True)
+        sched.update_state_after_alloc(r2, KVCacheBlocks(list(range(10, 17))), 24)
+        assert h.run_until(lambda: "b" in h.recv[0])
+        assert wait_for(lambda: m.blocks() >= 6)
+        before = sched.mirror_answers
+        r3 = Request("c", list(range(100, 126)) + [8])
+        assert sched.get_num_new_matched_tokens(r3, 0) == (24, True)  # in the first ask: no wait
+        assert sched.mirror_answers == before + 1
+        sched.request_finished(r3)
+        # A daemon restart: the stream ends, and nothing is answered from the
+        # mirror until it follows the new daemon (which holds nothing).
+        old_ns = sched.namespace_ids()
+        d.restart()
+        assert wait_for(lambda: not m.live(old_ns))
+        r4 = Request("d", list(range(100, 126)) + [9])
+        assert h.ask(r4) == (0, False)
+        # The worker registers again with its first store there.
+        w = h.workers[0]
+        assert wait_for(lambda: w._client.healthy(timeout=1.0))
+        prefill(h, Request("x", list(range(500, 521))), [30, 31, 32, 33, 34, 35])
+        assert h.run_until(lambda: w.registered() and w.registration_id is not None
+                           and w._regs[w.registration_id].daemon.pid == d.proc.pid)
+        assert h.run_until(lambda: (lambda ns: ns and m.live(ns))(sched.namespace_ids()))
+        before = sched.mirror_answers
+        r5 = Request("e", list(range(100, 126)) + [10])
+        assert sched.get_num_new_matched_tokens(r5, 0) == (0, False)
+        assert sched.mirror_answers == before + 1
+        # A cache reset: new namespaces; the old identity's blocks are never
+        # offered, by the mirror or the daemon.
+        r6 = Request("f", list(range(300, 326)))
+        prefill(h, r6, [20, 21, 22, 23, 24, 25, 26])
+        assert h.run_until(h.idle)
+        sched.reset()
+        h.step()  # the workers take the new identity
+        r7 = Request("g", list(range(300, 326)) + [1])
+        assert h.ask(r7) == (0, False)
+    finally:
+        h.close()
+
+
+def test_the_mirror_says_what_the_daemons_lookup_says(fresh_daemon, shm, fingerprint):
+    """Two ranks, blocks stored, some invalidated in one rank only: once
+    the events are in, the mirror answers every lookup (ready prefix and
+    tiers, across both ranks' namespaces) exactly as the daemon does."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2, mirror=True)
+    try:
+        reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 22))) for i in range(4)]
+        for i, r in enumerate(reqs):
+            prefill(h, r, [1 + 6 * i + j for j in range(6)])
+        assert h.run_until(h.idle)
+        c = d.client()
+        ns0 = h.workers[0].namespace_id
+        c.invalidate([ns0], [reqs[1].block_hashes[2], reqs[3].block_hashes[0]])
+        ns = h.sched.namespace_ids()
+        m = h.sched._mirror
+        calls = [(ns, r.block_hashes[a:], 0, 0, True) for r in reqs for a in (0, 1, 3)]
+        calls += [([n], r.block_hashes, 0, 0, True) for r in reqs for n in ns]
+
+        def same():
+            if not m.live(ns):
+                return False
+            want = [(x.ready, tuple(x.tiers)) for x in c.lookup_many(calls)]
+            return [(x.ready, tuple(x.tiers)) for x in m.lookup_many(calls)] == want
+
+        assert wait_for(same)
+        # p1 lost block 2 and p3 block 0 in rank 0: ranks together hold less.
+        got = [x.ready for x in m.lookup_many(calls[:12])]
+        assert got == [5, 4, 2, 2, 1, 2, 5, 4, 2, 0, 4, 2], got
+    finally:
+        h.close()
+
+
+def test_a_mirror_past_its_bound_stops_and_the_daemon_answers(fresh_daemon, shm, fingerprint):
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    from kvoffload.scheduler_side import SchedulerSide
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint)
+    h.sched.close()
+    h.sched = SchedulerSide(d.socket, 1, 4, (4,), 32, lookup_wait_s=5.0, namespace_retry_s=0, mirror_max_blocks=3)
+    h.sched.set_worker_fingerprints({(0,): h.fps[0]})
+    try:
+        m = h.sched._mirror
+        prefill(h, Request("a", list(range(100, 126))), [1, 2, 3, 4, 5, 6, 7])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.overflow)
+        assert m.blocks() == 0 and not m.live(h.sched.namespace_ids())
+        assert h.ask(Request("b", list(range(100, 126)) + [1])) == (24, True)
+        assert h.sched.mirror_answers == 0
+    finally:
+        h.close()
+
+
+def test_an_answer_from_the_mirror_is_not_taken_for_another_start(fresh_daemon, shm, fingerprint):
+    """A request the mirror answered is asked again (vLLM could not admit
+    it) from another start while the mirror is not live: the daemon's
+    answer from there, or what the mirror found from its own start, never
+    the mirror's hit taken as if it began at the new start."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, mirror=True)
+    try:
+        sched, m = h.sched, h.sched._mirror
+        prefill(h, Request("a", list(range(100, 126))), [1, 2, 3, 4, 5, 6, 7])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.blocks() >= 6 and m.live(sched.namespace_ids()))
+        r = Request("b", list(range(100, 126)) + [7])
+        assert sched.get_num_new_matched_tokens(r, 0) == (24, True)
+        assert sched.mirror_answers == 1
+        m._live = None  # as while a new snapshot comes
+        got = sched.get_num_new_matched_tokens(r, 8)
+        assert got == (16, True), got  # 24 tokens in all, from what it found
+    finally:
+        h.close()
