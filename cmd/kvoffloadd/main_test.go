@@ -213,20 +213,62 @@ func buildDaemon(t *testing.T) string {
 	return built.bin
 }
 
-func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd) {
+// waitHealthy waits until the daemon answers healthy; a daemon that exits
+// first fails the test with its exit status and its log.
+func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd, exited <-chan struct{}, logs fmt.Stringer) {
 	t.Helper()
+	if err := daemonHealthy(c, proc, exited, logs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// daemonHealthy waits up to 30s for the daemon to answer healthy. exited
+// is closed once proc.Wait has returned: only then are proc.ProcessState
+// and the log (written by Wait's copier) read, so that a daemon that
+// cannot start is reported by its own words, not by a data race.
+func daemonHealthy(c *client.Client, proc *exec.Cmd, exited <-chan struct{}, logs fmt.Stringer) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		ok, _ := c.Healthy(ctx)
 		cancel()
 		if ok {
-			return
+			return nil
 		}
-		if time.Now().After(deadline) || proc.ProcessState != nil {
-			t.Fatal("daemon did not become healthy")
+		select {
+		case <-exited:
+			return fmt.Errorf("daemon exited before it was healthy (%v); its log:\n%s", proc.ProcessState, logs)
+		default:
+		}
+		if time.Now().After(deadline) {
+			return errors.New("daemon did not become healthy in 30s (its log follows when the test ends)")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestStartFailureReportsCause: a daemon that cannot start is reported by
+// its exit status and its own error message (issue 30, 8).
+func TestStartFailureReportsCause(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	logs := &syncBuffer{}
+	proc := exec.Command(bin, "--socket", sock, "--metrics-addr", "", "--disk-dir", t.TempDir(), "--disk-bytes", "1MiB")
+	proc.Stderr = logs
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { proc.Wait(); close(exited) }()
+	t.Cleanup(func() { proc.Process.Kill(); <-exited })
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	err = daemonHealthy(c, proc, exited, logs)
+	if err == nil || !strings.Contains(err.Error(), "exit status 1") || !strings.Contains(err.Error(), "--disk-bytes 1MiB: want at least 16MiB") {
+		t.Fatalf("a daemon that cannot start: %v; want its exit status and its error", err)
 	}
 }
 
@@ -237,9 +279,9 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	metrics := freePort(t)
-	var logs bytes.Buffer
+	logs := &syncBuffer{}
 	proc := exec.Command(bin, "--socket", sock, "--cpu-bytes", "256MiB", "--metrics-addr", metrics)
-	proc.Stderr = &logs
+	proc.Stderr = logs
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -258,7 +300,7 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	waitHealthy(t, c, proc)
+	waitHealthy(t, c, proc, exited, logs)
 
 	m := testenv.Model{Layers: 32, SegBytes: 64 << 10, Blocks: 96} // 2 MiB blocks
 	r := testenv.NewRegion(t, m.RegionBytes())
@@ -369,9 +411,9 @@ func scrape(t *testing.T, addr string) string {
 // startDaemon runs the binary until the test ends (or it is killed).
 func startDaemon(t *testing.T, bin string, args ...string) (*exec.Cmd, *client.Client, chan struct{}) {
 	t.Helper()
-	var logs bytes.Buffer
+	logs := &syncBuffer{}
 	proc := exec.Command(bin, args...)
-	proc.Stderr = &logs
+	proc.Stderr = logs
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -390,7 +432,7 @@ func startDaemon(t *testing.T, bin string, args ...string) (*exec.Cmd, *client.C
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	waitHealthy(t, c, proc)
+	waitHealthy(t, c, proc, exited, logs)
 	return proc, c, exited
 }
 
