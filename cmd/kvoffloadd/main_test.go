@@ -143,7 +143,17 @@ func TestSocketSafety(t *testing.T) {
 	if _, err := listenUnix(sock, 0o600); err == nil || !strings.Contains(err.Error(), "another process is serving") {
 		t.Fatalf("second listener: %v", err)
 	}
-	lis.Close() // leaves the file behind: a stale socket
+	lis.Close()
+	if _, err := os.Lstat(sock); !os.IsNotExist(err) {
+		t.Fatalf("closing the listener left its socket: %v", err)
+	}
+	// A stale socket, as a killed daemon leaves.
+	raw, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.(*net.UnixListener).SetUnlinkOnClose(false)
+	raw.Close()
 	lis2, err := listenUnix(sock, 0o600)
 	if err != nil {
 		t.Fatalf("stale socket not replaced: %v", err)
@@ -162,6 +172,73 @@ func TestSocketSafety(t *testing.T) {
 	os.Chmod(open, 0o777)
 	if _, err := listenUnix(filepath.Join(open, "s"), 0o600); err == nil || !strings.Contains(err.Error(), "writable by others") {
 		t.Fatalf("socket in a world-writable directory: %v", err)
+	}
+}
+
+// TestSuccessorKeepsSocket: a daemon still tearing down after its listener
+// closed never removes the socket of the daemon that took its path
+// meanwhile (issue 30, 5). The old daemon's teardown waits on a disk write
+// that an injected latency holds for hours, until its shutdown timeout; it
+// is stopped (SIGSTOP) as soon as its socket stops answering, the new
+// daemon starts on the path, and then the old one goes on and exits.
+func TestSuccessorKeepsSocket(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	old, c, oldExited := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB", "--cpu-chunk-bytes", "4MiB",
+		"--disk-dir", t.TempDir(), "--disk-bytes", "16MiB", "--disk-chunk-bytes", "4MiB", "--write-through",
+		"--fault-spec", "latency=1000h@1,seed=1", "--shutdown-timeout", "10s")
+	waitRecovered(t, c) // the fault plan starts after recovery
+	ctx := context.Background()
+	m := testenv.Model{Layers: 1, SegBytes: 64 << 10, Blocks: 2}
+	r := testenv.NewRegion(t, m.RegionBytes())
+	reg, err := c.Register(ctx, []byte("successor"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := m.Hash(1, 0)
+	m.Fill(r, 0, h)
+	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	c.Close()
+	if err := old.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		conn, err := net.DialTimeout("unix", sock, time.Second)
+		if err != nil {
+			break // its listener is closed; its disk write still runs
+		}
+		conn.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("the old daemon still listens 30s after SIGTERM")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := old.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-oldExited:
+		t.Fatal("the old daemon exited before its shutdown timeout: the test did not overlap the two daemons")
+	default:
+	}
+	startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB")
+	old.Process.Signal(syscall.SIGCONT)
+	select {
+	case <-oldExited:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the old daemon did not exit after its shutdown timeout")
+	}
+	c2, err := client.Dial(sock) // a new connection, as an engine starting now makes
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if ok, err := c2.Healthy(hctx); !ok {
+		t.Fatalf("the new daemon cannot be reached after the old one exited: %v", err)
 	}
 }
 
