@@ -186,7 +186,6 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		maxInflightRequestBytes: uint64(server.DefaultConfig.MaxInflightRequestBytes),
 	}
 	fs := flag.NewFlagSet("kvoffloadd", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	fs.StringVar(&c.socket, "socket", defaultSocket(), "unix socket to serve the API on. Its directory is created with mode 0700 and must be owned by the daemon's user; a stale socket is removed only after a dial finds nobody listening. Beside it, <socket>.life is locked for the daemon's whole life, so a connector that cannot see the daemon's pid knows when it has exited.")
 	fs.StringVar(&c.socketMode, "socket-mode", c.socketMode, "permission bits of the socket: 0600 (only this user) or 0660 (also this user's group).")
 	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
@@ -232,12 +231,19 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
-	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), usageHead)
-		fs.PrintDefaults()
-	}
+	// A bad flag gets its error and a hint, not the whole --help after it
+	// (which would push the error off the screen): the flag package's own
+	// messages go nowhere, and the error is returned for main to print.
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
-		return nil, err
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(stderr)
+			fmt.Fprint(stderr, usageHead)
+			fs.PrintDefaults()
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w (see kvoffloadd --help)", err)
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q (all settings are flags; see --help)", fs.Arg(0))

@@ -102,6 +102,38 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 	}
 }
 
+// TestBadFlagIsOneLine: the real binary answers a flag it does not know,
+// or a value it cannot parse, with the error and a hint on one line, not
+// the whole --help after it (issue 33, 6).
+func TestBadFlagIsOneLine(t *testing.T) {
+	bin := buildDaemon(t)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--no-such-flag"}, "kvoffloadd: flag provided but not defined: -no-such-flag (see kvoffloadd --help)\n"},
+		{[]string{"--cpu-bytes", "12potatoes"}, `kvoffloadd: invalid value "12potatoes" for flag -cpu-bytes: "12potatoes" is not a size (use e.g. 4096, 512MiB, 8GiB) (see kvoffloadd --help)` + "\n"},
+		{[]string{"--io-workers", "many"}, `kvoffloadd: invalid value "many" for flag -io-workers: parse error (see kvoffloadd --help)` + "\n"},
+	} {
+		var stdout, stderr bytes.Buffer
+		cmd := exec.Command(bin, tc.args...)
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+			t.Errorf("%v: %v, want exit status 1", tc.args, err)
+		}
+		if stderr.String() != tc.want || stdout.Len() != 0 {
+			t.Errorf("%v: stderr %q, stdout %q; want stderr %q", tc.args, stderr.String(), stdout.String(), tc.want)
+		}
+	}
+	// --help still prints the whole help, and exits 0.
+	out, err := exec.Command(bin, "--help").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Usage: kvoffloadd [flags]") || !strings.Contains(string(out), "-write-through") {
+		t.Fatalf("--help: %v\n%s", err, out)
+	}
+}
+
 // TestMetricsExpose: a non-loopback --metrics-addr is taken only with
 // --metrics-expose (deploy/deploy_test.go scrapes a daemon started so).
 func TestMetricsExpose(t *testing.T) {
