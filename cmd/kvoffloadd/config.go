@@ -213,7 +213,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		c.diskDirs = append(c.diskDirs, v)
 		return nil
 	})
-	fs.Var(byteSize{&c.diskBytes}, "disk-bytes", "size of the slot file in each --disk-dir, preallocated at start.")
+	fs.Var(byteSize{&c.diskBytes}, "disk-bytes", "size of the slot file in each --disk-dir, preallocated at start. A size the filesystem cannot hold while leaving 5% of it (at most 1GiB) free is refused before anything is allocated, with the free space in the message.")
 	fs.Var(byteSize{&c.diskChunkBytes}, "disk-chunk-bytes", "disk chunk size; each chunk serves one block size (0: disk-bytes/16, clamped to 4MiB..256MiB).")
 	fs.IntVar(&c.diskQueueDepth, "disk-queue-depth", c.diskQueueDepth, "I/Os in flight per slot file.")
 	fs.StringVar(&c.diskDirect, "disk-direct", c.diskDirect, "O_DIRECT for the slot files: require (refuse to start where a --disk-dir's filesystem refuses it) or fallback (use the page cache there, with a warning).")
