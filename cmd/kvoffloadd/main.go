@@ -74,6 +74,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		fmt.Fprintln(stdout, "kvoffloadd", version)
 		return nil
 	}
+	if err := checkMemory(cfg); err != nil {
+		return err
+	}
 	var h slog.Handler = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
 	if cfg.logFormat == "json" {
 		h = slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
