@@ -58,8 +58,10 @@ func (t *Tier) checkSpace() error {
 	var errs []error
 	for _, dev := range order {
 		n := byDev[dev]
+		// A tier that takes nothing more starts whatever is free: others
+		// filling the disk cost no cache.
 		reserve := ReserveBytes(n.sp.Total)
-		if n.need+reserve <= n.sp.Free {
+		if n.need == 0 || n.need+reserve <= n.sp.Free {
 			continue
 		}
 		// The largest slot file that fits, in whole chunks.
