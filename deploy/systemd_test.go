@@ -230,3 +230,25 @@ func TestSystemdVerify(t *testing.T) {
 		t.Fatalf("systemd-analyze verify: %v\n%s", err, out)
 	}
 }
+
+// TestSystemdHostBuildDropIn: the host build, which maps region files only
+// for clients of its own uid, has a drop-in that runs it as the engine's
+// user, and the unit's install steps and docs/operations.md name it (issue
+// 33, 7; the daemon's own warning is tested in cmd/kvoffloadd).
+func TestSystemdHostBuildDropIn(t *testing.T) {
+	drop := parseUnit(t, readFile(t, "systemd/host-build.conf"))
+	if len(drop) != 1 || len(drop["Service"]) != 2 {
+		t.Fatalf("host-build.conf: want only User= and Group= in [Service], have %v", drop)
+	}
+	user, group := drop.one(t, "User"), drop.one(t, "Group")
+	u := parseUnit(t, readFile(t, "systemd/kvoffloadd.service"))
+	if user == u.one(t, "User") || user == "" || group == "" {
+		t.Errorf("host-build.conf: User=%s Group=%s: want the engine's user, not the unit's default", user, group)
+	}
+	const install = "install -D -m 0644 deploy/systemd/host-build.conf /etc/systemd/system/kvoffloadd.service.d/host-build.conf"
+	for _, f := range []string{"systemd/kvoffloadd.service", "systemd/host-build.conf", "../docs/operations.md"} {
+		if !strings.Contains(string(readFile(t, f)), install) {
+			t.Errorf("%s does not say how to install the host build's drop-in (%q)", f, install)
+		}
+	}
+}

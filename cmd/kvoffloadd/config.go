@@ -186,13 +186,12 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		maxInflightRequestBytes: uint64(server.DefaultConfig.MaxInflightRequestBytes),
 	}
 	fs := flag.NewFlagSet("kvoffloadd", flag.ContinueOnError)
-	fs.SetOutput(stderr)
 	fs.StringVar(&c.socket, "socket", defaultSocket(), "unix socket to serve the API on. Its directory is created with mode 0700 and must be owned by the daemon's user; a stale socket is removed only after a dial finds nobody listening. Beside it, <socket>.life is locked for the daemon's whole life, so a connector that cannot see the daemon's pid knows when it has exited.")
 	fs.StringVar(&c.socketMode, "socket-mode", c.socketMode, "permission bits of the socket: 0600 (only this user) or 0660 (also this user's group).")
-	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows.")
+	fs.Var(byteSize{&c.cpuBytes}, "cpu-bytes", "size of the CPU tier: one host arena, mapped once and locked in memory where RLIMIT_MEMLOCK allows. A size that, with 64MiB for the daemon itself, does not fit under the memory limit of the daemon's cgroup (memory.max) is refused at start.")
 	fs.StringVar(&c.cpuPolicy, "cpu-policy", c.cpuPolicy, "which blocks the CPU tier keeps when it is full: slru (a segmented LRU: new blocks on probation, blocks used again protected; one-off prompts churn only the probation part) or tinylfu (ristretto's frequency-based admission and eviction). docs/benchmarks.md has both against LRU on kvbench's traces.")
 	fs.Var(byteSize{&c.cpuChunkBytes}, "cpu-chunk-bytes", "arena chunk size; each chunk serves one block size and bounds the largest block (0: arena/16, clamped to 4MiB..256MiB).")
-	fs.StringVar(&c.cpuArenaDir, "cpu-arena-dir", "", "keep the CPU tier's arena in a file of this directory, so its blocks survive a restart, crash or upgrade of the daemon: DIR/kvoffload-cpu.arena (the arena plus one 128-byte record per 4KiB), DIR/kvoffload-cpu.namespaces and DIR/kvoffload-cpu.lock. DIR must be on tmpfs (/dev/shm, /run) or hugetlbfs, owned by the daemon's user, mode 0700 (created so if missing); one daemon per directory. A restarted daemon serves at once and brings the blocks back in the background, each verified before it is offered. The file holds --cpu-bytes (plus 1/32 for the records) of memory after the daemon exits, until it is removed with the daemon stopped (docs/operations.md) or the host reboots; an arena of another --cpu-bytes or --cpu-chunk-bytes is discarded. Empty (the default): a private arena that goes with the process.")
+	fs.StringVar(&c.cpuArenaDir, "cpu-arena-dir", "", "keep the CPU tier's arena in a file of this directory, so its blocks survive a restart, crash or upgrade of the daemon: DIR/kvoffload-cpu.arena (the arena plus one 128-byte record per 4KiB), DIR/kvoffload-cpu.namespaces and DIR/kvoffload-cpu.lock. DIR must be on tmpfs (/dev/shm, /run) or hugetlbfs, owned by the daemon's user, mode 0700 (created so if missing); one daemon per directory. A restarted daemon serves at once and brings the blocks back in the background, each verified before it is offered. The file holds --cpu-bytes (plus 1/32 for the records) of memory after the daemon exits, until it is removed with the daemon stopped (docs/operations.md) or the host reboots; an arena of another --cpu-bytes or --cpu-chunk-bytes is discarded; one its tmpfs cannot hold while leaving 5% of it (at most 1GiB) free is refused at start. Empty (the default): a private arena that goes with the process.")
 	fs.IntVar(&c.ioWorkers, "io-workers", c.ioWorkers, "copy workers moving blocks between engine memory and the arena. The daemon runs with at least io-workers+1 Go processors (GOMAXPROCS, unless set in the environment), so the copies never hold every one and the API is served while they run.")
 	fs.IntVar(&c.copyNice, "copy-nice", c.copyNice, "nice value (0..19) of the copy workers' threads, host build: the kernel runs the daemon's other threads (the API, the policy) first when both want a CPU, so a Lookup does not wait behind a memmove. 0 leaves them at the daemon's priority.")
 	fs.BoolVar(&c.copyIdle, "copy-sched-idle", false, "run the copy workers' threads in SCHED_IDLE instead of at --copy-nice (host build): they get a CPU only when nothing else on the machine wants it.")
@@ -214,7 +213,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		c.diskDirs = append(c.diskDirs, v)
 		return nil
 	})
-	fs.Var(byteSize{&c.diskBytes}, "disk-bytes", "size of the slot file in each --disk-dir, preallocated at start.")
+	fs.Var(byteSize{&c.diskBytes}, "disk-bytes", "size of the slot file in each --disk-dir, preallocated at start. A size the filesystem cannot hold while leaving 5% of it (at most 1GiB) free is refused before anything is allocated, with the free space in the message.")
 	fs.Var(byteSize{&c.diskChunkBytes}, "disk-chunk-bytes", "disk chunk size; each chunk serves one block size (0: disk-bytes/16, clamped to 4MiB..256MiB).")
 	fs.IntVar(&c.diskQueueDepth, "disk-queue-depth", c.diskQueueDepth, "I/Os in flight per slot file.")
 	fs.StringVar(&c.diskDirect, "disk-direct", c.diskDirect, "O_DIRECT for the slot files: require (refuse to start where a --disk-dir's filesystem refuses it) or fallback (use the page cache there, with a warning).")
@@ -232,12 +231,19 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
-	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), usageHead)
-		fs.PrintDefaults()
-	}
+	// A bad flag gets its error and a hint, not the whole --help after it
+	// (which would push the error off the screen): the flag package's own
+	// messages go nowhere, and the error is returned for main to print.
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
-		return nil, err
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(stderr)
+			fmt.Fprint(stderr, usageHead)
+			fs.PrintDefaults()
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w (see kvoffloadd --help)", err)
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q (all settings are flags; see --help)", fs.Arg(0))

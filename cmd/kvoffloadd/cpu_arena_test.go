@@ -352,7 +352,7 @@ func TestCPUArenaOtherSizeDiscarded(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c2.Close()
-	waitHealthy(t, c2, d)
+	waitHealthy(t, c2, d, done, &logs)
 	reg2, err := c2.Register(ctx, []byte("arena-size"), arenaModel.Layout(), arenaModel.Regions(r), "test")
 	if err != nil {
 		t.Fatal(err)

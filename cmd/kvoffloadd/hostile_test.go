@@ -82,7 +82,7 @@ func runDaemon(t *testing.T, bin string, stderr io.Writer, args ...string) *daem
 		}
 	})
 	c := d.client(t)
-	waitHealthy(t, c, d.proc)
+	waitHealthy(t, c, d.proc, d.exited, d.logs)
 	return d
 }
 
@@ -360,7 +360,7 @@ func TestUnprivilegedDaemonMapsOnlyItsOwnUsersFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	waitHealthy(t, c, proc)
+	waitHealthy(t, c, proc, exited, logs)
 
 	m := testenv.Model{Layers: 1, SegBytes: 4096, Blocks: 4}
 	for _, tc := range []struct {

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -72,6 +73,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	if cfg.showVersion {
 		fmt.Fprintln(stdout, "kvoffloadd", version)
 		return nil
+	}
+	if err := checkMemory(cfg); err != nil {
+		return err
 	}
 	var h slog.Handler = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
 	if cfg.logFormat == "json" {
@@ -162,7 +166,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		closeAll()
 		return err
 	}
-	defer os.Remove(cfg.socket)
+	// The socket goes as the listener closes (the gRPC server's stop
+	// closes it before the teardown): a successor may take the path while
+	// this daemon still tears down, and it keeps it.
+	defer lis.Close()
 	// The life file's lock says "exited" to connectors that cannot see
 	// this process (life.go): released after everything else, and not at
 	// all when the shutdown left copies running (the exit releases it).
@@ -295,6 +302,7 @@ func shutdown(log *slog.Logger, timeout time.Duration, srv *server.Server, svc *
 }
 
 // listenUnix creates the socket with mode in a directory the daemon owns.
+// Closing the listener removes the socket, if the path still names it.
 func listenUnix(path string, mode os.FileMode) (net.Listener, error) {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -331,10 +339,43 @@ func listenUnix(path string, mode os.FileMode) (net.Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--socket: %w", err)
 	}
-	lis.(*net.UnixListener).SetUnlinkOnClose(false)
+	ul := lis.(*net.UnixListener)
+	ul.SetUnlinkOnClose(false)
+	own, err := os.Lstat(path)
+	if err != nil {
+		lis.Close()
+		return nil, fmt.Errorf("--socket: %w", err)
+	}
 	if err := os.Chmod(path, mode); err != nil {
 		lis.Close()
+		os.Remove(path)
 		return nil, fmt.Errorf("--socket: chmod: %w", err)
 	}
-	return lis, nil
+	return &ownedSocket{UnixListener: ul, path: path, own: own}, nil
+}
+
+// ownedSocket is the daemon's listener. Its Close removes the socket file
+// only while the path still names this listener's socket, and before the
+// listener closes: while it is open nobody takes the path (a successor
+// dials it, finds this daemon and refuses to start) and its inode cannot
+// be reused, so os.SameFile tells it apart. Once closed, a successor may
+// bind the path, and its socket may get this one's inode number.
+// (net.UnixListener's own unlink-on-close removes the path after closing,
+// whatever it names then.)
+type ownedSocket struct {
+	*net.UnixListener
+	path string
+	own  os.FileInfo
+	once sync.Once
+	err  error
+}
+
+func (s *ownedSocket) Close() error {
+	s.once.Do(func() {
+		if st, err := os.Lstat(s.path); err == nil && os.SameFile(st, s.own) {
+			os.Remove(s.path)
+		}
+		s.err = s.UnixListener.Close()
+	})
+	return s.err
 }

@@ -102,6 +102,38 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 	}
 }
 
+// TestBadFlagIsOneLine: the real binary answers a flag it does not know,
+// or a value it cannot parse, with the error and a hint on one line, not
+// the whole --help after it (issue 33, 6).
+func TestBadFlagIsOneLine(t *testing.T) {
+	bin := buildDaemon(t)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--no-such-flag"}, "kvoffloadd: flag provided but not defined: -no-such-flag (see kvoffloadd --help)\n"},
+		{[]string{"--cpu-bytes", "12potatoes"}, `kvoffloadd: invalid value "12potatoes" for flag -cpu-bytes: "12potatoes" is not a size (use e.g. 4096, 512MiB, 8GiB) (see kvoffloadd --help)` + "\n"},
+		{[]string{"--io-workers", "many"}, `kvoffloadd: invalid value "many" for flag -io-workers: parse error (see kvoffloadd --help)` + "\n"},
+	} {
+		var stdout, stderr bytes.Buffer
+		cmd := exec.Command(bin, tc.args...)
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+			t.Errorf("%v: %v, want exit status 1", tc.args, err)
+		}
+		if stderr.String() != tc.want || stdout.Len() != 0 {
+			t.Errorf("%v: stderr %q, stdout %q; want stderr %q", tc.args, stderr.String(), stdout.String(), tc.want)
+		}
+	}
+	// --help still prints the whole help, and exits 0.
+	out, err := exec.Command(bin, "--help").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "Usage: kvoffloadd [flags]") || !strings.Contains(string(out), "-write-through") {
+		t.Fatalf("--help: %v\n%s", err, out)
+	}
+}
+
 // TestMetricsExpose: a non-loopback --metrics-addr is taken only with
 // --metrics-expose (deploy/deploy_test.go scrapes a daemon started so).
 func TestMetricsExpose(t *testing.T) {
@@ -143,7 +175,17 @@ func TestSocketSafety(t *testing.T) {
 	if _, err := listenUnix(sock, 0o600); err == nil || !strings.Contains(err.Error(), "another process is serving") {
 		t.Fatalf("second listener: %v", err)
 	}
-	lis.Close() // leaves the file behind: a stale socket
+	lis.Close()
+	if _, err := os.Lstat(sock); !os.IsNotExist(err) {
+		t.Fatalf("closing the listener left its socket: %v", err)
+	}
+	// A stale socket, as a killed daemon leaves.
+	raw, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.(*net.UnixListener).SetUnlinkOnClose(false)
+	raw.Close()
 	lis2, err := listenUnix(sock, 0o600)
 	if err != nil {
 		t.Fatalf("stale socket not replaced: %v", err)
@@ -162,6 +204,73 @@ func TestSocketSafety(t *testing.T) {
 	os.Chmod(open, 0o777)
 	if _, err := listenUnix(filepath.Join(open, "s"), 0o600); err == nil || !strings.Contains(err.Error(), "writable by others") {
 		t.Fatalf("socket in a world-writable directory: %v", err)
+	}
+}
+
+// TestSuccessorKeepsSocket: a daemon still tearing down after its listener
+// closed never removes the socket of the daemon that took its path
+// meanwhile (issue 30, 5). The old daemon's teardown waits on a disk write
+// that an injected latency holds for hours, until its shutdown timeout; it
+// is stopped (SIGSTOP) as soon as its socket stops answering, the new
+// daemon starts on the path, and then the old one goes on and exits.
+func TestSuccessorKeepsSocket(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	old, c, oldExited := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB", "--cpu-chunk-bytes", "4MiB",
+		"--disk-dir", t.TempDir(), "--disk-bytes", "16MiB", "--disk-chunk-bytes", "4MiB", "--write-through",
+		"--fault-spec", "latency=1000h@1,seed=1", "--shutdown-timeout", "10s")
+	waitRecovered(t, c) // the fault plan starts after recovery
+	ctx := context.Background()
+	m := testenv.Model{Layers: 1, SegBytes: 64 << 10, Blocks: 2}
+	r := testenv.NewRegion(t, m.RegionBytes())
+	reg, err := c.Register(ctx, []byte("successor"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := m.Hash(1, 0)
+	m.Fill(r, 0, h)
+	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	c.Close()
+	if err := old.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		conn, err := net.DialTimeout("unix", sock, time.Second)
+		if err != nil {
+			break // its listener is closed; its disk write still runs
+		}
+		conn.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("the old daemon still listens 30s after SIGTERM")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := old.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-oldExited:
+		t.Fatal("the old daemon exited before its shutdown timeout: the test did not overlap the two daemons")
+	default:
+	}
+	startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB")
+	old.Process.Signal(syscall.SIGCONT)
+	select {
+	case <-oldExited:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the old daemon did not exit after its shutdown timeout")
+	}
+	c2, err := client.Dial(sock) // a new connection, as an engine starting now makes
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if ok, err := c2.Healthy(hctx); !ok {
+		t.Fatalf("the new daemon cannot be reached after the old one exited: %v", err)
 	}
 }
 
@@ -213,20 +322,62 @@ func buildDaemon(t *testing.T) string {
 	return built.bin
 }
 
-func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd) {
+// waitHealthy waits until the daemon answers healthy; a daemon that exits
+// first fails the test with its exit status and its log.
+func waitHealthy(t *testing.T, c *client.Client, proc *exec.Cmd, exited <-chan struct{}, logs fmt.Stringer) {
 	t.Helper()
+	if err := daemonHealthy(c, proc, exited, logs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// daemonHealthy waits up to 30s for the daemon to answer healthy. exited
+// is closed once proc.Wait has returned: only then are proc.ProcessState
+// and the log (written by Wait's copier) read, so that a daemon that
+// cannot start is reported by its own words, not by a data race.
+func daemonHealthy(c *client.Client, proc *exec.Cmd, exited <-chan struct{}, logs fmt.Stringer) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		ok, _ := c.Healthy(ctx)
 		cancel()
 		if ok {
-			return
+			return nil
 		}
-		if time.Now().After(deadline) || proc.ProcessState != nil {
-			t.Fatal("daemon did not become healthy")
+		select {
+		case <-exited:
+			return fmt.Errorf("daemon exited before it was healthy (%v); its log:\n%s", proc.ProcessState, logs)
+		default:
+		}
+		if time.Now().After(deadline) {
+			return errors.New("daemon did not become healthy in 30s (its log follows when the test ends)")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestStartFailureReportsCause: a daemon that cannot start is reported by
+// its exit status and its own error message (issue 30, 8).
+func TestStartFailureReportsCause(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	logs := &syncBuffer{}
+	proc := exec.Command(bin, "--socket", sock, "--metrics-addr", "", "--disk-dir", t.TempDir(), "--disk-bytes", "1MiB")
+	proc.Stderr = logs
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { proc.Wait(); close(exited) }()
+	t.Cleanup(func() { proc.Process.Kill(); <-exited })
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	err = daemonHealthy(c, proc, exited, logs)
+	if err == nil || !strings.Contains(err.Error(), "exit status 1") || !strings.Contains(err.Error(), "--disk-bytes 1MiB: want at least 16MiB") {
+		t.Fatalf("a daemon that cannot start: %v; want its exit status and its error", err)
 	}
 }
 
@@ -237,9 +388,9 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	metrics := freePort(t)
-	var logs bytes.Buffer
+	logs := &syncBuffer{}
 	proc := exec.Command(bin, "--socket", sock, "--cpu-bytes", "256MiB", "--metrics-addr", metrics)
-	proc.Stderr = &logs
+	proc.Stderr = logs
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -258,7 +409,7 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	waitHealthy(t, c, proc)
+	waitHealthy(t, c, proc, exited, logs)
 
 	m := testenv.Model{Layers: 32, SegBytes: 64 << 10, Blocks: 96} // 2 MiB blocks
 	r := testenv.NewRegion(t, m.RegionBytes())
@@ -369,9 +520,9 @@ func scrape(t *testing.T, addr string) string {
 // startDaemon runs the binary until the test ends (or it is killed).
 func startDaemon(t *testing.T, bin string, args ...string) (*exec.Cmd, *client.Client, chan struct{}) {
 	t.Helper()
-	var logs bytes.Buffer
+	logs := &syncBuffer{}
 	proc := exec.Command(bin, args...)
-	proc.Stderr = &logs
+	proc.Stderr = logs
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -390,7 +541,7 @@ func startDaemon(t *testing.T, bin string, args ...string) (*exec.Cmd, *client.C
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	waitHealthy(t, c, proc)
+	waitHealthy(t, c, proc, exited, logs)
 	return proc, c, exited
 }
 

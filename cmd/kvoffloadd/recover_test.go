@@ -171,7 +171,7 @@ func TestKill9MidRecovery(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c2.Close()
-	waitHealthy(t, c2, child)
+	waitHealthy(t, c2, child, exited, &logs)
 	reg2, err := c2.Register(ctx, []byte("kill9-recovery"), recModel.Layout(), recModel.Regions(r), "test")
 	if err != nil || !reg2.JoinedExisting {
 		t.Fatalf("register on the restarted daemon: %v %v", reg2, err)

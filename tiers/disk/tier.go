@@ -155,6 +155,13 @@ func Open(cfg Config) (*Tier, error) {
 		if err := checkFiles(t.fs, dir, i); err != nil {
 			return nil, err
 		}
+	}
+	// Before anything is allocated: a tier that does not fit is refused
+	// with the files as they were.
+	if err := t.checkSpace(); err != nil {
+		return nil, err
+	}
+	for i, dir := range cfg.Dirs {
 		path := filepath.Join(dir, slotFileName(i))
 		vf, err := t.fs.OpenFile(path, int64(t.fileBytes), cfg.Direct)
 		if err != nil {

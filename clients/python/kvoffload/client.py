@@ -18,6 +18,9 @@ A registration belongs to the connection that made it: closing the client
 
 from __future__ import annotations
 
+import os
+import socket as _socket
+import stat as _stat
 import threading
 import time
 from typing import Iterable, Sequence
@@ -26,7 +29,7 @@ import grpc
 
 from ._proto.kvoffload.v1 import kvoffload_pb2 as pb
 from ._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
-from .errors import DeadlineExceeded, InvalidArgument, KVOffloadError, from_rpc_error
+from .errors import DeadlineExceeded, InvalidArgument, KVOffloadError, error_for, from_rpc_error
 from .types import (
     BlockFailure,
     BlockStatus,
@@ -202,6 +205,49 @@ class EventStream:
         self.cancel()
 
 
+def _path(socket: str) -> str:
+    return socket[len("unix:"):] if socket.startswith("unix:") else socket
+
+
+def _no_answer(socket: str) -> str:
+    return ": the daemon is stopped (SIGSTOP), hung or overloaded"
+
+
+def _socket_problem(socket: str) -> tuple[str, str] | None:
+    """Why the daemon's socket cannot be reached, found by a plain connect,
+    as (kind, message): "missing" when the path does not exist, "refused"
+    when nobody listens on it (the daemon that made it exited or was
+    killed), "denied" when this process may not open it (the socket's mode,
+    or its directory's); None when it connects (or fails otherwise). The
+    client raises each as :class:`Unavailable` with the message: a
+    connector keeps retrying, as the next daemon may fix it."""
+    path = _path(socket)
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except FileNotFoundError:
+        return "missing", (
+            f"no socket at {path}: kvoffloadd is not running there (start it, or give the path its --socket names)")
+    except ConnectionRefusedError:
+        return "refused", (
+            f"nobody listens on {path} (connection refused): the kvoffloadd that made it has exited or was killed")
+    except PermissionError:
+        try:
+            st = os.stat(path)
+            what = f"the socket is mode {_stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}, gid {st.st_gid}"
+        except OSError:
+            what = f"its directory {os.path.dirname(path)} is closed to this user"
+        return "denied", (
+            f"permission denied connecting to {path} as uid {os.getuid()} (gid {os.getgid()}): {what}; run as the "
+            "daemon's user, or start the daemon with --socket-mode 0660 and put this user in its group")
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None
+
+
 class Client:
     """A connection to one kvoffloadd. Safe to share between threads.
 
@@ -286,11 +332,26 @@ class Client:
     def _call(self, method: str, request, extra_s: float = 0.0, timeout: float | None = None,
               wait_for_ready: bool | None = None):
         fn = getattr(self._stub, method)
+        t = self._deadline(extra_s) if timeout is None else timeout
         try:
-            return fn(request, timeout=self._deadline(extra_s) if timeout is None else timeout,
-                      wait_for_ready=wait_for_ready)
+            return fn(request, timeout=t, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, method) from None
+            raise self._explain(from_rpc_error(e, method), t) from None
+
+    def _explain(self, err: KVOffloadError, timeout: float | None) -> KVOffloadError:
+        """Says why a call that never reached the daemon failed: gRPC reports
+        a missing socket, a refused connection and a socket this process may
+        not open alike (UNAVAILABLE, "failed to connect"), and a daemon that
+        accepts connections but never answers (stopped, hung) as a bare
+        deadline."""
+        if err.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in err.message:
+            problem = _socket_problem(self.socket)
+            if problem is not None:
+                return error_for(grpc.StatusCode.UNAVAILABLE, problem[1], err.method, from_daemon=False)
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.message == "Deadline Exceeded":
+            return error_for(err.code, f"no answer from kvoffloadd on {_path(self.socket)} within {timeout}s"
+                             + _no_answer(self.socket), err.method, from_daemon=False)
+        return err
 
     # -- health ---------------------------------------------------------
 
@@ -302,30 +363,54 @@ class Client:
         try:
             raw = self._health(_health_request(service), timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "Health.Check") from None
+            raise self._explain(from_rpc_error(e, "Health.Check"), timeout) from None
         return _health_status(raw)
 
     def healthy(self, timeout: float | None = 5.0, wait_for_ready: bool = False) -> bool:
         """True when the daemon reports SERVING."""
         return self.health("", timeout=timeout, wait_for_ready=wait_for_ready) == HEALTH_SERVING
 
-    def wait_ready(self, timeout: float = 10.0, poll_s: float = 0.05) -> None:
-        """Waits until the daemon answers SERVING, or raises DeadlineExceeded
-        with the last error seen."""
+    def wait_ready(self, timeout: float = 10.0, poll_s: float = 0.05, *, starting: bool = False) -> None:
+        """Waits until the daemon answers SERVING (it says NOT_SERVING while
+        it shuts down), at most ``timeout`` seconds.
+
+        A socket that is missing, that nobody listens on (the daemon exited),
+        or that this process may not open raises at once, each with its own
+        message (:class:`Unavailable`). With
+        ``starting`` (a daemon just launched, whose socket may not be there
+        yet) a missing or refused socket is waited out instead, and named in
+        the :class:`DeadlineExceeded` raised when the time is up. A daemon
+        that accepts connections but never answers (stopped with SIGSTOP,
+        hung) takes the whole ``timeout``, and the error says so."""
         end = time.monotonic() + timeout
         last: Exception | None = None
-        while time.monotonic() < end:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
             try:
-                # wait_for_ready: connect as soon as the socket accepts; a
-                # fail-fast call would wait out gRPC's reconnect backoff.
-                if self.healthy(timeout=max(0.05, min(1.0, end - time.monotonic())), wait_for_ready=True):
+                # With starting, wait_for_ready connects as soon as the socket
+                # accepts; a fail-fast call would wait out gRPC's reconnect
+                # backoff. Without, a socket nobody can reach fails at once.
+                if self.healthy(timeout=max(0.05, min(1.0, left)), wait_for_ready=starting):
                     return
                 last = None
             except KVOffloadError as e:
                 last = e
+                # Waiting does not open a socket this process may not open.
+                if e.code == grpc.StatusCode.UNAVAILABLE and not e.from_daemon and (
+                        not starting or e.message.startswith("permission denied")):
+                    raise
             time.sleep(poll_s)
-        raise DeadlineExceeded(None, f"kvoffloadd on {self.socket} not serving after {timeout}s"
-                               + (f" (last error: {last})" if last else ""), "Health.Check", from_daemon=False)
+        problem = _socket_problem(self.socket)
+        if problem is not None:
+            why = problem[1]
+        elif last is not None and last.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            why = "it accepts connections but does not answer" + _no_answer(self.socket)
+        else:
+            why = f"last error: {last}" if last else "it answers NOT_SERVING (shutting down)"
+        raise DeadlineExceeded(None, f"kvoffloadd on {_path(self.socket)} not serving after {timeout}s: {why}",
+                               "Health.Check", from_daemon=False)
 
     # -- the API ----------------------------------------------------------
 

@@ -92,7 +92,9 @@ class ResourceExhausted(KVOffloadError):
 
 
 class Unavailable(KVOffloadError):
-    """The daemon is shutting down, or nobody listens on the socket."""
+    """The daemon is shutting down, or cannot be reached: no socket at the
+    path, nobody listening on it, or a socket this process may not open (the
+    message says which; ``from_daemon`` is then False)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

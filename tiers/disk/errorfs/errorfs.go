@@ -303,6 +303,9 @@ func (fs *FS) SyncDir(dir string) error {
 // Stat passes through.
 func (fs *FS) Stat(path string) (os.FileInfo, error) { return fs.inner.Stat(path) }
 
+// Space passes through.
+func (fs *FS) Space(dir string) (vfs.Space, error) { return fs.inner.Space(dir) }
+
 // Lock passes through.
 func (fs *FS) Lock(path string) (io.Closer, error) { return fs.inner.Lock(path) }
 

@@ -22,6 +22,7 @@ func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
 	if direct {
 		flag |= unix.O_DIRECT
 	}
+	fi, _ := os.Lstat(path) // nil: OpenFile creates it
 	f, err := os.OpenFile(path, flag, 0o600)
 	if err != nil {
 		if errors.Is(err, unix.ELOOP) {
@@ -35,10 +36,34 @@ func (osFS) OpenFile(path string, size int64, direct bool) (File, error) {
 	file := &osFile{f: f, direct: direct}
 	if size > 0 {
 		if err := file.Preallocate(size); err != nil {
-			return nil, errors.Join(err, f.Close())
+			return nil, errors.Join(err, undoPreallocate(f, fi, path), f.Close())
 		}
 	}
 	return file, nil
+}
+
+// undoPreallocate gives back what a failed preallocation took (ENOSPC
+// midway leaves blocks allocated, past the end of the file or in it): a
+// file it created is removed; an existing one is cut back to its old size,
+// through one byte more so that the filesystem frees every block past it.
+func undoPreallocate(f *os.File, before os.FileInfo, path string) error {
+	if before == nil {
+		return os.Remove(path)
+	}
+	size := before.Size()
+	return errors.Join(f.Truncate(size+1), f.Truncate(size))
+}
+
+func (osFS) Space(dir string) (Space, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return Space{}, &os.PathError{Op: "statfs", Path: dir, Err: err}
+	}
+	var ds unix.Stat_t
+	if err := unix.Stat(dir, &ds); err != nil {
+		return Space{}, &os.PathError{Op: "stat", Path: dir, Err: err}
+	}
+	return Space{Dev: ds.Dev, Free: st.Bavail * uint64(st.Bsize), Total: st.Blocks * uint64(st.Bsize)}, nil
 }
 
 func (osFS) Remove(path string) error                    { return os.Remove(path) }

@@ -34,6 +34,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"syscall"
 	"unsafe"
 )
 
@@ -72,6 +73,9 @@ type FS interface {
 	// stable storage. Writing a small file durably is: write a temporary
 	// file, Sync it, Rename it over the target, SyncDir the directory.
 	SyncDir(dir string) error
+	// Space describes the filesystem holding dir, so that a caller can
+	// refuse, before it allocates anything, what would not fit.
+	Space(dir string) (Space, error)
 	// Lock takes an exclusive lock named by path (created if missing,
 	// never through a symbolic link), held until the returned Closer is
 	// closed or the process ends. A lock another holder has fails at once
@@ -123,4 +127,25 @@ func CheckAlignment(p []byte, off int64) error {
 		return fmt.Errorf("%w: length %d is not a multiple of %d", ErrMisaligned, len(p), Alignment)
 	}
 	return nil
+}
+
+// Space is what a filesystem has room for.
+type Space struct {
+	// Dev tells filesystems apart: directories with the same Dev share
+	// their free space.
+	Dev uint64
+	// Free is the bytes an unprivileged writer may still allocate (statfs
+	// f_bavail: a root-reserved part is not counted); Total the
+	// filesystem's size.
+	Free, Total uint64
+}
+
+// Allocated is the bytes of storage a file described by fi holds (its
+// blocks, which a sparse file has fewer of than its size); its size where
+// the FileInfo does not say (NewMem).
+func Allocated(fi os.FileInfo) uint64 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return uint64(st.Blocks) * 512
+	}
+	return uint64(fi.Size())
 }
