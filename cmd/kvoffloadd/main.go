@@ -70,7 +70,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		return err
 	}
 	if cfg.showVersion {
-		fmt.Fprintln(stdout, "kvoffloadd", version)
+		fmt.Fprintf(stdout, "kvoffloadd %s (API protocol %d)\n", version, server.ProtocolVersion)
 		return nil
 	}
 	var h slog.Handler = slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: cfg.logLevel})
@@ -206,7 +206,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()
 	used, _ := svc.CPU().Usage()
-	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
+	log.Info("kvoffloadd serving", "version", version, "protocol", server.ProtocolVersion, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers, "gomaxprocs", procs,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,
