@@ -12,7 +12,7 @@ LDFLAGS := -X main.version=$(VERSION)
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image wheel soak soak-invalidation
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image image-cuda wheel soak soak-invalidation
 
 all: build
 
@@ -125,6 +125,14 @@ IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 IMAGE_TAG  ?= kvoffloadd:$(VERSION)
 image:
 	$(GO) run ./deploy/image --arch $(IMAGE_ARCH) --tag $(IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-image.tar
+
+# The CUDA build's image (deploy/image --cuda): bin/kvoffloadd-cuda-image.tar,
+# for this machine's architecture, with the C libraries the daemon links
+# copied from here but libcuda.so.1, which the NVIDIA container toolkit
+# mounts from the node's driver. docs/operations.md, The CUDA image.
+CUDA_IMAGE_TAG ?= kvoffloadd-cuda:$(VERSION)
+image-cuda:
+	$(CUDA_ENV) && $(GO) run ./deploy/image --cuda --tag $(CUDA_IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-cuda-image.tar
 
 # The Python client and connector as a wheel and an sdist, built offline
 # with the system's setuptools (Debian: python3-build python3-setuptools
