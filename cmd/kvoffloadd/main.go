@@ -132,6 +132,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		copier.Close()
 		return err
 	}
+	// Whether the arena could be locked (mlock): without CAP_IPC_LOCK or a
+	// large enough RLIMIT_MEMLOCK (a Pod Security baseline or restricted
+	// pod) it serves unlocked, said once in the log and here.
+	cpuTier := svc.CPU()
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvoffload_cpu_arena_locked",
+		Help: "1 when the CPU tier's arena is locked in memory (mlock), 0 when it could not be (no CAP_IPC_LOCK, RLIMIT_MEMLOCK too small) and may be swapped out.",
+	}, func() float64 {
+		if cpuTier.Locked() {
+			return 1
+		}
+		return 0
+	}))
 	stopFaults := faultsAfterRecovery(svc.DiskRecovered(), startFaults)
 	// From the start: its first message is a reset, then the blocks the
 	// disk tier's recovery brings back as they come.
