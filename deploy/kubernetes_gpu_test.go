@@ -22,36 +22,9 @@ import (
 // and asks for no host namespace; the daemon's flags pass its own
 // validation; the connector names the daemon's socket, which both mount.
 func TestKubernetesGPUPod(t *testing.T) {
-	const file = "kubernetes/gpu/vllm-kvoffloadd-gpu.yaml"
-	var dep *appsv1.Deployment
-	templates := map[string]*resourcev1.ResourceClaimTemplate{}
-	for i, doc := range regexp.MustCompile(`(?m)^---[ \t]*$`).Split(string(readFile(t, file)), -1) {
-		var tm metav1.TypeMeta
-		if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
-			t.Fatalf("document %d: %v", i, err)
-		}
-		var obj any
-		var rt *resourcev1.ResourceClaimTemplate
-		switch tm.APIVersion + " " + tm.Kind {
-		case "apps/v1 Deployment":
-			dep = &appsv1.Deployment{}
-			obj = dep
-		case "resource.k8s.io/v1 ResourceClaimTemplate":
-			rt = &resourcev1.ResourceClaimTemplate{}
-			obj = rt
-		default:
-			t.Fatalf("document %d: kind %q %q is not one this test knows", i, tm.APIVersion, tm.Kind)
-		}
-		if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
-			t.Fatalf("document %d (%s): %v", i, tm.Kind, err)
-		}
-		if rt != nil {
-			templates[rt.Name] = rt
-		}
-	}
-	if dep == nil {
-		t.Fatal("no Deployment")
-	}
+	g := decodeGPUPod(t)
+	dep, templates := g.deployment, g.templates
+	const file = gpuPodFile
 	spec := &dep.Spec.Template.Spec
 	var daemon, engine *corev1.Container
 	for i := range spec.InitContainers {
@@ -116,6 +89,7 @@ func TestKubernetesGPUPod(t *testing.T) {
 	}
 
 	// The daemon's flags, and the connector's socket.
+	checkSidecarSecurity(t, spec, daemon, engine)
 	checkDaemonArgs(t, "GPU pod kvoffloadd args", daemon.Args)
 	socket, _ := flagValue(daemon.Args, "socket")
 	i := slices.Index(engine.Args, "--kv-transfer-config")
@@ -144,4 +118,48 @@ func TestKubernetesGPUPod(t *testing.T) {
 	if v, _ := mountOf(daemon, "/dev/shm/x"); v != "" {
 		t.Errorf("kvoffloadd mounts %s at /dev/shm, which the CUDA path does not use", v)
 	}
+}
+
+const gpuPodFile = "kubernetes/gpu/vllm-kvoffloadd-gpu.yaml"
+
+type gpuPod struct {
+	deployment *appsv1.Deployment
+	templates  map[string]*resourcev1.ResourceClaimTemplate
+}
+
+// decodeGPUPod decodes the GPU pod's file strictly into the Kubernetes API
+// types.
+func decodeGPUPod(t *testing.T) *gpuPod {
+	t.Helper()
+	const file = gpuPodFile
+	var dep *appsv1.Deployment
+	templates := map[string]*resourcev1.ResourceClaimTemplate{}
+	for i, doc := range regexp.MustCompile(`(?m)^---[ \t]*$`).Split(string(readFile(t, file)), -1) {
+		var tm metav1.TypeMeta
+		if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
+			t.Fatalf("document %d: %v", i, err)
+		}
+		var obj any
+		var rt *resourcev1.ResourceClaimTemplate
+		switch tm.APIVersion + " " + tm.Kind {
+		case "apps/v1 Deployment":
+			dep = &appsv1.Deployment{}
+			obj = dep
+		case "resource.k8s.io/v1 ResourceClaimTemplate":
+			rt = &resourcev1.ResourceClaimTemplate{}
+			obj = rt
+		default:
+			t.Fatalf("document %d: kind %q %q is not one this test knows", i, tm.APIVersion, tm.Kind)
+		}
+		if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
+			t.Fatalf("document %d (%s): %v", i, tm.Kind, err)
+		}
+		if rt != nil {
+			templates[rt.Name] = rt
+		}
+	}
+	if dep == nil {
+		t.Fatal("no Deployment")
+	}
+	return &gpuPod{dep, templates}
 }
