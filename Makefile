@@ -2,14 +2,17 @@
 # runs every test. See README.md.
 GO      ?= go
 PYTHON  ?= /usr/bin/python3
-VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+# The project's one version (the VERSION file): the daemon's --version and
+# Stats, the image's tag, the wheel's (kvoffload/_version.py must agree:
+# `make wheel` refuses otherwise).
+VERSION ?= $(shell cat VERSION)
 LDFLAGS := -X main.version=$(VERSION)
 
 # The CUDA build (docs/cuda.md): scripts/cuda-sdk.sh fetches cuda.h and the
 # libcuda.so stub once into ~/.cache and prints the cgo flags.
 CUDA_ENV = eval "$$(./scripts/cuda-sdk.sh)"
 
-.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image soak soak-invalidation
+.PHONY: all build kvbench kvbench-restart run test deps test-go test-policy test-python soak-connector vet fmt proto bench clean build-cuda cuda-check gpu-check gpu-bundle image image-cuda wheel soak soak-invalidation
 
 all: build
 
@@ -122,6 +125,25 @@ IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
 IMAGE_TAG  ?= kvoffloadd:$(VERSION)
 image:
 	$(GO) run ./deploy/image --arch $(IMAGE_ARCH) --tag $(IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-image.tar
+
+# The CUDA build's image (deploy/image --cuda): bin/kvoffloadd-cuda-image.tar,
+# for this machine's architecture, with the C libraries the daemon links
+# copied from here but libcuda.so.1, which the NVIDIA container toolkit
+# mounts from the node's driver. docs/operations.md, The CUDA image.
+CUDA_IMAGE_TAG ?= kvoffloadd-cuda:$(VERSION)
+image-cuda:
+	$(CUDA_ENV) && $(GO) run ./deploy/image --cuda --tag $(CUDA_IMAGE_TAG) --version $(VERSION) --out bin/kvoffloadd-cuda-image.tar
+
+# The Python client and connector as a wheel and an sdist, built offline
+# with the system's setuptools (Debian: python3-build python3-setuptools
+# python3-wheel): dist/kvoffload-$(VERSION)-py3-none-any.whl and
+# dist/kvoffload-$(VERSION).tar.gz. docs/vllm.md, Install.
+WHEEL_DIR ?= dist
+wheel:
+	@v=$$(sed -n 's/^__version__ = "\(.*\)"$$/\1/p' clients/python/kvoffload/_version.py); \
+	  [ "$$v" = "$$(cat VERSION)" ] || { echo "wheel: VERSION says $$(cat VERSION), clients/python/kvoffload/_version.py says $$v" >&2; exit 1; }
+	$(PYTHON) -m build --no-isolation --sdist --wheel --outdir $(WHEEL_DIR) clients/python
+	rm -rf clients/python/build clients/python/kvoffload.egg-info
 
 clean:
 	rm -rf bin dist

@@ -59,7 +59,7 @@ func TestGrafanaDashboard(t *testing.T) {
 	if d.UID == "" || d.Title == "" {
 		t.Error("the dashboard has no uid or title")
 	}
-	s := workloadSeries(t)
+	s := remoteSeries(t)
 
 	vars := map[string]bool{}
 	for _, v := range d.Templating.List {
@@ -137,6 +137,8 @@ func TestGrafanaDashboard(t *testing.T) {
 		"kvoffload_job_duration_seconds_bucket", "kvoffload_disk_io_seconds_bucket", `sum by (op, status) (rate(kvoffload_blocks_total{status!="ok"`,
 		"kvoffload_tier_used_bytes", "kvoffload_tier_capacity_bytes", "kvoffload_evictions_total", "kvoffload_disk_errors_total",
 		"kvoffload_disk_quarantined_slots", "kvoffload_copy_queue_depth", "kvoffload_pending_jobs",
+		// The remote tier (issue 33).
+		"kvoffload_remote_up", "kvoffload_remote_pending_deletes", "kvoffload_remote_errors_total",
 	} {
 		if !strings.Contains(queried, want) {
 			t.Errorf("no panel queries %s", want)

@@ -280,32 +280,9 @@ func TestKubernetesManifests(t *testing.T) {
 	})
 
 	t.Run("security", func(t *testing.T) {
-		sc := d.SecurityContext
-		if sc == nil || sc.Capabilities == nil {
-			t.Fatal("kvoffloadd has no securityContext.capabilities")
-		}
-		hasAdd := func(c corev1.Capability) bool {
-			for _, a := range sc.Capabilities.Add {
-				if a == c {
-					return true
-				}
-			}
-			return false
-		}
-		if !hasAdd("IPC_LOCK") {
-			t.Error("kvoffloadd: IPC_LOCK not added: the arena stays unlocked")
-		}
-		if len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL" || len(sc.Capabilities.Add) != 1 {
-			t.Errorf("kvoffloadd capabilities: drop %v add %v; want every one dropped but IPC_LOCK", sc.Capabilities.Drop, sc.Capabilities.Add)
-		}
-		// Added capabilities take effect for uid 0 only: Kubernetes sets no
-		// ambient capabilities.
-		if sc.RunAsUser == nil || *sc.RunAsUser != 0 {
-			t.Error("kvoffloadd adds IPC_LOCK but does not run as uid 0: the capability would not take effect")
-		}
-		if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
-			t.Error("kvoffloadd: want allowPrivilegeEscalation false and a read-only root filesystem")
-		}
+		// Pod Security itself is deploy/podsecurity_test.go's; here what
+		// the daemon needs of it: its client's uid, no capability.
+		checkSidecarSecurity(t, p.spec, d, e)
 	})
 
 	t.Run("probes", func(t *testing.T) {

@@ -98,7 +98,7 @@ func TestPrometheusAlerts(t *testing.T) {
 			}
 		}
 	}
-	s := workloadSeries(t)
+	s := remoteSeries(t)
 	alerts := map[string]bool{}
 	for _, g := range rules.Groups {
 		for _, r := range g.Rules {
@@ -117,7 +117,9 @@ func TestPrometheusAlerts(t *testing.T) {
 	}
 	// What issue 14 asks to be alerted on.
 	for _, want := range []string{"KvoffloaddDown", "KvoffloaddDiskIOErrors", "KvoffloaddDiskCorruptReads",
-		"KvoffloaddDiskSlotsQuarantined", "KvoffloaddDiskRefusingWrites", "KvoffloaddStoresNoSpace"} {
+		"KvoffloaddDiskSlotsQuarantined", "KvoffloaddDiskRefusingWrites", "KvoffloaddStoresNoSpace",
+		// And issue 33: the remote tier down, invalidations not yet written.
+		"KvoffloaddRemoteDown", "KvoffloaddRemoteInvalidationsPending"} {
 		if !alerts[want] {
 			t.Errorf("no alert %s", want)
 		}

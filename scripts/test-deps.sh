@@ -28,6 +28,10 @@ PACKAGES=(
   python3-pytest    #   their runner
   python3-msgpack   # KV events: vLLM's event encoding
   python3-zmq       # KV events: the ZMQ publisher
+  python3-build     # make wheel: the connector's wheel and sdist, offline
+  python3-setuptools #   their build backend
+  python3-wheel     #   the wheel format
+  python3-venv      #   the test that installs the wheel into a fresh venv
   redis-server      # kvbench's Redis baseline, the remote tier's test cluster
   redis-tools       # redis-cli --cluster create for that cluster
   prometheus        # promtool: check and unit-test deploy/prometheus/alerts.yml

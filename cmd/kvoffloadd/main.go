@@ -71,7 +71,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		return err
 	}
 	if cfg.showVersion {
-		fmt.Fprintln(stdout, "kvoffloadd", version)
+		fmt.Fprintf(stdout, "kvoffloadd %s (API protocol %d)\n", version, server.ProtocolVersion)
 		return nil
 	}
 	if err := checkMemory(cfg); err != nil {
@@ -136,6 +136,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		copier.Close()
 		return err
 	}
+	// Whether the arena could be locked (mlock): without CAP_IPC_LOCK or a
+	// large enough RLIMIT_MEMLOCK (a Pod Security baseline or restricted
+	// pod) it serves unlocked, said once in the log and here.
+	cpuTier := svc.CPU()
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvoffload_cpu_arena_locked",
+		Help: "1 when the CPU tier's arena is locked in memory (mlock), 0 when it could not be (no CAP_IPC_LOCK, RLIMIT_MEMLOCK too small) and may be swapped out.",
+	}, func() float64 {
+		if cpuTier.Locked() {
+			return 1
+		}
+		return 0
+	}))
 	stopFaults := faultsAfterRecovery(svc.DiskRecovered(), startFaults)
 	// From the start: its first message is a reset, then the blocks the
 	// disk tier's recovery brings back as they come.
@@ -213,7 +226,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()
 	used, _ := svc.CPU().Usage()
-	log.Info("kvoffloadd serving", "version", version, "socket", cfg.socket, "metrics", cfg.metricsAddr,
+	log.Info("kvoffloadd serving", "version", version, "protocol", server.ProtocolVersion, "socket", cfg.socket, "metrics", cfg.metricsAddr,
 		"cpu_bytes", svc.CPU().Capacity(), "cpu_chunk_bytes", svc.CPU().ChunkBytes(), "arena_locked", svc.CPU().Locked(),
 		"cpu_used_bytes", used, "copy_engine", copier.Name(), "io_workers", cfg.ioWorkers, "gomaxprocs", procs,
 		"disk_dirs", len(cfg.diskDirs), "disk_bytes_per_dir", cfg.diskBytes, "write_through", cfg.writeThrough,

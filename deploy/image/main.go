@@ -7,14 +7,22 @@
 // import` and `skopeo copy oci-archive:` all take it. The same sources and
 // version give the same image digest: every time stamp is the epoch.
 //
-// The image is the host build. The CUDA build links the driver's
-// libcuda.so.1 and needs a glibc base; docs/operations.md says how.
+// With --cuda the image holds the CUDA build (`make image-cuda`): the daemon
+// is built with cgo and -tags cuda against the libcuda stub of
+// scripts/cuda-sdk.sh (whose CGO_CFLAGS and CGO_LDFLAGS the caller exports),
+// and the layer adds the C libraries it needs, copied from this machine with
+// their loader, into Debian's multiarch directory (/usr/lib/<triplet>, which
+// the loader searches). libcuda.so.1 is left out on purpose: it must be the
+// node driver's own, which the NVIDIA container toolkit mounts into the
+// container at run time (docs/operations.md, The CUDA image).
 package main
 
 import (
 	"archive/tar"
 	"bytes"
+	"debug/elf"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -44,16 +52,20 @@ func main() {
 	tag := flag.String("tag", "kvoffloadd:dev", "name:tag the archive carries.")
 	version := flag.String("version", "dev", "version compiled into the daemon (kvoffloadd --version).")
 	repo := flag.String("repo", ".", "repository root to build from.")
+	cuda := flag.Bool("cuda", false, "the CUDA build, with the C libraries it links but libcuda.so.1 (run with scripts/cuda-sdk.sh's flags exported; --arch must be this machine's).")
 	flag.Parse()
-	if err := run(*repo, *out, *arch, *tag, *version); err != nil {
+	if err := run(*repo, *out, *arch, *tag, *version, *cuda); err != nil {
 		fmt.Fprintln(os.Stderr, "image:", err)
 		os.Exit(1)
 	}
 }
 
-func run(repo, out, arch, tag, version string) error {
+func run(repo, out, arch, tag, version string, cuda bool) error {
 	if arch != "amd64" && arch != "arm64" {
 		return fmt.Errorf("--arch %q: want amd64 or arm64", arch)
+	}
+	if cuda && arch != runtime.GOARCH {
+		return fmt.Errorf("--cuda --arch %s: the CUDA build links this machine's C libraries (%s); build it on an %s machine", arch, runtime.GOARCH, arch)
 	}
 	name, ref, ok := strings.Cut(tag, ":")
 	if !ok || name == "" || ref == "" || strings.ContainsAny(ref, "/@") {
@@ -68,9 +80,15 @@ func run(repo, out, arch, tag, version string) error {
 	bins := map[string][]byte{}
 	for path, pkg := range files {
 		bin := filepath.Join(tmp, filepath.Base(path))
-		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-X main.version="+version, "-o", bin, pkg)
+		args := []string{"build", "-trimpath", "-ldflags", "-X main.version=" + version, "-o", bin}
+		env := append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
+		if cuda && path == deploy.DaemonPath {
+			args = append(args, "-tags", "cuda")
+			env = append(os.Environ(), "CGO_ENABLED=1", "GOOS=linux", "GOARCH="+arch)
+		}
+		cmd := exec.Command("go", append(args, pkg)...)
 		cmd.Dir = repo
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
+		cmd.Env = env
 		if b, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("go build %s: %v\n%s", pkg, err, b)
 		}
@@ -78,7 +96,13 @@ func run(repo, out, arch, tag, version string) error {
 			return err
 		}
 	}
-	img, err := build(bins, arch, version)
+	var libs *sharedLibs
+	if cuda {
+		if libs, err = libsOf(filepath.Join(tmp, filepath.Base(deploy.DaemonPath)), arch); err != nil {
+			return err
+		}
+	}
+	img, err := build(bins, libs, arch, version)
 	if err != nil {
 		return err
 	}
@@ -88,9 +112,91 @@ func run(repo, out, arch, tag, version string) error {
 // epoch is every time stamp in the image, so that it is reproducible.
 var epoch = time.Unix(0, 0).UTC()
 
+// CUDADriverLib is the library the CUDA build links and the image leaves
+// out: the NVIDIA container toolkit mounts the node driver's.
+const CUDADriverLib = "libcuda.so.1"
+
+// sharedLibs are the C libraries a dynamically linked daemon needs, by
+// their path in the image, and its loader.
+type sharedLibs struct {
+	dir    string            // /usr/lib/<triplet>
+	files  map[string][]byte // image path -> bytes
+	interp string            // the loader's path as the binary names it
+	loader string            // where the loader's bytes are (in dir)
+}
+
+var triplets = map[string]string{"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+
+// libsOf finds, on this machine, the loader of the binary at bin and every
+// library it needs, directly or through another, but libcuda.so.1.
+func libsOf(bin, arch string) (*sharedLibs, error) {
+	f, err := elf.Open(bin)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var interp string
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			b, err := io.ReadAll(p.Open())
+			if err != nil {
+				return nil, err
+			}
+			interp = strings.TrimRight(string(b), "\x00")
+		}
+	}
+	if interp == "" {
+		return nil, errors.New("the CUDA build is statically linked: no loader to copy (was cgo on?)")
+	}
+	dir := "/usr/lib/" + triplets[arch]
+	libs := &sharedLibs{dir: dir, files: map[string][]byte{}, interp: interp, loader: dir + "/" + filepath.Base(interp)}
+	if libs.files[libs.loader], err = os.ReadFile(interp); err != nil {
+		return nil, fmt.Errorf("the loader %s: %w", interp, err)
+	}
+	var add func(f *elf.File, who string) error
+	add = func(f *elf.File, who string) error {
+		needed, err := f.ImportedLibraries()
+		if err != nil {
+			return err
+		}
+		for _, name := range needed {
+			if name == CUDADriverLib || name == filepath.Base(interp) || libs.files[dir+"/"+name] != nil {
+				continue
+			}
+			var found string
+			for _, d := range []string{"/lib/" + triplets[arch], dir, "/lib64", "/usr/lib64", "/lib", "/usr/lib"} {
+				if _, err := os.Stat(filepath.Join(d, name)); err == nil {
+					found = filepath.Join(d, name)
+					break
+				}
+			}
+			if found == "" {
+				return fmt.Errorf("%s needs %s, which this machine lacks", who, name)
+			}
+			b, err := os.ReadFile(found)
+			if err != nil {
+				return err
+			}
+			libs.files[dir+"/"+name] = b
+			lf, err := elf.NewFile(bytes.NewReader(b))
+			if err != nil {
+				return fmt.Errorf("%s: %w", found, err)
+			}
+			if err := add(lf, name); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if err := add(f, "kvoffloadd"); err != nil {
+		return nil, err
+	}
+	return libs, nil
+}
+
 // build makes the image: one layer, the daemon as entrypoint, a non-root
-// user, the metrics port exposed.
-func build(bins map[string][]byte, arch, version string) (v1.Image, error) {
+// user, the metrics port exposed; with libs, the CUDA build's C libraries.
+func build(bins map[string][]byte, libs *sharedLibs, arch, version string) (v1.Image, error) {
 	uid, gid, _ := strings.Cut(deploy.ImageUser, ":")
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -132,6 +238,31 @@ func build(bins map[string][]byte, arch, version string) (v1.Image, error) {
 	for _, p := range paths {
 		steps = append(steps, func() error { return file(strings.TrimPrefix(p, "/"), 0o755, bins[p]) })
 	}
+	if libs != nil {
+		// Debian's merged /usr: /lib is /usr/lib. The loader is at the path
+		// the binary names (/lib64/... on amd64, /lib/... on arm64).
+		steps = append(steps,
+			func() error {
+				return tw.WriteHeader(&tar.Header{Typeflag: tar.TypeSymlink, Name: "lib", Linkname: "usr/lib", Mode: 0o777, ModTime: epoch, Format: tar.FormatPAX})
+			},
+			func() error { return dir("usr/lib", 0o755, "0") },
+			func() error { return dir(strings.TrimPrefix(libs.dir, "/"), 0o755, "0") })
+		names := make([]string, 0, len(libs.files))
+		for p := range libs.files {
+			names = append(names, p)
+		}
+		sort.Strings(names)
+		for _, p := range names {
+			steps = append(steps, func() error { return file(strings.TrimPrefix(p, "/"), 0o755, libs.files[p]) })
+		}
+		if !strings.HasPrefix(libs.interp, "/lib/") {
+			steps = append(steps,
+				func() error { return dir(strings.TrimPrefix(filepath.Dir(libs.interp), "/"), 0o755, "0") },
+				func() error {
+					return tw.WriteHeader(&tar.Header{Typeflag: tar.TypeSymlink, Name: strings.TrimPrefix(libs.interp, "/"), Linkname: libs.loader, Mode: 0o777, ModTime: epoch, Format: tar.FormatPAX})
+				})
+		}
+	}
 	for _, step := range steps {
 		if err := step(); err != nil {
 			return nil, err
@@ -162,6 +293,13 @@ func build(bins map[string][]byte, arch, version string) (v1.Image, error) {
 	cfg = cfg.DeepCopy()
 	cfg.Architecture, cfg.OS, cfg.Created = arch, "linux", v1.Time{Time: epoch}
 	metrics := fmt.Sprintf("%d/tcp", deploy.MetricsPort)
+	env, desc := []string{"PATH=/usr/local/bin"}, "host build"
+	if libs != nil {
+		// The toolkit mounts the driver's libraries for the compute
+		// capability only when asked; which GPUs is the orchestrator's
+		// (NVIDIA_VISIBLE_DEVICES, a device plugin or a DRA claim).
+		env, desc = append(env, "NVIDIA_DRIVER_CAPABILITIES=compute,utility"), "CUDA build: the NVIDIA container toolkit provides libcuda.so.1"
+	}
 	cfg.Config = v1.Config{
 		Entrypoint: []string{deploy.DaemonPath},
 		// In a container only the metrics port reaches out; the socket is
@@ -169,12 +307,12 @@ func build(bins map[string][]byte, arch, version string) (v1.Image, error) {
 		Cmd:          []string{"--socket=/run/kvoffloadd/sock/kvoffloadd.sock", fmt.Sprintf("--metrics-addr=:%d", deploy.MetricsPort), "--metrics-expose"},
 		User:         deploy.ImageUser,
 		ExposedPorts: map[string]struct{}{metrics: {}},
-		Env:          []string{"PATH=/usr/local/bin"},
+		Env:          env,
 		WorkingDir:   "/",
 		StopSignal:   "SIGTERM",
 		Labels: map[string]string{
 			"org.opencontainers.image.title":       "kvoffloadd",
-			"org.opencontainers.image.description": "KV-cache offload daemon for LLM inference engines (host build)",
+			"org.opencontainers.image.description": "KV-cache offload daemon for LLM inference engines (" + desc + ")",
 			"org.opencontainers.image.version":     version,
 		},
 	}

@@ -50,8 +50,47 @@ const (
 	maxHeaderBytes    = 16 << 10
 )
 
-// Version is reported by Stats; the daemon sets it from its build.
+// Version is reported by Stats and Register; the daemon sets it from its
+// build (the VERSION file).
 var Version = "dev"
+
+// The API protocol: a number apart from the release version, raised when a
+// change makes a client and a daemon misread each other (a new meaning of an
+// old field, not a new optional field). The daemon speaks every protocol
+// from MinProtocolVersion to ProtocolVersion and refuses a Register in
+// another (checkProtocol). The Python client has the same number
+// (kvoffload/_version.py); deploy/version_test.go holds them together.
+const (
+	ProtocolVersion    = 1
+	MinProtocolVersion = 1
+)
+
+// checkProtocol refuses a client whose protocol the daemon does not speak,
+// naming both sides' versions so that the operator knows what to install.
+// 0 comes from clients older than the number: they speak protocol 1.
+func checkProtocol(req *pb.RegisterRequest) error {
+	p := req.GetProtocolVersion()
+	if p == 0 {
+		p = 1
+	}
+	if p >= MinProtocolVersion && p <= ProtocolVersion {
+		return nil
+	}
+	client := req.GetClientVersion()
+	if client == "" {
+		client = "unknown version"
+	}
+	return status.Errorf(codes.FailedPrecondition,
+		"version mismatch: kvoffloadd %s speaks API protocol %s, the client (kvoffload %s) speaks protocol %d: install the connector of the daemon's release",
+		Version, protocolRange(), client, p)
+}
+
+func protocolRange() string {
+	if MinProtocolVersion == ProtocolVersion {
+		return strconv.Itoa(ProtocolVersion)
+	}
+	return strconv.Itoa(MinProtocolVersion) + " to " + strconv.Itoa(ProtocolVersion)
+}
 
 // Config bounds what clients may make the server hold. Zero fields take
 // DefaultConfig's.
@@ -274,6 +313,10 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 	if !ok || !info.HasCred {
 		return nil, status.Error(codes.PermissionDenied, "Register needs a unix-socket connection: the daemon checks region files against the peer's credentials")
 	}
+	if err := checkProtocol(req); err != nil {
+		s.log.Warn("refused a client of another API protocol", "client", req.GetClientName(), "err", status.Convert(err).Message())
+		return nil, err
+	}
 	l := req.GetLayout()
 	if l == nil {
 		return nil, invalid("layout is missing")
@@ -326,7 +369,12 @@ func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.Reg
 		}
 		return nil, status.Error(codes.Canceled, "the connection closed during Register")
 	}
-	return &pb.RegisterResponse{RegistrationId: reg.ID, NamespaceId: reg.Namespace().ID, JoinedExisting: joined}, nil
+	proto := req.GetProtocolVersion()
+	if proto == 0 {
+		proto = 1
+	}
+	return &pb.RegisterResponse{RegistrationId: reg.ID, NamespaceId: reg.Namespace().ID, JoinedExisting: joined,
+		DaemonVersion: Version, ProtocolVersion: proto}, nil
 }
 
 // Unregister implements pb.KVOffloadServer.
@@ -482,6 +530,7 @@ func (s *Server) Stats(ctx context.Context, req *pb.StatsRequest) (*pb.StatsResp
 	out := &pb.StatsResponse{
 		Lookups: st.Lookups, LookupHits: st.LookupHits, BlocksStored: st.BlocksStored,
 		BlocksLoaded: st.BlocksLoaded, BlocksFailed: st.BlocksFailed, Evictions: st.Evictions, Version: Version,
+		ProtocolVersion: ProtocolVersion, MinProtocolVersion: MinProtocolVersion,
 	}
 	for _, t := range st.Tiers {
 		out.Tiers = append(out.Tiers, &pb.TierStats{Name: t.Name, CapacityBytes: t.CapacityBytes, UsedBytes: t.UsedBytes, Blocks: t.Blocks})

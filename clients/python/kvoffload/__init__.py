@@ -13,6 +13,7 @@
   (imports vLLM; load it with kv_connector_module_path="kvoffload.vllm").
 """
 
+from ._version import PROTOCOL_VERSION, __version__
 from .client import Client
 from .errors import (
     Cancelled,
@@ -47,9 +48,9 @@ from .types import (
     Tier,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
+    "PROTOCOL_VERSION",
     "Client",
     "KVOffloadError",
     "InvalidArgument",

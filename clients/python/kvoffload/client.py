@@ -29,7 +29,8 @@ import grpc
 
 from ._proto.kvoffload.v1 import kvoffload_pb2 as pb
 from ._proto.kvoffload.v1 import kvoffload_pb2_grpc as pb_grpc
-from .errors import DeadlineExceeded, InvalidArgument, KVOffloadError, error_for, from_rpc_error
+from ._version import PROTOCOL_VERSION, __version__
+from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KVOffloadError, error_for, from_rpc_error
 from .types import (
     BlockFailure,
     BlockStatus,
@@ -431,14 +432,28 @@ class Client:
             regions=[_region_pb(r) for r in regions],
             client_name=client_name,
             registration_key=bytes(registration_key),
+            protocol_version=PROTOCOL_VERSION,
+            client_version=__version__,
         )
         r = self._call("Register", req, timeout=timeout)
+        # The daemon refuses a protocol it does not speak; one older than the
+        # numbers answers 0 and speaks protocol 1.
+        proto = r.protocol_version or 1
+        if proto != PROTOCOL_VERSION:
+            try:
+                self.unregister(r.registration_id, timeout=timeout)
+            except KVOffloadError:
+                pass  # the connection's close releases it too
+            raise FailedPrecondition(
+                None, f"version mismatch: kvoffloadd {r.daemon_version or '(unknown version)'} answered in API protocol "
+                f"{proto}, this client (kvoffload {__version__}) speaks protocol {PROTOCOL_VERSION}: install the "
+                "connector of the daemon's release", "Register", from_daemon=False)
         # A new registration's cursor starts at 0. Its id may be one an
         # earlier daemon process gave out (ids start again at every start):
         # acknowledging that one's seq would drop this one's first results.
         with self._acked_lock:
             self._acked.pop(r.registration_id, None)
-        return Registration(r.registration_id, r.namespace_id, r.joined_existing)
+        return Registration(r.registration_id, r.namespace_id, r.joined_existing, r.daemon_version, proto)
 
     def resolve(self, fingerprints: Sequence[bytes], *, timeout: float | None = None) -> list[int]:
         """The namespace id of each fingerprint, 0 where none is registered."""
@@ -658,6 +673,8 @@ class Client:
             blocks_failed=r.blocks_failed,
             evictions=r.evictions,
             version=r.version,
+            protocol_version=r.protocol_version,
+            min_protocol_version=r.min_protocol_version,
             disk_recovery=DiskRecovery(
                 RecoveryState(r.disk_recovery.state)
                 if r.disk_recovery.state in RecoveryState._value2member_map_

@@ -159,6 +159,10 @@ class Registration:
     registration_id: int
     namespace_id: int
     joined_existing: bool
+    # The daemon's release and the API protocol it answered in ("" and 1
+    # from a daemon older than the numbers).
+    daemon_version: str = ""
+    protocol_version: int = 1
 
 
 @dataclass
@@ -278,6 +282,10 @@ class Stats:
     blocks_failed: int = 0
     evictions: int = 0
     version: str = ""
+    # The API protocols the daemon speaks (0 from a daemon older than the
+    # numbers).
+    protocol_version: int = 0
+    min_protocol_version: int = 0
     extra: dict = field(default_factory=dict)
     disk_recovery: DiskRecovery = DiskRecovery()
 

@@ -48,6 +48,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ._version import __version__
 from .client import Client
 from .daemon_process import DaemonProcess, daemon_pid, open_life, same_life as _same_life
 from .errors import (
@@ -384,9 +385,11 @@ class WorkerSide:
             self._down_since = None
             self._end_switch_locked(True)
             self._cv.notify_all()
-        log.info("kvoffload: registered %d regions (%s) as registration %d in namespace %d%s (daemon pid %s)",
+        log.info("kvoffload: registered %d regions (%s) as registration %d in namespace %d%s (daemon pid %s; "
+                 "kvoffloadd %s, kvoffload %s, API protocol %d)",
                  len(kv.regions), kv.device, reg.registration_id, reg.namespace_id,
-                 " (joined existing)" if reg.joined_existing else "", pid)
+                 " (joined existing)" if reg.joined_existing else "", pid,
+                 reg.daemon_version or "(unknown version)", __version__, reg.protocol_version)
         return True
 
     # -- bookkeeping (callers hold self._cv) -----------------------------------

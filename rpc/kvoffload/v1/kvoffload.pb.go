@@ -643,8 +643,14 @@ type RegisterRequest struct {
 	// registration's fingerprint by (FindRegistrations), e.g. an engine's
 	// identity and the worker's rank. Empty: not findable.
 	RegistrationKey []byte `protobuf:"bytes,60,opt,name=registration_key,json=registrationKey,proto3" json:"registration_key,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The API protocol the client speaks (docs/vllm.md, Versions); 0, from a
+	// client older than the number, means 1. A daemon that does not speak it
+	// refuses the call FAILED_PRECONDITION, naming both versions.
+	ProtocolVersion uint32 `protobuf:"varint,40,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"`
+	// The client's release version, for the daemon's log and error messages.
+	ClientVersion string `protobuf:"bytes,41,opt,name=client_version,json=clientVersion,proto3" json:"client_version,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
@@ -712,14 +718,31 @@ func (x *RegisterRequest) GetRegistrationKey() []byte {
 	return nil
 }
 
+func (x *RegisterRequest) GetProtocolVersion() uint32 {
+	if x != nil {
+		return x.ProtocolVersion
+	}
+	return 0
+}
+
+func (x *RegisterRequest) GetClientVersion() string {
+	if x != nil {
+		return x.ClientVersion
+	}
+	return ""
+}
+
 type RegisterResponse struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	RegistrationId uint64                 `protobuf:"varint,1,opt,name=registration_id,json=registrationId,proto3" json:"registration_id,omitempty"`
 	NamespaceId    uint32                 `protobuf:"varint,2,opt,name=namespace_id,json=namespaceId,proto3" json:"namespace_id,omitempty"`
 	// True when the namespace already existed (blocks may already be cached).
 	JoinedExisting bool `protobuf:"varint,3,opt,name=joined_existing,json=joinedExisting,proto3" json:"joined_existing,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The daemon's release version and the protocol it answered in.
+	DaemonVersion   string `protobuf:"bytes,40,opt,name=daemon_version,json=daemonVersion,proto3" json:"daemon_version,omitempty"`
+	ProtocolVersion uint32 `protobuf:"varint,41,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *RegisterResponse) Reset() {
@@ -771,6 +794,20 @@ func (x *RegisterResponse) GetJoinedExisting() bool {
 		return x.JoinedExisting
 	}
 	return false
+}
+
+func (x *RegisterResponse) GetDaemonVersion() string {
+	if x != nil {
+		return x.DaemonVersion
+	}
+	return ""
+}
+
+func (x *RegisterResponse) GetProtocolVersion() uint32 {
+	if x != nil {
+		return x.ProtocolVersion
+	}
+	return 0
 }
 
 type UnregisterRequest struct {
@@ -2218,9 +2255,13 @@ type StatsResponse struct {
 	Version      string                 `protobuf:"bytes,9,opt,name=version,proto3" json:"version,omitempty"`
 	// The disk tier's recovery of its files after a start; absent without a
 	// disk tier. (Field 20, not 10: room for other counters in between.)
-	DiskRecovery  *DiskRecovery `protobuf:"bytes,20,opt,name=disk_recovery,json=diskRecovery,proto3" json:"disk_recovery,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DiskRecovery *DiskRecovery `protobuf:"bytes,20,opt,name=disk_recovery,json=diskRecovery,proto3" json:"disk_recovery,omitempty"`
+	// The newest API protocol the daemon speaks (version above is its
+	// release); it also takes every protocol from min_protocol_version up.
+	ProtocolVersion    uint32 `protobuf:"varint,40,opt,name=protocol_version,json=protocolVersion,proto3" json:"protocol_version,omitempty"`
+	MinProtocolVersion uint32 `protobuf:"varint,41,opt,name=min_protocol_version,json=minProtocolVersion,proto3" json:"min_protocol_version,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *StatsResponse) Reset() {
@@ -2321,6 +2362,20 @@ func (x *StatsResponse) GetDiskRecovery() *DiskRecovery {
 		return x.DiskRecovery
 	}
 	return nil
+}
+
+func (x *StatsResponse) GetProtocolVersion() uint32 {
+	if x != nil {
+		return x.ProtocolVersion
+	}
+	return 0
+}
+
+func (x *StatsResponse) GetMinProtocolVersion() uint32 {
+	if x != nil {
+		return x.MinProtocolVersion
+	}
+	return 0
 }
 
 // DiskRecovery is the progress of the disk tier's recovery: the daemon
@@ -2650,18 +2705,22 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\fblock_stride\x18\x04 \x01(\x04R\vblockStride\x12\x1d\n" +
 	"\n" +
 	"num_blocks\x18\x05 \x01(\rR\tnumBlocksB\b\n" +
-	"\x06memory\"\xdd\x01\n" +
+	"\x06memory\"\xaf\x02\n" +
 	"\x0fRegisterRequest\x12 \n" +
 	"\vfingerprint\x18\x01 \x01(\fR\vfingerprint\x12,\n" +
 	"\x06layout\x18\x02 \x01(\v2\x14.kvoffload.v1.LayoutR\x06layout\x12.\n" +
 	"\aregions\x18\x03 \x03(\v2\x14.kvoffload.v1.RegionR\aregions\x12\x1f\n" +
 	"\vclient_name\x18\x04 \x01(\tR\n" +
 	"clientName\x12)\n" +
-	"\x10registration_key\x18< \x01(\fR\x0fregistrationKey\"\x87\x01\n" +
+	"\x10registration_key\x18< \x01(\fR\x0fregistrationKey\x12)\n" +
+	"\x10protocol_version\x18( \x01(\rR\x0fprotocolVersion\x12%\n" +
+	"\x0eclient_version\x18) \x01(\tR\rclientVersion\"\xd9\x01\n" +
 	"\x10RegisterResponse\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\x12!\n" +
 	"\fnamespace_id\x18\x02 \x01(\rR\vnamespaceId\x12'\n" +
-	"\x0fjoined_existing\x18\x03 \x01(\bR\x0ejoinedExisting\"<\n" +
+	"\x0fjoined_existing\x18\x03 \x01(\bR\x0ejoinedExisting\x12%\n" +
+	"\x0edaemon_version\x18( \x01(\tR\rdaemonVersion\x12)\n" +
+	"\x10protocol_version\x18) \x01(\rR\x0fprotocolVersion\"<\n" +
 	"\x11UnregisterRequest\x12'\n" +
 	"\x0fregistration_id\x18\x01 \x01(\x04R\x0eregistrationId\"\x14\n" +
 	"\x12UnregisterResponse\"4\n" +
@@ -2753,7 +2812,7 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\fnamespace_id\x18\x01 \x01(\rR\vnamespaceId\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\fR\vfingerprint\x12$\n" +
 	"\rregistrations\x18\x03 \x01(\rR\rregistrations\x12\x16\n" +
-	"\x06blocks\x18\x04 \x01(\x04R\x06blocks\"\x9f\x03\n" +
+	"\x06blocks\x18\x04 \x01(\x04R\x06blocks\"\xfc\x03\n" +
 	"\rStatsResponse\x12-\n" +
 	"\x05tiers\x18\x01 \x03(\v2\x17.kvoffload.v1.TierStatsR\x05tiers\x12<\n" +
 	"\n" +
@@ -2767,7 +2826,9 @@ const file_kvoffload_v1_kvoffload_proto_rawDesc = "" +
 	"\rblocks_failed\x18\a \x01(\x04R\fblocksFailed\x12\x1c\n" +
 	"\tevictions\x18\b \x01(\x04R\tevictions\x12\x18\n" +
 	"\aversion\x18\t \x01(\tR\aversion\x12?\n" +
-	"\rdisk_recovery\x18\x14 \x01(\v2\x1a.kvoffload.v1.DiskRecoveryR\fdiskRecovery\"\xb4\x02\n" +
+	"\rdisk_recovery\x18\x14 \x01(\v2\x1a.kvoffload.v1.DiskRecoveryR\fdiskRecovery\x12)\n" +
+	"\x10protocol_version\x18( \x01(\rR\x0fprotocolVersion\x120\n" +
+	"\x14min_protocol_version\x18) \x01(\rR\x12minProtocolVersion\"\xb4\x02\n" +
 	"\fDiskRecovery\x121\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x1b.kvoffload.v1.RecoveryStateR\x05state\x12\x1f\n" +
 	"\vslots_total\x18\x02 \x01(\x04R\n" +
