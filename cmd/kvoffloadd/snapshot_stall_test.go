@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
@@ -28,6 +30,10 @@ import (
 //
 //	KVOFFLOAD_SNAPSHOT_BLOCKS=1000000 go test -count=1 -v -run TestSnapshotStall ./cmd/kvoffloadd/
 func TestSnapshotStall(t *testing.T) {
+	if sock := os.Getenv("KVOFFLOAD_SNAPSHOT_READER"); sock != "" {
+		readSnapshot(t, sock)
+		return
+	}
 	n, _ := strconv.Atoi(os.Getenv("KVOFFLOAD_SNAPSHOT_BLOCKS"))
 	if n <= 0 {
 		t.Skip("a measurement: set KVOFFLOAD_SNAPSHOT_BLOCKS=N to run it")
@@ -142,29 +148,20 @@ func TestSnapshotStall(t *testing.T) {
 				}
 			}
 		}()
+		// The router: another process (this test binary again), on its
+		// own connection, as a router is.
 		t0 := time.Now()
-		wctx, cancel := context.WithCancel(ctx)
-		w, err := c.API.WatchEvents(wctx, &pb.WatchEventsRequest{})
+		reader := exec.Command(os.Args[0], "-test.run", "^TestSnapshotStall$", "-test.v")
+		reader.Env = append(os.Environ(), "KVOFFLOAD_SNAPSHOT_READER="+sock)
+		outb, err := reader.CombinedOutput()
 		if err != nil {
-			t.Fatal(err)
-		}
-		stored := 0
-		for caught := false; !caught; {
-			resp, err := w.Recv()
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, e := range resp.Events {
-				switch e.Kind {
-				case pb.EventKind_EVENT_KIND_BLOCK_STORED:
-					stored++
-				case pb.EventKind_EVENT_KIND_CAUGHT_UP:
-					caught = true
-				}
-			}
+			t.Fatalf("the reader: %v\n%s", err, outb)
 		}
 		took := time.Since(t0)
-		cancel()
+		stored := 0
+		if _, after, ok := strings.Cut(string(outb), "snapshot blocks: "); ok {
+			fmt.Sscan(after, &stored)
+		}
 		close(stop)
 		wg.Wait()
 		close(done)
@@ -173,6 +170,38 @@ func TestSnapshotStall(t *testing.T) {
 			n, r, stored, took.Round(time.Millisecond), pct(idle), pct(during), before>>20, peak>>20, (peak-before)/int64(n), after>>20)
 		if stored != n {
 			t.Errorf("the snapshot held %d blocks, want %d", stored, n)
+		}
+	}
+}
+
+// readSnapshot reads a snapshot of every namespace up to its CAUGHT_UP and
+// prints how many blocks it held.
+func readSnapshot(t *testing.T, sock string) {
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w, err := c.API.WatchEvents(ctx, &pb.WatchEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stored := 0
+	for {
+		resp, err := w.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range resp.Events {
+			switch e.Kind {
+			case pb.EventKind_EVENT_KIND_BLOCK_STORED:
+				stored++
+			case pb.EventKind_EVENT_KIND_CAUGHT_UP:
+				fmt.Printf("snapshot blocks: %d\n", stored)
+				return
+			}
 		}
 	}
 }
