@@ -426,3 +426,35 @@ func TestReplayStalledPeer(t *testing.T) {
 	}
 	waitStats(t, s, "the stalled peer dropped", func(st ReplayStats) bool { return st.Dropped == 1 && st.Conns == 1 })
 }
+
+// TestReplayIPC: an ipc:// endpoint (a unix socket, replacing the stale
+// one a killed daemon left) answers a zmq4 DEALER.
+func TestReplayIPC(t *testing.T) {
+	path := t.TempDir() + "/replay.ipc"
+	stale, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale.(*net.UnixListener).SetUnlinkOnClose(false)
+	stale.Close()
+	lis, err := listenReplay("ipc://" + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := newReplayBuf(10, 1<<20)
+	for q := uint64(0); q < 3; q++ {
+		b.add(q, payloadOf(q, 10))
+	}
+	s := newReplayServer(lis, b, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	defer s.close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	d := zmq4.NewDealer(ctx)
+	defer d.Close()
+	if err := d.Dial("ipc://" + path); err != nil {
+		t.Fatal(err)
+	}
+	if got := dealerReplay(t, d, 1, 10); !equalSeqs(got, seqRange(1, 3)) {
+		t.Fatalf("replay over ipc: %v", got)
+	}
+}

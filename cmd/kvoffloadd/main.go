@@ -358,6 +358,7 @@ func registerReplayMetrics(reg prometheus.Registerer, pub *events.Publisher) {
 	counter("kvoffload_events_replay_requests_total", reqHelp, prometheus.Labels{"result": "answered"}, func(s events.ReplayStats) uint64 { return s.Requests })
 	counter("kvoffload_events_replay_requests_total", reqHelp, prometheus.Labels{"result": "malformed"}, func(s events.ReplayStats) uint64 { return s.Malformed })
 	counter("kvoffload_events_replay_sent_batches_total", "Batches sent in replay replies.", nil, func(s events.ReplayStats) uint64 { return s.Sent })
+	counter("kvoffload_events_replay_truncated_total", "Replay replies that stopped at a batch the buffer dropped while they were sent.", nil, func(s events.ReplayStats) uint64 { return s.Truncated })
 	const closedHelp = "Replay connections closed by the daemon: refused (past the bound) or dropped (a bad handshake or frame, a peer not reading, idle)."
 	counter("kvoffload_events_replay_closed_connections_total", closedHelp, prometheus.Labels{"reason": "refused"}, func(s events.ReplayStats) uint64 { return s.Refused })
 	counter("kvoffload_events_replay_closed_connections_total", closedHelp, prometheus.Labels{"reason": "dropped"}, func(s events.ReplayStats) uint64 { return s.Dropped })
