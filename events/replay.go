@@ -211,15 +211,21 @@ func newReplayServer(lis net.Listener, buf *replayBuf, log *slog.Logger) *replay
 
 func (s *replayServer) accept() {
 	defer s.wg.Done()
+	backoff := 5 * time.Millisecond
 	for {
 		c, err := s.lis.Accept()
 		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return
 			}
-			return // closed
+			// Out of file descriptors, say: the listener stays, and
+			// accepting resumes once it can.
+			s.warn("events: replay socket cannot accept", "err", err, "retry_in", backoff)
+			time.Sleep(backoff)
+			backoff = min(2*backoff, time.Second)
+			continue
 		}
+		backoff = 5 * time.Millisecond
 		s.mu.Lock()
 		if s.mu.closed || len(s.mu.conns) >= ReplayMaxConns {
 			closed := s.mu.closed

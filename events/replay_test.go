@@ -9,11 +9,14 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvoffloadd/kvoffloadd/index"
 )
 
 func seqBytes(q uint64) []byte { return binary.BigEndian.AppendUint64(nil, q) }
@@ -456,5 +459,98 @@ func TestReplayIPC(t *testing.T) {
 	}
 	if got := dealerReplay(t, d, 1, 10); !equalSeqs(got, seqRange(1, 3)) {
 		t.Fatalf("replay over ipc: %v", got)
+	}
+}
+
+// TestPublisherHostilePeers: on the --events-zmq PUB socket, a peer
+// announcing a 2^62-byte frame is cut off (zmq4 alone would allocate it
+// and the process would end), and one that never greets holds up later
+// subscribers only until the handshake deadline.
+func TestPublisherHostilePeers(t *testing.T) {
+	old := pubHandshake
+	pubHandshake = 300 * time.Millisecond
+	defer func() { pubHandshake = old }()
+	ix := index.New()
+	h := New(ix, Config{})
+	h.SetHashLen(1, 16)
+	p, err := NewPublisher(h, ZMQConfig{Endpoint: "tcp://127.0.0.1:0", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	addr := strings.TrimPrefix(p.Addr(), "tcp://")
+
+	huge := dialRaw(t, addr)
+	huge.c.Write(greeting())
+	huge.c.Write(appendCommand(nil, "READY", appendProp(nil, "Socket-Type", "SUB")))
+	huge.c.Write(binary.BigEndian.AppendUint64([]byte{flagLong | flagCommand}, 1<<62))
+	if !huge.closedByServer(t) {
+		t.Fatal("a 2^62-byte frame: the connection stayed open")
+	}
+	silent := dialRaw(t, addr) // never greets
+	_ = silent
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	if err := sub.Dial(p.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	sub.SetOption(zmq4.OptionSubscribe, "")
+	// The subscription takes effect some time after the connect: change
+	// blocks until a message comes.
+	got := make(chan error, 1)
+	go func() { _, err := sub.Recv(); got <- err }()
+	for i := uint64(0); ; i++ {
+		if i == 3000 {
+			t.Fatal("no message for a subscriber beside a silent peer")
+		}
+		set(ix, key(1, i), index.InCPU)
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Fatal(err)
+			}
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// TestPublisherIPC: the guarded transport serves ipc:// too.
+func TestPublisherIPC(t *testing.T) {
+	ix := index.New()
+	h := New(ix, Config{})
+	h.SetHashLen(1, 16)
+	ep := "ipc://" + t.TempDir() + "/pub.ipc"
+	p, err := NewPublisher(h, ZMQConfig{Endpoint: ep, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	if err := sub.Dial(ep); err != nil {
+		t.Fatal(err)
+	}
+	sub.SetOption(zmq4.OptionSubscribe, "")
+	got := make(chan error, 1)
+	go func() { _, err := sub.Recv(); got <- err }()
+	for i := uint64(0); ; i++ {
+		if i == 3000 {
+			t.Fatal("no message over ipc")
+		}
+		set(ix, key(1, i), index.InCPU)
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Fatal(err)
+			}
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }

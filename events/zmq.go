@@ -77,7 +77,7 @@ func NewPublisher(h *Hub, cfg ZMQConfig) (*Publisher, error) {
 		sock.Close()
 		return nil, fmt.Errorf("--events-zmq: %w", err)
 	}
-	if err := sock.Listen(cfg.Endpoint); err != nil {
+	if err := sock.Listen(guardEndpoint(cfg.Endpoint)); err != nil {
 		cancel()
 		sock.Close()
 		return nil, fmt.Errorf("--events-zmq %s: %w", cfg.Endpoint, err)
