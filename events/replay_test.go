@@ -554,3 +554,14 @@ func TestPublisherIPC(t *testing.T) {
 		}
 	}
 }
+
+// TestAppendBatchShortHash: a block whose namespace's hash length the hub
+// was never told (HashLen 0) is encoded, not a panic of the publisher.
+func TestAppendBatchShortHash(t *testing.T) {
+	for _, hl := range []uint8{0, 4, 8, 16} {
+		e := Event{Kind: Stored, Tier: index.InCPU, HashLen: hl, Key: key(1, 7)}
+		if _, n := (VLLM{BlockSize: 16}).AppendBatch(nil, 1, []Event{e}); n != 1 {
+			t.Fatalf("hash length %d: %d events", hl, n)
+		}
+	}
+}
