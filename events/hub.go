@@ -469,17 +469,18 @@ type Sub struct {
 	closed bool // guarded by h.mu
 
 	// The reader's own.
-	next     uint64 // the next change to read
-	resync   bool   // start over from a snapshot at the next read
-	lost     bool   // the last read found changes gone: say so first
-	snapping bool   // a snapshot is being sent
-	shard    int    // the shard being snapshotted
-	pos      int    // the shard's next record position to scan
-	final    bool   // snap is the snapshot's last chunk
-	loaded   bool   // snap holds a chunk's entries, taken at snapAt
-	snap     []Event
-	snapAt   uint64 // the Seq the chunk was scanned at (the next change's)
-	sent     bool   // events were sent since the last CaughtUp
+	next     uint64  // the next change to read
+	resync   bool    // start over from a snapshot at the next read
+	lost     bool    // the last read found changes gone: say so first
+	snapping bool    // a snapshot is being sent
+	shard    int     // the shard being snapshotted
+	pos      int     // the shard's next record position to scan
+	final    bool    // snap is the snapshot's last chunk
+	loaded   bool    // snap holds a chunk's entries, taken at snapAt
+	snap     []Event // what is left to send of them
+	snapBuf  []Event // snap's array, from its start: reused chunk after chunk
+	snapAt   uint64  // the Seq the chunk was scanned at (the next change's)
+	sent     bool    // events were sent since the last CaughtUp
 }
 
 func (s *Sub) follows(ns uint32) bool {
@@ -666,7 +667,7 @@ const snapChunk = 64
 // put; one that changes is told by its changes).
 func (s *Sub) scan() {
 	nss := *s.h.ns.Load()
-	s.snap = s.snap[:0]
+	s.snap = s.snapBuf[:0]
 	next, more := s.h.ix.ScanChunk(s.shard, s.pos, snapChunk, func(k *index.Key, t index.Tiers) {
 		if !s.follows(k.NS) {
 			return
@@ -683,6 +684,7 @@ func (s *Sub) scan() {
 	}, func() {
 		s.snapAt = s.h.next.Load()
 	})
+	s.snapBuf = s.snap[:0] // sending moves snap's start: keep the array's
 	if s.pos = next; !more {
 		s.shard, s.pos = s.shard+1, 0
 	}

@@ -44,7 +44,8 @@ func TestSnapshotStall(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	const chunk = 64 << 20
 	cpu := (uint64(n)*4096*5/4 + chunk - 1) / chunk * chunk
-	proc, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", fmt.Sprint(cpu), "--cpu-chunk-bytes", fmt.Sprint(chunk))
+	metrics := freePort(t)
+	proc, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", metrics, "--cpu-bytes", fmt.Sprint(cpu), "--cpu-chunk-bytes", fmt.Sprint(chunk))
 	m := testenv.Model{Layers: 1, SegBytes: 4096, Blocks: 4096, HashBytes: 16}
 	region := testenv.NewRegion(t, m.RegionBytes())
 	ctx := context.Background()
@@ -128,6 +129,7 @@ func TestSnapshotStall(t *testing.T) {
 		time.AfterFunc(3*time.Second, func() { close(stop) })
 		idle := lookups(stop)
 		before := rss()
+		allocBefore := metric(t, scrape(t, metrics), "go_memstats_alloc_bytes_total")
 
 		stop = make(chan struct{})
 		var wg sync.WaitGroup
@@ -166,8 +168,9 @@ func TestSnapshotStall(t *testing.T) {
 		wg.Wait()
 		close(done)
 		after := rss()
-		t.Logf("N=%d round %d: snapshot of %d blocks in %v; Lookup idle %s; during %s; RSS before %d MiB, peak %d MiB (+%d B/block), after %d MiB",
-			n, r, stored, took.Round(time.Millisecond), pct(idle), pct(during), before>>20, peak>>20, (peak-before)/int64(n), after>>20)
+		allocated := metric(t, scrape(t, metrics), "go_memstats_alloc_bytes_total") - allocBefore
+		t.Logf("N=%d round %d: snapshot of %d blocks in %v; Lookup idle %s; during %s; RSS before %d MiB, peak %d MiB (+%d B/block), after %d MiB; allocated %.0f B/block meanwhile (the Lookups' included)",
+			n, r, stored, took.Round(time.Millisecond), pct(idle), pct(during), before>>20, peak>>20, (peak-before)/int64(n), after>>20, allocated/float64(n))
 		if stored != n {
 			t.Errorf("the snapshot held %d blocks, want %d", stored, n)
 		}
