@@ -26,6 +26,7 @@ stdin closes.
 """
 
 import json
+import os
 import sys
 
 import msgpack
@@ -150,7 +151,6 @@ def main():
     out({"subscribed": True})
     stdin = sys.stdin.fileno()
     buf = b""
-    import os
     while True:
         poller = zmq.Poller()
         poller.register(stdin, zmq.POLLIN)
