@@ -469,15 +469,18 @@ type Sub struct {
 	closed bool // guarded by h.mu
 
 	// The reader's own.
-	next     uint64 // the next change to read
-	resync   bool   // start over from a snapshot at the next read
-	lost     bool   // the last read found changes gone: say so first
-	snapping bool   // a snapshot is being sent
-	shard    int    // the shard being snapshotted
-	loaded   bool   // snap holds shard's entries, taken at snapAt
-	snap     []Event
-	snapAt   uint64 // the Seq the shard was scanned at (the next change's)
-	sent     bool   // events were sent since the last CaughtUp
+	next     uint64  // the next change to read
+	resync   bool    // start over from a snapshot at the next read
+	lost     bool    // the last read found changes gone: say so first
+	snapping bool    // a snapshot is being sent
+	shard    int     // the shard being snapshotted
+	pos      int     // the shard's next record position to scan
+	final    bool    // snap is the snapshot's last chunk
+	loaded   bool    // snap holds a chunk's entries, taken at snapAt
+	snap     []Event // what is left to send of them
+	snapBuf  []Event // snap's array, from its start: reused chunk after chunk
+	snapAt   uint64  // the Seq the chunk was scanned at (the next change's)
+	sent     bool    // events were sent since the last CaughtUp
 }
 
 func (s *Sub) follows(ns uint32) bool {
@@ -533,7 +536,7 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 				s.lost = false
 			}
 			out = append(out, Event{Seq: at, Kind: Cleared})
-			s.snapping, s.shard, s.loaded, s.snap = true, 0, false, s.snap[:0]
+			s.snapping, s.shard, s.pos, s.final, s.loaded, s.snap = true, 0, 0, false, false, s.snap[:0]
 			s.sent = true
 			return out, nil
 		}
@@ -541,7 +544,7 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 			if !s.loaded {
 				s.scan()
 			}
-			// The changes the shard's scan already reflects go first.
+			// The changes the chunk's scan already reflects go first.
 			var ok, behind bool
 			if out, behind, ok = s.read(out, room, s.snapAt); !ok {
 				continue
@@ -557,7 +560,7 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 			s.snap = s.snap[n:]
 			if len(s.snap) == 0 {
 				s.loaded = false
-				if s.shard++; s.shard == index.Shards {
+				if s.final {
 					s.snapping = false
 					out = append(out, s.caughtUp(s.snapAt-1))
 				}
@@ -648,14 +651,24 @@ func (s *Sub) read(out []Event, room int, upTo uint64) (_ []Event, behind, ok bo
 	return out, s.next < limit, true
 }
 
-// scan takes the next shard's part of the snapshot: its followed blocks'
-// tiers as Stored events, and the Seq of the next change, all under the
-// shard's lock, so the changes before snapAt are in the scan and those
-// from it on are not.
+// snapChunk bounds the records one step of a snapshot scans under a
+// shard's lock (a few µs): Lookups and stores of that shard wait at
+// most that long, and the subscription holds at most twice as many
+// events, whatever the number of blocks.
+const snapChunk = 64
+
+// scan takes the next chunk of the snapshot: the followed blocks' tiers
+// among snapChunk records of a shard as Stored events, and the Seq of the
+// next change, all under the shard's lock, so the changes before snapAt
+// are in the scan and those from it on are not. Between chunks the lock
+// is released: a change meanwhile is in the ring, read before the next
+// chunk's entries (those before its snapAt) or after them, so each key's
+// last word is its state (index.ScanChunk visits every key that stays
+// put; one that changes is told by its changes).
 func (s *Sub) scan() {
 	nss := *s.h.ns.Load()
-	s.snap = s.snap[:0]
-	s.h.ix.ScanShard(s.shard, func(k *index.Key, t index.Tiers) {
+	s.snap = s.snapBuf[:0]
+	next, more := s.h.ix.ScanChunk(s.shard, s.pos, snapChunk, func(k *index.Key, t index.Tiers) {
 		if !s.follows(k.NS) {
 			return
 		}
@@ -671,10 +684,15 @@ func (s *Sub) scan() {
 	}, func() {
 		s.snapAt = s.h.next.Load()
 	})
+	s.snapBuf = s.snap[:0] // sending moves snap's start: keep the array's
+	if s.pos = next; !more {
+		s.shard, s.pos = s.shard+1, 0
+	}
+	s.final = s.shard == index.Shards
 	for i := range s.snap {
 		s.snap[i].Seq = s.snapAt - 1
 	}
-	// One moment of the shard, in any order: grouped by namespace, group
+	// One moment of the chunk, in any order: grouped by namespace, group
 	// and tier, a vLLM event carries many hashes (VLLM.AppendBatch).
 	slices.SortStableFunc(s.snap, func(a, b Event) int {
 		return cmp.Or(cmp.Compare(a.Key.NS, b.Key.NS), cmp.Compare(a.Key.Group, b.Key.Group), cmp.Compare(a.Tier, b.Tier))

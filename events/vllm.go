@@ -198,7 +198,11 @@ func (v VLLM) hashes(dst []byte, run []Event) []byte {
 			dst = appendBin(dst, h)
 			continue
 		}
-		dst = appendUint(dst, binary.BigEndian.Uint64(h[len(h)-8:]))
+		// The last 8 bytes; fewer (a hash length the hub was never told)
+		// are read as the low bytes, never past the start.
+		var b [8]byte
+		copy(b[8-min(8, len(h)):], h[max(0, len(h)-8):])
+		dst = appendUint(dst, binary.BigEndian.Uint64(b[:]))
 	}
 	return dst
 }

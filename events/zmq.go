@@ -3,6 +3,7 @@ package events
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -21,8 +22,16 @@ type ZMQConfig struct {
 	// HWM bounds the messages queued for the subscribers (default
 	// DefaultZMQHWM); past it messages are dropped, as a ZeroMQ PUB
 	// socket does, and a subscriber sees a gap in the sequence numbers.
-	HWM    int
-	Logger *slog.Logger
+	HWM int
+	// ReplayEndpoint, when set, binds vLLM's replay socket there
+	// (tcp://HOST:PORT or ipc://PATH): a subscriber that sees a gap in
+	// the sequence numbers asks for the batches it missed (replay.go).
+	ReplayEndpoint string
+	// ReplayBatches and ReplayBytes bound the batches kept for replay
+	// (defaults DefaultReplayBatches, DefaultReplayBytes).
+	ReplayBatches int
+	ReplayBytes   int64
+	Logger        *slog.Logger
 }
 
 // DefaultZMQHWM: at most this many batches (of up to zmqBatch events,
@@ -45,6 +54,9 @@ type Publisher struct {
 	cfg    ZMQConfig
 	cancel context.CancelFunc
 	done   chan struct{}
+	// The replay socket and what it serves; nil without ReplayEndpoint.
+	replay *replayServer
+	buf    *replayBuf
 }
 
 // NewPublisher binds the endpoint and starts publishing; Close stops it.
@@ -65,18 +77,38 @@ func NewPublisher(h *Hub, cfg ZMQConfig) (*Publisher, error) {
 		sock.Close()
 		return nil, fmt.Errorf("--events-zmq: %w", err)
 	}
-	if err := sock.Listen(cfg.Endpoint); err != nil {
+	if err := sock.Listen(guardEndpoint(cfg.Endpoint)); err != nil {
 		cancel()
 		sock.Close()
 		return nil, fmt.Errorf("--events-zmq %s: %w", cfg.Endpoint, err)
+	}
+	p := &Publisher{sock: sock, cfg: cfg, cancel: cancel, done: make(chan struct{})}
+	if cfg.ReplayEndpoint != "" {
+		if cfg.ReplayBatches <= 0 {
+			cfg.ReplayBatches = DefaultReplayBatches
+		}
+		if cfg.ReplayBytes <= 0 {
+			cfg.ReplayBytes = DefaultReplayBytes
+		}
+		lis, err := listenReplay(cfg.ReplayEndpoint)
+		if err != nil {
+			cancel()
+			sock.Close()
+			return nil, fmt.Errorf("--events-zmq-replay %s: %w", cfg.ReplayEndpoint, err)
+		}
+		p.buf = newReplayBuf(cfg.ReplayBatches, cfg.ReplayBytes)
+		p.replay = newReplayServer(lis, p.buf, cfg.Logger)
 	}
 	sub, err := h.Subscribe(nil, true)
 	if err != nil {
 		cancel()
 		sock.Close()
+		if p.replay != nil {
+			p.replay.close()
+		}
 		return nil, fmt.Errorf("--events-zmq: %w", err)
 	}
-	p := &Publisher{sock: sock, sub: sub, cfg: cfg, cancel: cancel, done: make(chan struct{})}
+	p.sub = sub
 	go p.run(ctx)
 	return p, nil
 }
@@ -109,8 +141,14 @@ func (p *Publisher) run(ctx context.Context) {
 		if payload, n = p.cfg.VLLM.AppendBatch(payload[:0], ts, evs); n == 0 {
 			continue
 		}
-		// The socket keeps the frames until they are sent: fresh ones.
-		msg := zmq4.NewMsgFrom(topic, binary.BigEndian.AppendUint64(nil, seq), append([]byte(nil), payload...))
+		// The socket keeps the frames until they are sent, and the replay
+		// buffer keeps the payload: fresh ones. Buffered first, so a
+		// batch a subscriber has seen can always be asked for again.
+		fresh := append([]byte(nil), payload...)
+		if p.buf != nil {
+			p.buf.add(seq, fresh)
+		}
+		msg := zmq4.NewMsgFrom(topic, binary.BigEndian.AppendUint64(nil, seq), fresh)
 		if err := p.sock.Send(msg); err != nil {
 			if ctx.Err() == nil {
 				p.cfg.Logger.Error("events: ZeroMQ publish failed", "err", err)
@@ -121,10 +159,33 @@ func (p *Publisher) run(ctx context.Context) {
 	}
 }
 
-// Close stops publishing and closes the socket.
+// ReplayAddr is the replay socket's bound address ("" without one).
+func (p *Publisher) ReplayAddr() string {
+	if p.replay == nil {
+		return ""
+	}
+	if strings.HasPrefix(p.cfg.ReplayEndpoint, "ipc://") {
+		return p.cfg.ReplayEndpoint
+	}
+	return "tcp://" + p.replay.lis.Addr().String()
+}
+
+// ReplayStats is what the replay socket did (zero without one).
+func (p *Publisher) ReplayStats() ReplayStats {
+	if p.replay == nil {
+		return ReplayStats{}
+	}
+	return p.replay.stats()
+}
+
+// Close stops publishing and closes the sockets.
 func (p *Publisher) Close() error {
 	p.cancel()
 	<-p.done
 	p.sub.Close()
-	return p.sock.Close()
+	var rerr error
+	if p.replay != nil {
+		rerr = p.replay.close()
+	}
+	return errors.Join(p.sock.Close(), rerr)
 }

@@ -386,6 +386,30 @@ func (ix *Index) ScanShard(i int, fn func(k *Key, t Tiers), done func()) {
 	done()
 }
 
+// ScanChunk is ScanShard over part of shard i: the records at positions
+// [from, from+n) of the shard's slab, all under the shard's lock, so a
+// snapshot can walk the index in bounded steps and let other callers in
+// between. It returns the position to scan next and whether the shard has
+// more. A record keeps its position while its key stays in the index
+// (positions are reused only once a key is removed), so scanning a shard
+// chunk by chunk visits, once each, every key that stays in the index
+// throughout; a key added or removed meanwhile may be visited or not, and
+// the observer learns of that change.
+func (ix *Index) ScanChunk(i, from, n int, fn func(k *Key, t Tiers), done func()) (next int, more bool) {
+	s := &ix.shards[i]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	end := min(from+n, len(s.slab)*chunkLen)
+	for p := max(from, 0); p < end; p++ {
+		r := s.rec(uint32(p))
+		if t := r.e.Tiers(); t != 0 {
+			fn(&r.key, t)
+		}
+	}
+	done()
+	return end, end < len(s.slab)*chunkLen
+}
+
 // Len is the number of entries.
 func (ix *Index) Len() int {
 	n := 0

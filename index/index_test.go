@@ -315,3 +315,54 @@ func TestScanShard(t *testing.T) {
 		}
 	}
 }
+
+// TestScanChunk scans every shard in chunks of a few records while keys
+// come and go between the chunks: each key that stays in the index
+// throughout is seen exactly once, with its tiers.
+func TestScanChunk(t *testing.T) {
+	ix := New()
+	ready := func(k Key) {
+		ix.Mutate(&k, func(e *Entry, _ bool) bool { e.State, e.CPU = Ready, 1; return true })
+	}
+	stay := map[Key]bool{}
+	var churn []Key
+	for i := uint64(0); i < 20000; i++ {
+		k := key(1, 0, i)
+		ready(k)
+		if i%2 == 0 {
+			stay[k] = true
+		} else {
+			churn = append(churn, k)
+		}
+	}
+	seen := map[Key]int{}
+	next := uint64(1 << 40)
+	steps := 0
+	for sh := 0; sh < Shards; sh++ {
+		for pos, more := 0, true; more; steps++ {
+			pos, more = ix.ScanChunk(sh, pos, 7, func(k *Key, tt Tiers) {
+				if tt != InCPU {
+					t.Fatalf("key %v: tiers %b", k.Hash[:8], tt)
+				}
+				seen[*k]++
+			}, func() {})
+			// Between chunks: remove a churning key, add new ones (they
+			// take the freed positions, before or after the cursor).
+			if len(churn) > 0 {
+				k := churn[len(churn)-1]
+				churn = churn[:len(churn)-1]
+				ix.Mutate(&k, func(*Entry, bool) bool { return false })
+			}
+			ready(key(1, 0, next))
+			next++
+		}
+	}
+	for k := range stay {
+		if seen[k] != 1 {
+			t.Fatalf("key %v seen %d times, want once", k.Hash[:8], seen[k])
+		}
+	}
+	if steps < Shards*2 {
+		t.Fatalf("%d steps: the shards were not scanned in chunks", steps)
+	}
+}

@@ -68,6 +68,10 @@ type config struct {
 	eventsZMQFormat    string
 	eventsZMQHashes    string
 	eventsZMQBlockSize int
+	// vLLM's replay socket beside it.
+	eventsZMQReplay        string
+	eventsZMQReplayBatches int
+	eventsZMQReplayBytes   uint64
 
 	cuda cudaConfig // the CUDA build's flags (copier_cuda.go); empty otherwise
 
@@ -176,6 +180,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		eventsZMQHashes:    "int",
 		eventsZMQBlockSize: 16,
 
+		eventsZMQReplayBatches: events.DefaultReplayBatches,
+		eventsZMQReplayBytes:   events.DefaultReplayBytes,
+
 		maxRegistrations:        offload.DefaultLimits.MaxRegistrations,
 		maxRegistrationsPerUID:  offload.DefaultLimits.MaxRegistrationsPerUID,
 		maxRegions:              offload.DefaultLimits.MaxRegions,
@@ -228,6 +235,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.eventsZMQFormat, "events-zmq-format", c.eventsZMQFormat, "event encoding: map (vLLM main: each event a map with its class under \"type\") or array (vLLM up to 0.23: positional arrays).")
 	fs.StringVar(&c.eventsZMQHashes, "events-zmq-hashes", c.eventsZMQHashes, "block hashes as int (the last 8 bytes, big-endian, vLLM's default) or bytes (as the client sent them, vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).")
 	fs.IntVar(&c.eventsZMQBlockSize, "events-zmq-block-size", c.eventsZMQBlockSize, "BlockStored's block_size: the engine's tokens per block (the daemon does not know it).")
+	fs.StringVar(&c.eventsZMQReplay, "events-zmq-replay", "", "vLLM's replay socket for --events-zmq (its replay_endpoint): a ZeroMQ ROUTER bound here (tcp://127.0.0.1:PORT or ipc://PATH, loopback unless --events-zmq-expose) answers a request [\"\", start_seq as 8 bytes big-endian] with every buffered batch from start_seq on, then END_SEQ (-1). Empty disables. See docs/events.md.")
+	fs.IntVar(&c.eventsZMQReplayBatches, "events-zmq-replay-buffer", c.eventsZMQReplayBatches, "batches --events-zmq-replay keeps (vLLM's buffer_steps), within --events-zmq-replay-bytes.")
+	fs.Var(byteSize{&c.eventsZMQReplayBytes}, "events-zmq-replay-bytes", "memory bound of the batches --events-zmq-replay keeps; the oldest go first.")
 	c.cuda.addFlags(fs)
 	c.remote.register(fs)
 	fs.BoolVar(&c.showVersion, "version", false, "print the version and exit.")
@@ -360,9 +370,25 @@ func (c *config) validate() error {
 		c.faultPlan = p
 	}
 	if c.eventsZMQ != "" {
-		if err := checkEventsEndpoint(c.eventsZMQ, c.eventsZMQExpose); err != nil {
+		if err := checkEventsEndpoint("events-zmq", c.eventsZMQ, c.eventsZMQExpose); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if c.eventsZMQReplay != "" {
+		if c.eventsZMQ == "" {
+			bad("--events-zmq-replay needs --events-zmq: it replays that stream's batches")
+		} else if c.eventsZMQReplay == c.eventsZMQ {
+			bad("--events-zmq-replay %q: the same endpoint as --events-zmq", c.eventsZMQReplay)
+		}
+		if err := checkEventsEndpoint("events-zmq-replay", c.eventsZMQReplay, c.eventsZMQExpose); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.eventsZMQReplayBatches < 1 || c.eventsZMQReplayBatches > 1<<20 {
+		bad("--events-zmq-replay-buffer %d: want 1 to %d batches", c.eventsZMQReplayBatches, 1<<20)
+	}
+	if c.eventsZMQReplayBytes < 1<<20 || c.eventsZMQReplayBytes > 64<<30 {
+		bad("--events-zmq-replay-bytes %s: want 1MiB to 64GiB (a batch is up to about 140 KiB)", formatBytes(c.eventsZMQReplayBytes))
 	}
 	if c.eventsZMQFormat != "map" && c.eventsZMQFormat != "array" {
 		bad("--events-zmq-format %q: want map or array", c.eventsZMQFormat)
@@ -389,23 +415,23 @@ func (c *config) limits() offload.Limits {
 
 // checkEventsEndpoint accepts ipc://PATH and tcp://HOST:PORT, HOST a
 // loopback address unless exposed.
-func checkEventsEndpoint(ep string, expose bool) error {
+func checkEventsEndpoint(flag, ep string, expose bool) error {
 	if p, ok := strings.CutPrefix(ep, "ipc://"); ok {
 		if !filepath.IsAbs(p) {
-			return fmt.Errorf("--events-zmq %q: want ipc:// and an absolute path", ep)
+			return fmt.Errorf("--%s %q: want ipc:// and an absolute path", flag, ep)
 		}
 		return nil
 	}
 	hp, ok := strings.CutPrefix(ep, "tcp://")
 	if !ok {
-		return fmt.Errorf("--events-zmq %q: want tcp://HOST:PORT or ipc://PATH", ep)
+		return fmt.Errorf("--%s %q: want tcp://HOST:PORT or ipc://PATH", flag, ep)
 	}
 	host, _, err := net.SplitHostPort(hp)
 	if err != nil {
-		return fmt.Errorf("--events-zmq %q: want tcp://HOST:PORT", ep)
+		return fmt.Errorf("--%s %q: want tcp://HOST:PORT", flag, ep)
 	}
 	if ip := net.ParseIP(host); !expose && host != "localhost" && (ip == nil || !ip.IsLoopback()) {
-		return fmt.Errorf("--events-zmq %q: want a loopback address such as tcp://127.0.0.1:5557, or add --events-zmq-expose to publish beyond this host", ep)
+		return fmt.Errorf("--%s %q: want a loopback address such as tcp://127.0.0.1:5557, or add --events-zmq-expose to publish beyond this host", flag, ep)
 	}
 	return nil
 }
@@ -416,5 +442,6 @@ func (c *config) eventsZMQConfig(log *slog.Logger) events.ZMQConfig {
 	if c.eventsZMQFormat == "array" {
 		v.Format = events.FormatArray
 	}
-	return events.ZMQConfig{Endpoint: c.eventsZMQ, Topic: c.eventsZMQTopic, VLLM: v, Logger: log}
+	return events.ZMQConfig{Endpoint: c.eventsZMQ, Topic: c.eventsZMQTopic, VLLM: v, Logger: log,
+		ReplayEndpoint: c.eventsZMQReplay, ReplayBatches: c.eventsZMQReplayBatches, ReplayBytes: int64(c.eventsZMQReplayBytes)}
 }

@@ -160,6 +160,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 			copier.Close()
 			return err
 		}
+		if cfg.eventsZMQReplay != "" {
+			registerReplayMetrics(reg, pub)
+			log.Info("events: replay socket bound", "endpoint", pub.ReplayAddr(), "batches", cfg.eventsZMQReplayBatches, "bytes", cfg.eventsZMQReplayBytes)
+		}
 	}
 	closeAll := func() error {
 		stopFaults()
@@ -391,4 +395,25 @@ func (s *ownedSocket) Close() error {
 		s.err = s.UnixListener.Close()
 	})
 	return s.err
+}
+
+// registerReplayMetrics exports what --events-zmq-replay did.
+func registerReplayMetrics(reg prometheus.Registerer, pub *events.Publisher) {
+	gauge := func(name, help string, f func(events.ReplayStats) float64) {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return f(pub.ReplayStats()) }))
+	}
+	counter := func(name, help string, labels prometheus.Labels, f func(events.ReplayStats) uint64) {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: labels}, func() float64 { return float64(f(pub.ReplayStats())) }))
+	}
+	gauge("kvoffload_events_replay_buffered_batches", "Batches --events-zmq-replay holds.", func(s events.ReplayStats) float64 { return float64(s.Batches) })
+	gauge("kvoffload_events_replay_buffered_bytes", "Bytes of the batches --events-zmq-replay holds.", func(s events.ReplayStats) float64 { return float64(s.Bytes) })
+	gauge("kvoffload_events_replay_connections", "Connections open to --events-zmq-replay.", func(s events.ReplayStats) float64 { return float64(s.Conns) })
+	const reqHelp = "Replay requests on --events-zmq-replay: answered, or malformed (not [\"\", start_seq]) and ignored."
+	counter("kvoffload_events_replay_requests_total", reqHelp, prometheus.Labels{"result": "answered"}, func(s events.ReplayStats) uint64 { return s.Requests })
+	counter("kvoffload_events_replay_requests_total", reqHelp, prometheus.Labels{"result": "malformed"}, func(s events.ReplayStats) uint64 { return s.Malformed })
+	counter("kvoffload_events_replay_sent_batches_total", "Batches sent in replay replies.", nil, func(s events.ReplayStats) uint64 { return s.Sent })
+	counter("kvoffload_events_replay_truncated_total", "Replay replies that stopped at a batch the buffer dropped while they were sent.", nil, func(s events.ReplayStats) uint64 { return s.Truncated })
+	const closedHelp = "Replay connections closed by the daemon: refused (past the bound) or dropped (a bad handshake or frame, a peer not reading, idle)."
+	counter("kvoffload_events_replay_closed_connections_total", closedHelp, prometheus.Labels{"reason": "refused"}, func(s events.ReplayStats) uint64 { return s.Refused })
+	counter("kvoffload_events_replay_closed_connections_total", closedHelp, prometheus.Labels{"reason": "dropped"}, func(s events.ReplayStats) uint64 { return s.Dropped })
 }

@@ -38,7 +38,8 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
 		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes", "-namespace-linger", "-debug-checks",
-		"-events-zmq", "-events-zmq-expose", "-events-zmq-topic", "-events-zmq-format", "-events-zmq-hashes", "-events-zmq-block-size"} {
+		"-events-zmq", "-events-zmq-expose", "-events-zmq-topic", "-events-zmq-format", "-events-zmq-hashes", "-events-zmq-block-size",
+		"-events-zmq-replay", "-events-zmq-replay-buffer", "-events-zmq-replay-bytes"} {
 		if !strings.Contains(out.String(), f+" ") && !strings.Contains(out.String(), f+"\n") {
 			t.Errorf("--help does not mention %s", f)
 		}
@@ -69,6 +70,11 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--events-zmq-format", "json"}, "--events-zmq-format"},
 		{[]string{"--events-zmq-hashes", "hex"}, "--events-zmq-hashes"},
 		{[]string{"--events-zmq-block-size", "0"}, "--events-zmq-block-size"},
+		{[]string{"--events-zmq-replay", "tcp://127.0.0.1:5558"}, "--events-zmq-replay needs --events-zmq"},
+		{[]string{"--events-zmq", "tcp://127.0.0.1:5557", "--events-zmq-replay", "tcp://127.0.0.1:5557"}, "the same endpoint"},
+		{[]string{"--events-zmq", "tcp://127.0.0.1:5557", "--events-zmq-replay", "tcp://0.0.0.0:5558"}, "--events-zmq-replay \"tcp://0.0.0.0:5558\": want a loopback address"},
+		{[]string{"--events-zmq-replay-buffer", "0"}, "--events-zmq-replay-buffer 0"},
+		{[]string{"--events-zmq-replay-bytes", "4KiB"}, "--events-zmq-replay-bytes 4KiB"},
 		{[]string{"--log-level", "chatty"}, "--log-level"},
 		{[]string{"--log-format", "xml"}, "--log-format"},
 		{[]string{"--shutdown-timeout", "-1s"}, "--shutdown-timeout"},
