@@ -59,7 +59,8 @@ const demotionQueue = 4096
 type demoQueue struct {
 	ch chan *demotion
 	mu sync.Mutex
-	// over is the overflow, oldest first; waiting counts it.
+	// over is the overflow, oldest first; waiting counts it (the
+	// demoter reads it without the lock).
 	over    []*demotion
 	waiting atomic.Int64
 }
@@ -101,9 +102,6 @@ func (q *demoQueue) take(batch []*demotion, max int) []*demotion {
 	q.waiting.Store(int64(len(q.over)))
 	return batch
 }
-
-// len counts the demotions waiting.
-func (q *demoQueue) len() int { return len(q.ch) + int(q.waiting.Load()) }
 
 type diskMetrics struct {
 	demotions *prometheus.CounterVec // result=written|rejected|no_space|failed|dropped
