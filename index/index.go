@@ -157,9 +157,23 @@ type shard struct {
 	free    []uint32
 	n       int
 	perNS   map[uint32]int // entries per namespace
+	readyNS map[uint32]int // Ready entries per namespace
 	scratch Entry
 	kinds   [3]int   // entries by copyKind
 	_       [20]byte // keep shards' locks on separate cache lines
+}
+
+// ready counts a change of whether an entry of namespace ns is Ready.
+func (s *shard) ready(ns uint32, was, is bool) {
+	switch {
+	case was == is:
+	case is:
+		s.readyNS[ns]++
+	case s.readyNS[ns] <= 1:
+		delete(s.readyNS, ns)
+	default:
+		s.readyNS[ns]--
+	}
 }
 
 // count moves an entry from one copyKind to another.
@@ -195,6 +209,7 @@ func New() *Index {
 	for i := range ix.shards {
 		ix.shards[i].table = make([]uint32, minTable)
 		ix.shards[i].perNS = map[uint32]int{}
+		ix.shards[i].readyNS = map[uint32]int{}
 	}
 	return ix
 }
@@ -300,14 +315,16 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	pos, ok := s.find(k, h)
 	if ok {
 		r := s.rec(s.table[pos] - 1)
-		before, tiers := r.e.copies(), r.e.Tiers()
+		before, tiers, wasReady := r.e.copies(), r.e.Tiers(), r.e.State == Ready
 		if !fn(&r.e, true) {
 			s.count(before, noCPU)
+			s.ready(k.NS, wasReady, false)
 			s.remove(pos)
 			ix.changed(k, tiers, 0)
 			return
 		}
 		s.count(before, r.e.copies())
+		s.ready(k.NS, wasReady, r.e.State == Ready)
 		ix.changed(k, tiers, r.e.Tiers())
 		return
 	}
@@ -323,6 +340,7 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	n := s.newRecord()
 	*s.rec(n) = record{key: *k, e: *e}
 	s.count(noCPU, e.copies())
+	s.ready(k.NS, false, e.State == Ready)
 	s.table[pos] = n + 1
 	s.n++
 	s.perNS[k.NS]++
@@ -347,13 +365,15 @@ func (ix *Index) Range(fn func(k *Key, e *Entry) (keep bool)) {
 				if r.e.State == stateFree {
 					continue
 				}
-				before, tiers := r.e.copies(), r.e.Tiers()
+				before, tiers, wasReady := r.e.copies(), r.e.Tiers(), r.e.State == Ready
 				if !fn(&r.key, &r.e) {
 					drop = append(drop, r.key)
 					s.count(before, noCPU)
+					s.ready(r.key.NS, wasReady, false)
 					ix.changed(&r.key, tiers, 0)
 				} else {
 					s.count(before, r.e.copies())
+					s.ready(r.key.NS, wasReady, r.e.State == Ready)
 					ix.changed(&r.key, tiers, r.e.Tiers())
 				}
 			}
@@ -446,6 +466,22 @@ func (ix *Index) CountNS(ns uint32) int {
 		s.mu.Unlock()
 	}
 	return n
+}
+
+// ReadyPerNS counts the Ready entries of each namespace that has any, from
+// counts each shard keeps: its cost grows with the namespaces, not the
+// entries.
+func (ix *Index) ReadyPerNS() map[uint32]uint64 {
+	out := map[uint32]uint64{}
+	for i := range ix.shards {
+		s := &ix.shards[i]
+		s.mu.Lock()
+		for ns, n := range s.readyNS {
+			out[ns] += uint64(n)
+		}
+		s.mu.Unlock()
+	}
+	return out
 }
 
 // MemBytes is the memory the index holds for its tables and records.

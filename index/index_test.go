@@ -2,6 +2,7 @@ package index
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"testing"
 )
@@ -364,5 +365,74 @@ func TestScanChunk(t *testing.T) {
 	}
 	if steps < Shards*2 {
 		t.Fatalf("%d steps: the shards were not scanned in chunks", steps)
+	}
+}
+
+// TestReadyPerNS drives entries through Writing, Ready and gone, by Mutate
+// and Range, and checks the counts ReadyPerNS keeps against a walk.
+func TestReadyPerNS(t *testing.T) {
+	ix := New()
+	r := rand.New(rand.NewPCG(3, 4))
+	walk := func() map[uint32]uint64 {
+		m := map[uint32]uint64{}
+		ix.Range(func(k *Key, e *Entry) bool {
+			if e.State == Ready {
+				m[k.NS]++
+			}
+			return true
+		})
+		return m
+	}
+	for step := range 100000 {
+		k := key(uint32(r.IntN(4)), 0, uint64(r.IntN(5000)))
+		switch r.IntN(5) {
+		case 0: // a store claims the key
+			ix.Mutate(&k, func(e *Entry, found bool) bool { return true })
+		case 1: // its copy drains
+			ix.Mutate(&k, func(e *Entry, found bool) bool {
+				if found {
+					e.State, e.CPU = Ready, 1
+				}
+				return found
+			})
+		case 2: // evicted, or a failed store: the entry goes
+			ix.Mutate(&k, func(e *Entry, found bool) bool { e.State = Ready; return false })
+		case 3:
+			put(ix, k, 2)
+		case 4:
+			if step%100 == 0 { // a Range that drops one namespace's ready entries
+				ns := uint32(r.IntN(4))
+				ix.Range(func(k *Key, e *Entry) bool { return k.NS != ns || e.State != Ready })
+			}
+		}
+		if step%1000 == 0 {
+			got, want := ix.ReadyPerNS(), walk()
+			if len(got) != len(want) {
+				t.Fatalf("step %d: ReadyPerNS %v, walk %v", step, got, want)
+			}
+			for ns, n := range want {
+				if got[ns] != n {
+					t.Fatalf("step %d: ReadyPerNS %v, walk %v", step, got, want)
+				}
+			}
+		}
+	}
+}
+
+// BenchmarkReadyPerNS is what Stats costs the index: with a million ready
+// entries it must take what it takes with a thousand.
+func BenchmarkReadyPerNS(b *testing.B) {
+	for _, n := range []int{1 << 10, 1 << 20} {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			ix := New()
+			for i := range n {
+				put(ix, key(uint32(i%4), 0, uint64(i)), uint32(i))
+			}
+			for b.Loop() {
+				if m := ix.ReadyPerNS(); m[0] != uint64(n/4) {
+					b.Fatalf("%v", m)
+				}
+			}
+		})
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -44,6 +46,63 @@ type demotion struct {
 
 const demotionQueue = 4096
 
+// demoQueue is the demotions waiting for the demoter: a channel of
+// demotionQueue, and past it the write-back evictions that found it full.
+// An evicted block reported stored is never dropped for want of room in a
+// queue: it waits, readable from its pinned CPU slot, until its write lands.
+// The overflow is bounded by the CPU tier's slots (each entry pins one, and
+// a key has one current demotion). While blocks wait, their slots are not
+// free: stores find fewer slots and are refused NO_SPACE per block (or take
+// clean copies), which is the engine's back-pressure from a disk slower than
+// its stores. A cleaner's write ahead and a write-through copy keep their
+// CPU copy: those are dropped when the channel is full (nothing is lost).
+type demoQueue struct {
+	ch chan *demotion
+	mu sync.Mutex
+	// over is the overflow, oldest first; waiting counts it (the
+	// demoter reads it without the lock).
+	over    []*demotion
+	waiting atomic.Int64
+}
+
+func newDemoQueue() *demoQueue { return &demoQueue{ch: make(chan *demotion, demotionQueue)} }
+
+// put queues d; it reports false only for a demotion that keeps its CPU copy
+// and found the channel full.
+func (q *demoQueue) put(d *demotion) bool {
+	select {
+	case q.ch <- d:
+		return true
+	default:
+	}
+	if d.keepCPU {
+		return false
+	}
+	q.mu.Lock()
+	q.over = append(q.over, d)
+	q.waiting.Store(int64(len(q.over)))
+	q.mu.Unlock()
+	return true
+}
+
+// take appends up to max-len(batch) overflowed demotions to batch.
+func (q *demoQueue) take(batch []*demotion, max int) []*demotion {
+	if q.waiting.Load() == 0 {
+		return batch
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := min(max-len(batch), len(q.over))
+	batch = append(batch, q.over[:n]...)
+	clear(q.over[:n])
+	q.over = q.over[n:]
+	if len(q.over) == 0 {
+		q.over = nil // let the backing array go after a burst
+	}
+	q.waiting.Store(int64(len(q.over)))
+	return batch
+}
+
 type diskMetrics struct {
 	demotions *prometheus.CounterVec // result=written|rejected|no_space|failed|dropped
 	promoted  prometheus.Counter
@@ -53,7 +112,7 @@ func newDiskMetrics(reg prometheus.Registerer) *diskMetrics {
 	m := &diskMetrics{
 		demotions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvoffload_disk_demotions_total",
-			Help: "Blocks sent from the CPU tier to the disk tier, by result: written, rejected (the disk policy kept hotter blocks), no_space, failed (write error), dropped (queue full).",
+			Help: "Blocks sent from the CPU tier to the disk tier, by result: written, rejected (the disk policy kept hotter blocks), no_space, failed (write error), dropped (a cleaner's write ahead or a write-through copy found the queue full; the CPU copy stays).",
 		}, []string{"result"}),
 		promoted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvoffload_disk_promotions_total", Help: "Blocks read from disk by a load and kept in the CPU tier.",
@@ -154,7 +213,7 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	t.SetEraser(s.eraseDiskSlot)
 	s.writeThrough = writeThrough
 	s.dm = newDiskMetrics(reg)
-	s.demotions = make(chan *demotion, demotionQueue)
+	s.demotions = newDemoQueue()
 
 	// Serve at once: the blocks of the files come online in the
 	// background (recover.go).
@@ -201,7 +260,9 @@ func (s *Service) diskMeta(k *index.Key) disk.Meta {
 
 // demote queues a block's CPU copy for the disk. The caller holds the
 // entry's index lock, has set DiskWriting and pinned the CPU slot. It
-// reports false when the queue is full (the caller undoes both).
+// reports false when the queue is full for a demotion that keeps its CPU
+// copy (the caller undoes both); a write-back eviction always waits its turn
+// (demoQueue).
 //
 // The demotion becomes the key's current one. An earlier demotion of the
 // key still in flight belongs to an entry since removed (invalidated, or
@@ -217,15 +278,13 @@ func (s *Service) demote(d demotion) bool {
 	// Counted before it is queued: its write may land before this
 	// returns, and FlushDisk must never see it missing.
 	s.diskWrites.Add(1)
-	select {
-	case s.demotions <- dp:
+	if s.demotions.put(dp) {
 		return true
-	default:
-		s.diskWrites.Add(-1)
-		s.endDemotion(dp)
-		s.dm.demotions.WithLabelValues("dropped").Inc()
-		return false
 	}
+	s.diskWrites.Add(-1)
+	s.endDemotion(dp)
+	s.dm.demotions.WithLabelValues("dropped").Inc()
+	return false
 }
 
 // current reports whether d is its key's current demotion.
@@ -255,20 +314,27 @@ func (s *Service) endDemotion(d *demotion) {
 func (s *Service) demoter() {
 	defer s.reaper.Done()
 	batch := make([]*demotion, 0, 256)
+	q := s.demotions
 	for {
-		select {
-		case d := <-s.demotions:
-			batch = append(batch[:0], d)
-		case <-s.stop:
-			return
-		}
+		batch = batch[:0]
 	fill:
 		for len(batch) < cap(batch) {
 			select {
-			case d := <-s.demotions:
+			case d := <-q.ch:
 				batch = append(batch, d)
 			default:
 				break fill
+			}
+		}
+		// The overflow grows only while the channel is full: when both
+		// are empty, the next demotion comes through the channel.
+		batch = q.take(batch, cap(batch))
+		if len(batch) == 0 {
+			select {
+			case d := <-q.ch:
+				batch = append(batch, d)
+			case <-s.stop:
+				return
 			}
 		}
 		s.writeDemotions(batch)
@@ -500,23 +566,29 @@ func (s *Service) onDiskEvictRange(lo, hi slots.SlotID) {
 // the CPU tier is about to go, so write-back copies are simply dropped.
 func (s *Service) dropQueuedDemotions() {
 	for {
+		var d *demotion
 		select {
-		case d := <-s.demotions:
-			s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
-				if !found || !s.current(d) {
-					return found
-				}
-				e.Flags &^= index.DiskWriting | index.DiskEvicted
-				s.dropCPUCopyLocked(e, d)
-				return e.Holds()
-			})
-			s.endCleaning(d, false)
-			s.endDemotion(d)
-			s.cpu.Unpin(d.cpuSlot)
-			s.diskWrites.Add(-1)
+		case d = <-s.demotions.ch:
 		default:
+			if over := s.demotions.take(nil, 1); len(over) > 0 {
+				d = over[0]
+			}
+		}
+		if d == nil {
 			return
 		}
+		s.ix.Mutate(&d.key, func(e *index.Entry, found bool) bool {
+			if !found || !s.current(d) {
+				return found
+			}
+			e.Flags &^= index.DiskWriting | index.DiskEvicted
+			s.dropCPUCopyLocked(e, d)
+			return e.Holds()
+		})
+		s.endCleaning(d, false)
+		s.endDemotion(d)
+		s.cpu.Unpin(d.cpuSlot)
+		s.diskWrites.Add(-1)
 	}
 }
 

@@ -137,9 +137,12 @@ func (s *Service) CheckInvariants() error {
 	}
 	cpuNamed, diskNamed := map[slots.SlotID]*slots.Class{}, map[slots.SlotID]*slots.Class{}
 	var policyKeys []named
-	perNS := map[uint32]int{}
+	perNS, readyNS := map[uint32]int{}, map[uint32]uint64{}
 	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
 		perNS[k.NS]++
+		if e.State == index.Ready {
+			readyNS[k.NS]++
+		}
 		ns := nss[k.NS]
 		switch {
 		case ns == nil:
@@ -181,6 +184,18 @@ func (s *Service) CheckInvariants() error {
 	for id := range nss {
 		if got := s.ix.CountNS(id); got != perNS[id] {
 			fail("namespace %d: the index counts %d entries, holds %d", id, got, perNS[id])
+		}
+	}
+	// What Stats reports, from the index's counts.
+	counted := s.ix.ReadyPerNS()
+	for id, n := range counted {
+		if n != readyNS[id] {
+			fail("namespace %d: the index counts %d ready entries, holds %d", id, n, readyNS[id])
+		}
+	}
+	for id, n := range readyNS {
+		if _, ok := counted[id]; !ok {
+			fail("namespace %d: the index counts no ready entry, holds %d", id, n)
 		}
 	}
 	if err := s.cpu.Audit(cpuNamed, cpuPins); err != nil {

@@ -180,7 +180,7 @@ type Service struct {
 	disk         *disk.Tier // nil without a disk tier
 	writeThrough bool
 	dm           *diskMetrics
-	demotions    chan *demotion
+	demotions    *demoQueue
 	staging      chan stageReq // disk reads of loads waiting for a CPU slot
 	diskWrites   atomic.Int64  // demotions and discards queued or in flight
 	// cl is the clean CPU copies and the cleaner (clean.go); nil without

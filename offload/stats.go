@@ -4,7 +4,6 @@ import (
 	"sort"
 	"sync/atomic"
 
-	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 )
 
@@ -37,7 +36,9 @@ type Stats struct {
 	DiskRecovery *disk.RecoveryStats
 }
 
-// Stats counts blocks per namespace (a walk of the index: not for hot paths).
+// Stats reports the tiers' use, the counters, and the blocks ready per
+// namespace, from counts the index keeps: its cost does not grow with the
+// number of blocks (operators poll it during recovery).
 func (s *Service) Stats() Stats {
 	used, blocks := s.cpu.Usage()
 	st := Stats{
@@ -55,13 +56,7 @@ func (s *Service) Stats() Stats {
 		r := s.disk.Recovery()
 		st.DiskRecovery = &r
 	}
-	perNS := map[uint32]uint64{}
-	s.ix.Range(func(k *index.Key, e *index.Entry) bool {
-		if e.State == index.Ready {
-			perNS[k.NS]++
-		}
-		return true
-	})
+	perNS := s.ix.ReadyPerNS()
 	s.mu.Lock()
 	for _, ns := range s.mu.byID {
 		st.Namespaces = append(st.Namespaces, NamespaceStats{ID: ns.ID, Fingerprint: ns.Fingerprint, Registrations: ns.regs, Blocks: perNS[ns.ID]})

@@ -34,9 +34,11 @@ type Report struct {
 	// Recovery is the restart scenario, when it ran.
 	Recovery *Recovery `json:"recovery,omitempty"`
 	// Hybrid is the hybrid scenario: one entry per hybrid model shape.
-	Hybrid  []Hybrid `json:"hybrid,omitempty"`
-	Skipped []Skip   `json:"skipped"`
-	Goals   []Goal   `json:"goals"`
+	Hybrid []Hybrid `json:"hybrid,omitempty"`
+	// Scale is the scale scenario: one row per number of blocks.
+	Scale   []Scale `json:"scale,omitempty"`
+	Skipped []Skip  `json:"skipped"`
+	Goals   []Goal  `json:"goals"`
 	// Interference is what other processes did to the machine during
 	// each phase of the run; a flagged phase's figures are suspect.
 	Interference *Interference `json:"interference,omitempty"`
@@ -441,6 +443,45 @@ type Goal struct {
 	Flagged bool `json:"flagged"`
 }
 
+// Scale is one N of the scale scenario (issue 34): N small blocks stored by
+// concurrent ranks into a CPU tier with room for 2N, then over a disk tier
+// with room for N, which is killed (-9) and recovered.
+type Scale struct {
+	Blocks     int `json:"blocks"`
+	BlockBytes int `json:"block_bytes"`
+	Ranks      int `json:"ranks"`
+	// CPU tier only.
+	CPUBytes          uint64  `json:"cpu_bytes"`
+	CPUStoredOK       int     `json:"cpu_stored_ok"`
+	CPUNoSpace        int     `json:"cpu_no_space"`
+	CPUStoreSeconds   float64 `json:"cpu_store_seconds"`
+	CPUHeld           int     `json:"cpu_held"`
+	CPUEvictions      int     `json:"cpu_evictions"`
+	CPULostWhileRoom  int     `json:"cpu_lost_while_room"`
+	StatsP50Ms        float64 `json:"stats_p50_ms"`
+	StatsMaxMs        float64 `json:"stats_max_ms"`
+	HeapBytesPerBlock float64 `json:"heap_bytes_per_block"`
+	RSSBytesPerBlock  float64 `json:"rss_bytes_per_block"`
+	// Over a disk tier; DiskSkipped says why not.
+	DiskSkipped           string  `json:"disk_skipped,omitempty"`
+	DiskBytes             uint64  `json:"disk_bytes"`
+	DiskStoredOK          int     `json:"disk_stored_ok"`
+	DiskNoSpace           int     `json:"disk_no_space"`
+	DiskStoreSeconds      float64 `json:"disk_store_seconds"`
+	DiskHeld              int     `json:"disk_held"`
+	DiskOnDisk            int     `json:"disk_on_disk"`
+	DiskDropped           int     `json:"disk_dropped"`
+	DiskLost              int     `json:"disk_lost"`
+	RestartToServingMs    float64 `json:"restart_to_serving_ms"`
+	RecoverySeconds       float64 `json:"recovery_seconds"`
+	RecoveredBlocks       int     `json:"recovered_blocks"`
+	BadSlots              int     `json:"bad_slots"`
+	RecoveryGBps          float64 `json:"recovery_gbps"`
+	RawSeqReadGBps        float64 `json:"raw_seq_read_gbps"`
+	RecoveryVsRaw         float64 `json:"recovery_vs_raw"`
+	RecoveryCPUusPerBlock float64 `json:"recovery_cpu_us_per_block"`
+}
+
 // F returns a pointer to v, for the optional fields.
 func F(v float64) *float64 { return &v }
 
@@ -576,6 +617,21 @@ func (r *Report) Print(w io.Writer) {
 		for _, p := range r.Sweep {
 			fmt.Fprintf(tw, "%g\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%d\t%d\t%d\t%d\t\n", p.Rate, p.LoadGBps, p.LoadP99us, p.DiskLoadGBps, p.DiskLoadP99us, p.StoreGBps,
 				p.Faults.InjectedRead, p.Faults.ReadFailuresReported, p.Faults.CorruptBlocksDelivered, p.Faults.FailedBlocksReoffered)
+		}
+		tw.Flush()
+	}
+	if len(r.Scale) > 0 {
+		fmt.Fprintf(w, "\nscale (%d-byte blocks, %d ranks storing at once; CPU tier with room for 2N, then a CPU tier of N/8 blocks (16-64 MiB) over a disk tier with room for N, kill -9, recovery):\n", r.Scale[0].BlockBytes, r.Scale[0].Ranks)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
+		for _, sc := range r.Scale {
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%.2f/%.2f\t%.0f\t%.0f\t", sc.Blocks, sc.CPUStoredOK, sc.CPULostWhileRoom, sc.StatsP50Ms, sc.StatsMaxMs, sc.HeapBytesPerBlock, sc.RSSBytesPerBlock)
+			if sc.DiskSkipped != "" {
+				fmt.Fprintf(tw, "skipped: %s\t\n", sc.DiskSkipped)
+				continue
+			}
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,
+				sc.RestartToServingMs, sc.RecoveredBlocks, sc.BadSlots, sc.RecoverySeconds, sc.RecoveryGBps, sc.RawSeqReadGBps, sc.RecoveryVsRaw, sc.RecoveryCPUusPerBlock)
 		}
 		tw.Flush()
 	}

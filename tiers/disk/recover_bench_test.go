@@ -24,10 +24,18 @@ import (
 //	KVOFFLOAD_BENCH_DIR=/mnt/nvme go test -run '^$' -bench Recover -count 6 ./tiers/disk > new.txt
 //	benchstat -col /impl new.txt
 //
-// KVOFFLOAD_BENCH_BYTES sets the file's size (default 1 GiB); the file is
-// written once, before timing.
+// KVOFFLOAD_BENCH_BYTES sets the file's size (default 1 GiB) and
+// KVOFFLOAD_BENCH_BLOCK the payload of a block (default 2 MiB; 4096 for the
+// small blocks of issue 34); the file is written once, before timing.
 func BenchmarkRecover(b *testing.B) {
-	const block = 2 << 20
+	block := uint64(2 << 20)
+	if s := os.Getenv("KVOFFLOAD_BENCH_BLOCK"); s != "" {
+		n, err := strconv.ParseUint(s, 10, 64)
+		if err != nil || n == 0 {
+			b.Fatalf("KVOFFLOAD_BENCH_BLOCK: %q", s)
+		}
+		block = n
+	}
 	dir := os.Getenv("KVOFFLOAD_BENCH_DIR")
 	if dir == "" {
 		dir = b.TempDir()

@@ -116,6 +116,8 @@ func (c *Class) Learn(keys []index.Key) {
 	for i := range keys {
 		hs[i] = c.t.PolicyKey(&keys[i])
 	}
+	c.amu.Lock()
+	defer c.amu.Unlock()
 	c.policy.learn(keys, hs)
 }
 

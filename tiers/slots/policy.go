@@ -54,6 +54,9 @@ type policy interface {
 	access(hs []uint64, seq uint64)
 	forget(h uint64)
 	holds(h uint64) bool
+	// size counts the keys held (admitted and not yet evicted or
+	// forgotten).
+	size() int64
 	// setCapacity is how many blocks the class may keep; it takes effect
 	// at the next admit.
 	setCapacity(n int64)
@@ -144,6 +147,10 @@ func (p *tinyLFU) holds(h uint64) bool {
 	_, ok := p.c.GetTTL(h)
 	return ok
 }
+
+// size is the cost used; every key costs 1. It counts the Sets the
+// policy goroutine has processed (admit waits for them).
+func (p *tinyLFU) size() int64 { return max(p.c.MaxCost()-p.c.RemainingCost(), 0) }
 
 // setCapacity is an atomic store in ristretto.
 func (p *tinyLFU) setCapacity(n int64) { p.c.UpdateMaxCost(n) }
@@ -273,6 +280,12 @@ func (p *slru) holds(h uint64) bool {
 	defer p.mu.Unlock()
 	_, ok := p.at[h]
 	return ok
+}
+
+func (p *slru) size() int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return int64(len(p.at))
 }
 
 func (p *slru) setCapacity(n int64) { p.capacity.Store(n) }

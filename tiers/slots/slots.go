@@ -183,6 +183,11 @@ type Class struct {
 	// a policy must not be used while it closes. A user that lost the
 	// race to a removal finds retired set and does nothing.
 	pmu sync.RWMutex
+	// amu orders the class's admissions (Admit, Grow, Learn): each one
+	// grows the class for the keys the policy holds already, those of
+	// the admissions before it whose stores have not taken their slots
+	// yet included.
+	amu sync.Mutex
 
 	// guarded by t.mu
 	free    []SlotID
@@ -492,11 +497,13 @@ func (c *Class) Admit(keys []index.Key) {
 		}
 		keys = uniq
 	}
-	c.grow(len(keys))
 	hs := make([]uint64, len(keys))
 	for i := range keys {
 		hs[i] = c.t.PolicyKey(&keys[i])
 	}
+	c.amu.Lock()
+	defer c.amu.Unlock()
+	c.grow(len(keys))
 	c.policy.admit(keys, hs)
 }
 
@@ -567,13 +574,22 @@ func (c *Class) alloc(staging bool) (SlotID, bool) {
 }
 
 // grow gives the class chunks until it has n free slots besides those Alloc
-// leaves for staging, or no chunk is left, taking one from another slot
-// size when the class has none at all.
+// leaves for staging and the policy may keep n blocks more than it holds,
+// or no chunk is left, taking one from another slot size when the class has
+// none at all. The caller holds c.amu: the policy holds the keys of every
+// admission before this one, whether or not their stores have taken their
+// slots yet, so concurrent stores do not count the same free slots (which
+// evicted blocks while the tier had room).
 func (c *Class) grow(n int) {
 	t := c.t
+	var held int64
+	if c.policy != nil && !c.retired.Load() {
+		held = c.policy.size()
+	}
 	t.mu.Lock()
-	// n beyond the slots Alloc leaves for staging (Config.Staging).
-	for len(c.free) < n+c.keep && len(t.mu.freeChunks) > 0 {
+	// n beyond the slots Alloc leaves for staging (Config.Staging), and
+	// beyond the reserve the policy keeps free (Config.Reserve).
+	for (len(c.free) < n+c.keep || held+int64(n) > c.maxCost) && len(t.mu.freeChunks) > 0 {
 		c.addChunkLocked(t.popFreeChunkLocked())
 	}
 	var steal = -1

@@ -712,3 +712,78 @@ func allocAll(c *Class) []SlotID {
 		got = append(got, s)
 	}
 }
+
+// TestConcurrentAdmitsEvictNothingWhileThereIsRoom: stores in flight at
+// once each Admit their keys before any of them takes its slots. Each
+// Admit used to count the free slots the others had already been promised,
+// so the policy evicted blocks (or declined new ones) while the space had
+// free chunks.
+func TestConcurrentAdmitsEvictNothingWhileThereIsRoom(t *testing.T) {
+	for _, reserve := range []float64{0, 1.0 / 8} {
+		t.Run(fmt.Sprintf("reserve=%v", reserve), func(t *testing.T) {
+			bothPolicies(t, func(t *testing.T) {
+				testConcurrentAdmits(t, reserve)
+			})
+		})
+	}
+}
+
+func testConcurrentAdmits(t *testing.T, reserve float64) {
+	var mu sync.Mutex
+	var evicted, rejected int
+	count := func(n *int) func(index.Key) {
+		return func(index.Key) { mu.Lock(); *n++; mu.Unlock() }
+	}
+	// 16 chunks of 256 4 KiB slots: 4,096 slots, of which the stores
+	// below take 2,048.
+	sp, err := New(Config{Name: "test", Bytes: 16 << 20, ChunkBytes: 1 << 20, Reserve: reserve, Policy: testPolicy,
+		Evict: count(&evicted), Reject: count(&rejected)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.Close()
+	c, err := sp.Class(4 << 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const stores, batch, rounds = 16, 32, 4
+	var admitted, wg sync.WaitGroup
+	fails := make(chan string, stores*rounds)
+	for r := range rounds {
+		admitted.Add(stores)
+		wg.Add(stores)
+		for g := range stores {
+			go func() {
+				defer wg.Done()
+				keys := make([]index.Key, batch)
+				for i := range keys {
+					keys[i] = key((r*stores+g)*batch + i)
+				}
+				c.Admit(keys)
+				admitted.Done()
+				admitted.Wait() // every store of the round is in flight
+				for range keys {
+					s, ok := c.Alloc()
+					if !ok {
+						fails <- fmt.Sprintf("round %d store %d found no slot", r, g)
+						return
+					}
+					sp.Unpin(s)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	close(fails)
+	for f := range fails {
+		t.Error(f)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if evicted != 0 || rejected != 0 {
+		t.Fatalf("%d blocks evicted and %d declined with 2,048 of 4,096 slots in use", evicted, rejected)
+	}
+	if _, blocks := sp.Usage(); blocks != stores*batch*rounds {
+		t.Fatalf("%d blocks in use, want %d", blocks, stores*batch*rounds)
+	}
+}

@@ -42,9 +42,10 @@ func main() {
 	}
 }
 
-// allScenarios in the order they run; restart runs only when asked for
-// (it fills --restart-bytes of disk).
-var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "hybrid", "restart"}
+// allScenarios in the order they run; restart and scale run only when asked
+// for (they fill --restart-bytes of disk, and memory and disk for
+// --scale-blocks).
+var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "hybrid", "restart", "scale"}
 
 // defaultScenarios run without --scenarios.
 var defaultScenarios = allScenarios[:8]
@@ -81,6 +82,8 @@ type options struct {
 	hybridOneStore bool
 	hybridExpand   int
 	hybridCPUShare float64
+	scaleBlocks    []int
+	scaleRanks     int
 }
 
 const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
@@ -113,7 +116,12 @@ attention; bytes loaded per hit token, hit rates and keys looked up outside a
 hit's window of both; at most 24 steps, 12 with --quick),
 restart (only when named: fills a disk tier of --restart-bytes, restarts the
 daemon on it and times the start to SERVING and the background recovery of
-the files against a raw O_DIRECT sequential read of the same file).
+the files against a raw O_DIRECT sequential read of the same file),
+scale (only when named: for each --scale-blocks N, N 4 KiB blocks stored by
+--scale-ranks engines at once into a CPU tier with room for 2N, none may be
+lost; Stats timed; the daemon's heap and RSS per block; then over a disk tier
+with room for N, stores faster than the disk, none may be dropped, a kill -9
+and the recovery against a raw O_DIRECT read of the same slot file).
 
 Flags:
 `
@@ -133,6 +141,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.engineBlocks, "engine-blocks", 0, "engine KV blocks in the /dev/shm region, the most one step moves (0: 256 MiB worth, 128 MiB with --quick).")
 	fs.IntVar(&o.steps, "steps", 0, "scheduler steps per scenario (0: 48, 24 with --quick).")
 	scen := fs.String("scenarios", strings.Join(defaultScenarios, ","), "scenarios to run, comma-separated: "+strings.Join(allScenarios, ", ")+".")
+	scaleBlocks := fs.String("scale-blocks", "", "block counts of the scale scenario, comma-separated (default 10000,100000,1000000; 10000,100000 with --quick).")
+	fs.IntVar(&o.scaleRanks, "scale-ranks", 4, "engines storing at once in the scale scenario (1..64).")
 	restartBytes := fs.String("restart-bytes", "", "disk tier size of the restart scenario (default 4GiB, 1GiB with --quick); binary units as the daemon's flags (e.g. 4GiB).")
 	fs.StringVar(&o.faultSpec, "fault-spec", "", "the faults scenario's plan in the daemon's syntax (e.g. read-eio=0.01,bitflip=0.001,seed=7), run once instead of the --fault-rates sweep.")
 	rates := fs.String("fault-rates", "0.01,0.05,0.1", "read fault rates the faults scenario runs at, each split evenly over read-eio, short-read and bitflip.")
@@ -244,6 +254,23 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.queueDepth < 1 || o.queueDepth > 256 {
 		bad("--queue-depth %d: want 1..256", o.queueDepth)
+	}
+	if *scaleBlocks == "" {
+		*scaleBlocks = "10000,100000,1000000"
+		if o.quick {
+			*scaleBlocks = "10000,100000"
+		}
+	}
+	for _, f := range strings.Split(*scaleBlocks, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || v < 1000 || v > 100_000_000 {
+			bad("--scale-blocks: %q is not a count in 1000..100000000", f)
+			continue
+		}
+		o.scaleBlocks = append(o.scaleBlocks, v)
+	}
+	if o.scaleRanks < 1 || o.scaleRanks > 64 {
+		bad("--scale-ranks %d: want 1..64", o.scaleRanks)
 	}
 	o.restartBytes = 4 << 30
 	if o.quick {

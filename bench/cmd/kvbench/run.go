@@ -205,6 +205,15 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 			}
 			continue
 		}
+		if sc.kind == "scale" {
+			if err := b.scale(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("scenario scale: %w", err))
+				if ctx.Err() != nil {
+					break
+				}
+			}
+			continue
+		}
 		if sc.kind == "restart" {
 			if err := b.restart(ctx); err != nil {
 				errs = append(errs, fmt.Errorf("scenario restart: %w", err))
@@ -307,6 +316,11 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 	skip := func(what, why string) { skips = append(skips, report.Skip{What: what, Reason: why}) }
 	for _, s := range o.scenarios {
 		switch {
+		case s == "scale" && o.socket == "":
+			// It sizes its own tiers, per N, and skips the disk part
+			// itself without a disk directory or the room.
+			runs = append(runs, scenario{name: s, kind: s})
+			continue
 		case o.socket != "" && s == "cpu":
 			runs = append(runs, scenario{name: "external", kind: "cpu"})
 			continue
@@ -362,6 +376,7 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 			runs = append(runs, scenario{name: s, kind: s, cpuBytes: size(max(0.55*float64(D), 2*float64(E))), diskBytes: diskBytes})
 		case "restart":
 			runs = append(runs, scenario{name: s, kind: s, diskBytes: o.restartBytes})
+
 		case "faults":
 			if !b.flags["fault-spec"] {
 				skip("faults scenario", "daemon has no --fault-spec flag")
@@ -1030,6 +1045,18 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		goal("restart_start_to_serving_ms", "<= 1000", report.F(rc.StartToServingMs), func(v float64) bool { return v <= 1000 })
 		goal("restart_disk_open_to_serving_ms", "<= 1000", report.F(rc.DiskOpenToServingMs), func(v float64) bool { return v <= 1000 })
 		goal("restart_recovery_vs_raw_seq_read", ">= 0.8", report.F(rc.RecoveryVsRawSeqRead), func(v float64) bool { return v >= 0.8 })
+	}
+
+	// Issue 34's goals, per N of the scale scenario.
+	for _, sc := range rep.Scale {
+		n := strconv.Itoa(sc.Blocks)
+		goal("scale_"+n+"_lost_while_room", "== 0", report.F(float64(sc.CPULostWhileRoom)), func(v float64) bool { return v == 0 })
+		goal("scale_"+n+"_stats_max_ms", "<= 5", report.F(sc.StatsMaxMs), func(v float64) bool { return v <= 5 })
+		goal("scale_"+n+"_heap_bytes_per_block", "<= 150", report.F(sc.HeapBytesPerBlock), func(v float64) bool { return v <= 150 })
+		if sc.DiskSkipped == "" {
+			goal("scale_"+n+"_disk_dropped_or_lost", "== 0", report.F(float64(sc.DiskDropped+sc.DiskLost)), func(v float64) bool { return v == 0 })
+			goal("scale_"+n+"_recovery_vs_raw_seq_read", ">= 0.5", report.F(sc.RecoveryVsRaw), func(v float64) bool { return v >= 0.5 })
+		}
 	}
 
 	// Issue 11's goals.
