@@ -33,8 +33,9 @@ import (
 //     Lookup offers it, before its payload has verified.
 //
 // A block stored again before recovery reaches its old copy keeps the new
-// copy (the old slot is released); one invalidated since the start is
-// released instead of filed (its tombstones, tombstones.go); one
+// copy (the old slot is released); one invalidated since the start has
+// its record cleared before the Invalidate answers and is released
+// instead of filed (the ledger, cpu_ledger.go); one
 // invalidated before the restart has no record (Invalidate released its slot, which cleared
 // it), so it cannot come back. A recovered block belongs to its
 // namespace's fingerprint: the namespaces of the arena's catalog are
@@ -60,7 +61,7 @@ type cpuRecovery struct {
 	took     atomic.Int64  // nanoseconds, once done
 	hook     func()        // Config.CPURecoveryHook
 
-	tombstones // what Invalidates dropped while it runs
+	cpuLedger // the records not filed yet, and what Invalidates dropped while it runs (cpu_ledger.go)
 }
 
 // newCPUTier maps the CPU tier's arena: private, or in dir's arena file.
@@ -130,7 +131,7 @@ func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 		return
 	}
 	rec.state.Store(cpuRecoveryRunning)
-	rec.tombstones.start()
+	rec.cpuLedger.begin(s.cpu.ClearRecord)
 	s.log.Info("cpu tier: recovering the arena's blocks in the background", "dir", s.cpu.ArenaDir(), "namespaces", len(rec.byDigest))
 	s.reaper.Add(1)
 	go s.recoverCPU()
@@ -238,6 +239,8 @@ func (s *Service) recoverCPU() {
 		ch, _ := s.cpu.ChunkOf(cf.Slot)
 		byChunk[ch] = append(byChunk[ch], cf)
 	}
+	// From here an Invalidate clears the records it names itself.
+	rec.scanDone(newest)
 	newest = nil
 	// Empty chunks first: stores get room at once.
 	for ch := range chunks {
@@ -333,12 +336,14 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 		// One slot size per chunk, at its stride: a record that does
 		// not fit the chunk's slots is not one of them.
 		if f.ns.Layout.SlotBytes(f.Group) != slotBytes || (f.Slot-base)%step != 0 {
+			rec.settled(&f.key)
 			s.cpu.ClearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
 		}
 		if err := s.cpu.VerifyRecord(f.Found); err != nil {
 			s.log.Warn("cpu tier: a block in the arena failed verification; it is dropped", "slot", f.Slot, "err", err)
+			rec.settled(&f.key)
 			s.cpu.ClearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
@@ -352,6 +357,7 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	c, err := s.cpu.Class(slotBytes)
 	if err != nil {
 		s.log.Error("cpu tier: the arena's blocks of a chunk will not come back", "chunk", ch, "slot_bytes", slotBytes, "err", err)
+		rec.settledAll(good)
 		s.unholdCPU(ch)
 		return
 	}
@@ -372,6 +378,7 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	}
 	if err := c.Adopt(ch, used); err != nil {
 		s.log.Error("cpu tier: the arena's blocks of a chunk will not come back", "chunk", ch, "err", err)
+		rec.settledAll(good)
 		s.unholdCPU(ch)
 		return
 	}
@@ -381,6 +388,9 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 		k := f.key
 		keep := false
 		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+			// Under the key's lock: an Invalidate that comes after finds
+			// the entry (and releases its slot, clearing the record).
+			rec.settled(&k)
 			switch {
 			case rec.invalidated(&k):
 			case !found:
@@ -419,12 +429,14 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	rec.blocks.Add(uint64(len(kept)))
 }
 
-// cpuRecoveryEnded ends the recovery: the tombstones go, the catalog's
+// cpuRecoveryEnded ends the recovery: the ledger goes (once done), the catalog's
 // namespaces may be swept from now on, and the arena's catalog keeps the
 // namespaces there are.
 func (s *Service) cpuRecoveryEnded(state int32, start time.Time) {
 	rec := &s.crec
-	rec.tombstones.stop()
+	if state == cpuRecoveryDone {
+		rec.cpuLedger.end()
+	}
 	took := time.Since(start)
 	rec.took.Store(int64(took))
 	s.mu.Lock()
