@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"encoding/json"
 	"fmt"
 	"runtime"
 	"sync"
@@ -62,6 +63,12 @@ type cpuRecovery struct {
 	hook     func()        // Config.CPURecoveryHook
 
 	cpuLedger // the records not filed yet, and what Invalidates dropped while it runs (cpu_ledger.go)
+
+	// The arena's namespace catalog: catMu orders its writes (taken
+	// before s.mu, never under it, so no Lookup waits for the file);
+	// stale says a namespace was dropped since the last whole rewrite.
+	catMu sync.Mutex
+	stale atomic.Bool
 }
 
 // newCPUTier maps the CPU tier's arena: private, or in dir's arena file.
@@ -138,43 +145,68 @@ func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 }
 
 // saveCPUNamespaces records the service's namespaces in the arena's
-// catalog (keepOnly: only those). A failure costs their blocks after a
-// restart, nothing now: logged.
+// catalog (keepOnly: only those, so the file holds no more entries than
+// the daemon keeps namespaces, Limits.MaxNamespacesTotal). A failure costs
+// their blocks after a restart, nothing now: logged.
 func (s *Service) saveCPUNamespaces(keepOnly bool) {
 	if !s.cpu.Persistent() {
 		return
 	}
-	// Under s.mu until saved, as Register's saveCPUNamespace: a namespace
-	// made meanwhile is either in metas or saved after.
+	// The file is written under catMu, not s.mu: a namespace made after
+	// the snapshot is saved after this write (saveCPUNamespace waits for
+	// catMu), one made before is in it.
+	s.crec.catMu.Lock()
+	defer s.crec.catMu.Unlock()
+	if keepOnly {
+		s.crec.stale.Store(false)
+	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	metas := make(map[[32]byte][]byte, len(s.mu.byID))
 	for _, ns := range s.mu.byID {
-		metas[digestOf(ns.Fingerprint)] = s.cpuMeta(ns)
+		metas[digestOf(ns.Fingerprint)] = cpuMeta(ns)
 	}
+	s.mu.Unlock()
 	if err := s.cpu.SaveNamespaces(metas, keepOnly); err != nil {
 		s.log.Warn("the CPU tier's blocks will not come back after a restart", "err", err)
 	}
 }
 
-// saveCPUNamespace records a new namespace in the arena's catalog; the
-// caller holds s.mu.
+// saveCPUNamespace records a new namespace in the arena's catalog (after
+// a namespace was dropped, the whole catalog, without it). The caller
+// does not hold s.mu, and no store of ns has completed yet.
 func (s *Service) saveCPUNamespace(ns *Namespace) {
 	if !s.cpu.Persistent() {
 		return
 	}
-	if err := s.cpu.SaveNamespaces(map[[32]byte][]byte{digestOf(ns.Fingerprint): s.cpuMeta(ns)}, false); err != nil {
+	if s.crec.stale.Load() {
+		s.saveCPUNamespaces(true)
+		return
+	}
+	s.crec.catMu.Lock()
+	defer s.crec.catMu.Unlock()
+	if err := s.cpu.SaveNamespaces(map[[32]byte][]byte{digestOf(ns.Fingerprint): cpuMeta(ns)}, false); err != nil {
 		s.log.Warn("a namespace's CPU-tier blocks will not come back after a restart", "namespace", ns.ID, "err", err)
 	}
 }
 
-// cpuMeta is ns's catalog entry, in the disk tier's encoding. Its marks
-// are no use to the arena (an invalidated block's record is gone) but
-// cost nothing.
-func (s *Service) cpuMeta(ns *Namespace) []byte {
-	s.marksMu.Lock()
-	defer s.marksMu.Unlock()
-	return encodeMeta(ns)
+// compactCPUCatalog rewrites the arena's catalog without the namespaces
+// dropped since its last rewrite (they hold no block, so no record).
+func (s *Service) compactCPUCatalog() {
+	if s.cpu.Persistent() && s.crec.stale.Load() {
+		s.saveCPUNamespaces(true)
+	}
+}
+
+// cpuMeta is ns's catalog entry, in the disk tier's encoding, without its
+// invalidation marks (no use to the arena: an invalidated block's record
+// is gone), so an entry stays within its fingerprint and layout.
+func cpuMeta(ns *Namespace) []byte {
+	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes}
+	for _, sg := range ns.Layout.Segments {
+		m.Segments = append(m.Segments, [2]uint64{uint64(sg.Group), sg.Bytes})
+	}
+	b, _ := json.Marshal(m)
+	return b
 }
 
 // storedSum is the checksum of a stored block's payload in slot, for its

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 	"github.com/kvoffloadd/kvoffloadd/tiers/cpu"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/slot"
 )
 
@@ -225,5 +227,96 @@ func waitMetric(t *testing.T, metrics, name string, ok func(float64) bool) {
 			t.Fatalf("%s did not reach the value wanted in 30s", name)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// arenaCatalog decodes the namespace catalog beside an arena.
+func arenaCatalog(t *testing.T, dir string) map[[32]byte][]byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, cpu.CatalogFileName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := disk.DecodeCatalog(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns
+}
+
+// TestCPUArenaCatalogKeepsOnlyLiveNamespaces: namespaces made and emptied
+// one after another (an RL fleet resetting its engines) leave the arena's
+// catalog once the daemon drops them, so the file holds no more entries
+// than the daemon keeps namespaces; the blocks of the namespace that
+// stays come back after a kill -9.
+func TestCPUArenaCatalogKeepsOnlyLiveNamespaces(t *testing.T) {
+	bin := buildDaemon(t)
+	dir := arenaDir(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	args := arenaArgs(sock, metrics, dir, "--namespace-linger", "1ms")
+	ctx := context.Background()
+	m := arenaModel
+	r := testenv.NewRegion(t, m.RegionBytes())
+	proc, c, exited := startDaemon(t, bin, args...)
+	keep, err := c.Register(ctx, []byte("catalog-keep"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := m.Hashes(51, 8)
+	for i, h := range hs {
+		m.Fill(r, i, h)
+	}
+	if res, err := c.Store(ctx, keep.RegistrationId, []*pb.Job{testenv.Job(1, hs, testenv.Seq(0, len(hs)))}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	const churn = 40
+	for i := 0; i < churn; i++ {
+		reg, err := c.Register(ctx, []byte("catalog-churn-"+strconv.Itoa(i)), m.Layout(), m.Regions(r), "test")
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := m.Hashes(uint64(100+i), 1)
+		m.Fill(r, 9, h[0])
+		if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(uint64(10+i), h, []uint32{9})}, true); err != nil || !res[0].Ok {
+			t.Fatalf("store: %v %v", res, err)
+		}
+		if _, err := c.Invalidate(ctx, []uint32{reg.NamespaceId}, nil); err != nil { // reset_cache
+			t.Fatal(err)
+		}
+		if err := c.Unregister(ctx, reg.RegistrationId); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The daemon drops them within its sweep (a second); the catalog
+	// follows.
+	waitMetric(t, metrics, "kvoffload_namespaces", func(v float64) bool { return v == 1 })
+	deadline := time.Now().Add(30 * time.Second)
+	for n := len(arenaCatalog(t, dir)); n != 1; n = len(arenaCatalog(t, dir)) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the arena's catalog holds %d namespaces, the daemon keeps 1", n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// A new namespace after the drops: the catalog holds the two.
+	if _, err := c.Register(ctx, []byte("catalog-new"), m.Layout(), m.Regions(r), "test"); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(arenaCatalog(t, dir)); n != 2 {
+		t.Fatalf("after one more namespace the arena's catalog holds %d, want 2", n)
+	}
+	proc.Process.Signal(syscall.SIGKILL)
+	<-exited
+	os.Remove(sock)
+	_, c2, _ := startDaemon(t, bin, args...)
+	if blocks, _ := waitCPURecovered(t, metrics); blocks != len(hs) {
+		t.Fatalf("recovered %d blocks, want the %d of the namespace kept", blocks, len(hs))
+	}
+	reg2, err := c2.Register(ctx, []byte("catalog-keep"), m.Layout(), m.Regions(r), "test")
+	if err != nil || !reg2.JoinedExisting {
+		t.Fatalf("register again: %v %v", reg2, err)
+	}
+	for i, h := range hs {
+		loadExact(t, c2, reg2, r, uint64(100+i), h, 20)
 	}
 }
