@@ -320,3 +320,58 @@ func TestCPUArenaCatalogKeepsOnlyLiveNamespaces(t *testing.T) {
 		loadExact(t, c2, reg2, r, uint64(100+i), h, 20)
 	}
 }
+
+// TestCPUArenaOversizedCatalogKeepsTheBlocks: a namespace catalog beside
+// the arena past the size this daemon reads whole (an older daemon kept
+// every namespace ever made in it) does not cost the arena its blocks:
+// the start keeps the namespaces the records name, and every block comes
+// back byte-exact.
+func TestCPUArenaOversizedCatalogKeepsTheBlocks(t *testing.T) {
+	bin := buildDaemon(t)
+	dir := arenaDir(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	args := arenaArgs(sock, metrics, dir)
+	ctx := context.Background()
+	m := arenaModel
+	r := testenv.NewRegion(t, m.RegionBytes())
+	proc, c, exited := startDaemon(t, bin, args...)
+	reg, err := c.Register(ctx, []byte("catalog-big"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := m.Hashes(61, 16)
+	for i, h := range hs {
+		m.Fill(r, i, h)
+	}
+	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, hs, testenv.Seq(0, len(hs)))}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	proc.Process.Signal(syscall.SIGTERM)
+	<-exited
+	// 70 entries of 1 MiB besides the real one: past the 64 MiB read whole.
+	ns := arenaCatalog(t, dir)
+	for i := range 70 {
+		var d [32]byte
+		d[0], d[1] = 0xee, byte(i)
+		ns[d] = bytes.Repeat([]byte{'x'}, disk.MaxNamespaceMeta)
+	}
+	if err := os.WriteFile(filepath.Join(dir, cpu.CatalogFileName), disk.EncodeCatalog(ns), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, c2, _ := startDaemon(t, bin, args...)
+	if blocks, dropped := waitCPURecovered(t, metrics); blocks != len(hs) {
+		t.Fatalf("recovered %d blocks (%d dropped), want %d", blocks, dropped, len(hs))
+	}
+	reg2, err := c2.Register(ctx, []byte("catalog-big"), m.Layout(), m.Regions(r), "test")
+	if err != nil || !reg2.JoinedExisting {
+		t.Fatalf("register again: %v %v", reg2, err)
+	}
+	for i, h := range hs {
+		loadExact(t, c2, reg2, r, uint64(100+i), h, 20)
+	}
+	// The daemon's own catalog is small again.
+	if n := len(arenaCatalog(t, dir)); n != 1 {
+		t.Fatalf("the catalog holds %d namespaces after the start, want 1", n)
+	}
+}
