@@ -456,6 +456,10 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 			c.Forget(&kept[i])
 		} else if s.disk != nil && e.Disk == index.NoSlot {
 			s.noteDirty(c, kept[i])
+		} else if e.Disk != index.NoSlot {
+			// On disk too (the disk tier's recovery got there first):
+			// a clean copy a store may drop for its slot.
+			s.noteClean(c, kept[i])
 		}
 	}
 	rec.blocks.Add(uint64(len(kept)))

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -374,4 +375,74 @@ func TestCPUArenaOversizedCatalogKeepsTheBlocks(t *testing.T) {
 	if n := len(arenaCatalog(t, dir)); n != 1 {
 		t.Fatalf("the catalog holds %d namespaces after the start, want 1", n)
 	}
+}
+
+// TestCPUArenaRecoveredCopiesOnDiskAreClean: blocks that come back both
+// from the arena and from the disk tier are clean CPU copies: with the
+// CPU tier full of them, a store takes their slots (the blocks stay on
+// disk) instead of failing NO_SPACE.
+func TestCPUArenaRecoveredCopiesOnDiskAreClean(t *testing.T) {
+	bin := buildDaemon(t)
+	dir := arenaDir(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	args := arenaArgs(sock, metrics, dir, "--disk-dir", t.TempDir(), "--disk-bytes", "64MiB", "--disk-chunk-bytes", "4MiB", "--write-through")
+	ctx := context.Background()
+	m := arenaModel
+	r := testenv.NewRegion(t, m.RegionBytes())
+	proc, c, exited := startDaemon(t, bin, args...)
+	reg, err := c.Register(ctx, []byte("arena-clean"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 256 blocks of 64 KiB: the 16 MiB arena's worth, all written to disk.
+	hs := m.Hashes(71, 256)
+	for at := 0; at < len(hs); at += m.Blocks {
+		if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(uint64(at), hs[at:at+m.Blocks], testenv.Seq(0, m.Blocks))}, true); err != nil || !res[0].Ok {
+			t.Fatalf("store: %v %v", res, err)
+		}
+	}
+	// Every one on disk too before the stop.
+	waitMetric(t, metrics, "kvoffload_cpu_dirty_blocks", func(v float64) bool { return v == 0 })
+	waitMetric(t, metrics, "kvoffload_disk_queued_writes", func(v float64) bool { return v == 0 })
+	proc.Process.Signal(syscall.SIGTERM)
+	<-exited
+
+	_, c2, _ := startDaemon(t, bin, args...)
+	blocks, _ := waitCPURecovered(t, metrics)
+	waitMetric(t, metrics, "kvoffload_disk_recovering", func(v float64) bool { return v == 0 })
+	text := scrape(t, metrics)
+	clean := metric(t, text, "kvoffload_cpu_clean_blocks")
+	t.Logf("after the restart: %d blocks back in the CPU tier, %v of them clean", blocks, clean)
+	if blocks < 128 || clean != float64(blocks) {
+		t.Fatalf("%d blocks back in the CPU tier, %v clean: want at least 128, every one also on disk", blocks, clean)
+	}
+	reg2, err := c2.Register(ctx, []byte("arena-clean"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As many new blocks as the CPU tier holds: each store must find a
+	// slot, free or given up by a clean copy.
+	fresh := m.Hashes(72, 256)
+	for at := 0; at < len(fresh); at += m.Blocks {
+		res, err := c2.Store(ctx, reg2.RegistrationId, []*pb.Job{testenv.Job(uint64(1000+at), fresh[at:at+m.Blocks], testenv.Seq(0, m.Blocks))}, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !res[0].Ok {
+			t.Fatalf("store of blocks %d..%d with the CPU tier full of clean copies: %v", at, at+m.Blocks, res[0].Failures)
+		}
+	}
+	text = scrape(t, metrics)
+	t.Logf("clean dropped %v, policy evictions %s, no space %s", metric(t, text, "kvoffload_cpu_clean_dropped_total"), grepMetric(text, "kvoffload_evictions_total"), grepMetric(text, "kvoffload_store_no_space_total"))
+}
+
+func grepMetric(text, name string) string {
+	var out []string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.HasPrefix(l, name) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "; ")
 }
