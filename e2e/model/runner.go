@@ -313,10 +313,11 @@ func (r *runner) run() error {
 		// A held arena recovery goes on by a chunk after one operation
 		// in three: the next ones (Invalidates, restarts, kills) may
 		// meet blocks it has not filed yet.
-		if r.rng.IntN(3) == 0 {
+		if r.m.arenaRecovering && r.rng.IntN(3) == 0 {
 			if err := r.p.LetRecovery("1"); err != nil {
 				return r.fail("daemon", "%v", err)
 			}
+			r.m.arenaRecovering = r.arenaRecovering()
 		}
 		if n++; n%every == 0 {
 			t0 := time.Now()
@@ -447,6 +448,8 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 		return err
 	}
 	r.lastLoss = m.Losses()
+	// Held until the runner lets it go (LetRecovery).
+	r.m.arenaRecovering = r.p.ArenaDir != "" && r.p.HoldCPU
 	r.tally = map[string]float64{}
 	r.racedNS = map[int]bool{}
 	r.unobserved, r.maybesSettled, r.lossySettled = 0, 0, 0
