@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"encoding/json"
 	"fmt"
 	"runtime"
 	"sync"
@@ -33,8 +34,9 @@ import (
 //     Lookup offers it, before its payload has verified.
 //
 // A block stored again before recovery reaches its old copy keeps the new
-// copy (the old slot is released); one invalidated since the start is
-// released instead of filed (its tombstones, tombstones.go); one
+// copy (the old slot is released); one invalidated since the start has
+// its record cleared before the Invalidate answers and is released
+// instead of filed (the ledger, cpu_ledger.go); one
 // invalidated before the restart has no record (Invalidate released its slot, which cleared
 // it), so it cannot come back. A recovered block belongs to its
 // namespace's fingerprint: the namespaces of the arena's catalog are
@@ -60,7 +62,13 @@ type cpuRecovery struct {
 	took     atomic.Int64  // nanoseconds, once done
 	hook     func()        // Config.CPURecoveryHook
 
-	tombstones // what Invalidates dropped while it runs
+	cpuLedger // the records not filed yet, and what Invalidates dropped while it runs (cpu_ledger.go)
+
+	// The arena's namespace catalog: catMu orders its writes (taken
+	// before s.mu, never under it, so no Lookup waits for the file);
+	// stale says a namespace was dropped since the last whole rewrite.
+	catMu sync.Mutex
+	stale atomic.Bool
 }
 
 // newCPUTier maps the CPU tier's arena: private, or in dir's arena file.
@@ -130,50 +138,75 @@ func (s *Service) startCPURecovery(reg prometheus.Registerer, hook func()) {
 		return
 	}
 	rec.state.Store(cpuRecoveryRunning)
-	rec.tombstones.start()
+	rec.cpuLedger.begin(s.cpu.ClearRecord)
 	s.log.Info("cpu tier: recovering the arena's blocks in the background", "dir", s.cpu.ArenaDir(), "namespaces", len(rec.byDigest))
 	s.reaper.Add(1)
 	go s.recoverCPU()
 }
 
 // saveCPUNamespaces records the service's namespaces in the arena's
-// catalog (keepOnly: only those). A failure costs their blocks after a
-// restart, nothing now: logged.
+// catalog (keepOnly: only those, so the file holds no more entries than
+// the daemon keeps namespaces, Limits.MaxNamespacesTotal). A failure costs
+// their blocks after a restart, nothing now: logged.
 func (s *Service) saveCPUNamespaces(keepOnly bool) {
 	if !s.cpu.Persistent() {
 		return
 	}
-	// Under s.mu until saved, as Register's saveCPUNamespace: a namespace
-	// made meanwhile is either in metas or saved after.
+	// The file is written under catMu, not s.mu: a namespace made after
+	// the snapshot is saved after this write (saveCPUNamespace waits for
+	// catMu), one made before is in it.
+	s.crec.catMu.Lock()
+	defer s.crec.catMu.Unlock()
+	if keepOnly {
+		s.crec.stale.Store(false)
+	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	metas := make(map[[32]byte][]byte, len(s.mu.byID))
 	for _, ns := range s.mu.byID {
-		metas[digestOf(ns.Fingerprint)] = s.cpuMeta(ns)
+		metas[digestOf(ns.Fingerprint)] = cpuMeta(ns)
 	}
+	s.mu.Unlock()
 	if err := s.cpu.SaveNamespaces(metas, keepOnly); err != nil {
 		s.log.Warn("the CPU tier's blocks will not come back after a restart", "err", err)
 	}
 }
 
-// saveCPUNamespace records a new namespace in the arena's catalog; the
-// caller holds s.mu.
+// saveCPUNamespace records a new namespace in the arena's catalog (after
+// a namespace was dropped, the whole catalog, without it). The caller
+// does not hold s.mu, and no store of ns has completed yet.
 func (s *Service) saveCPUNamespace(ns *Namespace) {
 	if !s.cpu.Persistent() {
 		return
 	}
-	if err := s.cpu.SaveNamespaces(map[[32]byte][]byte{digestOf(ns.Fingerprint): s.cpuMeta(ns)}, false); err != nil {
+	if s.crec.stale.Load() {
+		s.saveCPUNamespaces(true)
+		return
+	}
+	s.crec.catMu.Lock()
+	defer s.crec.catMu.Unlock()
+	if err := s.cpu.SaveNamespaces(map[[32]byte][]byte{digestOf(ns.Fingerprint): cpuMeta(ns)}, false); err != nil {
 		s.log.Warn("a namespace's CPU-tier blocks will not come back after a restart", "namespace", ns.ID, "err", err)
 	}
 }
 
-// cpuMeta is ns's catalog entry, in the disk tier's encoding. Its marks
-// are no use to the arena (an invalidated block's record is gone) but
-// cost nothing.
-func (s *Service) cpuMeta(ns *Namespace) []byte {
-	s.marksMu.Lock()
-	defer s.marksMu.Unlock()
-	return encodeMeta(ns)
+// compactCPUCatalog rewrites the arena's catalog without the namespaces
+// dropped since its last rewrite (they hold no block, so no record).
+func (s *Service) compactCPUCatalog() {
+	if s.cpu.Persistent() && s.crec.stale.Load() {
+		s.saveCPUNamespaces(true)
+	}
+}
+
+// cpuMeta is ns's catalog entry, in the disk tier's encoding, without its
+// invalidation marks (no use to the arena: an invalidated block's record
+// is gone), so an entry stays within its fingerprint and layout.
+func cpuMeta(ns *Namespace) []byte {
+	m := namespaceMeta{Fingerprint: ns.Fingerprint, HashBytes: ns.Layout.HashBytes}
+	for _, sg := range ns.Layout.Segments {
+		m.Segments = append(m.Segments, [2]uint64{uint64(sg.Group), sg.Bytes})
+	}
+	b, _ := json.Marshal(m)
+	return b
 }
 
 // storedSum is the checksum of a stored block's payload in slot, for its
@@ -238,6 +271,8 @@ func (s *Service) recoverCPU() {
 		ch, _ := s.cpu.ChunkOf(cf.Slot)
 		byChunk[ch] = append(byChunk[ch], cf)
 	}
+	// From here an Invalidate clears the records it names itself.
+	rec.scanDone(newest)
 	newest = nil
 	// Empty chunks first: stores get room at once.
 	for ch := range chunks {
@@ -333,12 +368,14 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 		// One slot size per chunk, at its stride: a record that does
 		// not fit the chunk's slots is not one of them.
 		if f.ns.Layout.SlotBytes(f.Group) != slotBytes || (f.Slot-base)%step != 0 {
+			rec.settled(&f.key)
 			s.cpu.ClearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
 		}
 		if err := s.cpu.VerifyRecord(f.Found); err != nil {
 			s.log.Warn("cpu tier: a block in the arena failed verification; it is dropped", "slot", f.Slot, "err", err)
+			rec.settled(&f.key)
 			s.cpu.ClearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
@@ -352,6 +389,7 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	c, err := s.cpu.Class(slotBytes)
 	if err != nil {
 		s.log.Error("cpu tier: the arena's blocks of a chunk will not come back", "chunk", ch, "slot_bytes", slotBytes, "err", err)
+		rec.settledAll(good)
 		s.unholdCPU(ch)
 		return
 	}
@@ -372,6 +410,7 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 	}
 	if err := c.Adopt(ch, used); err != nil {
 		s.log.Error("cpu tier: the arena's blocks of a chunk will not come back", "chunk", ch, "err", err)
+		rec.settledAll(good)
 		s.unholdCPU(ch)
 		return
 	}
@@ -381,6 +420,9 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 		k := f.key
 		keep := false
 		s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {
+			// Under the key's lock: an Invalidate that comes after finds
+			// the entry (and releases its slot, clearing the record).
+			rec.settled(&k)
 			switch {
 			case rec.invalidated(&k):
 			case !found:
@@ -414,17 +456,23 @@ func (s *Service) recoverCPUChunk(ch uint32, found []cpuFound) {
 			c.Forget(&kept[i])
 		} else if s.disk != nil && e.Disk == index.NoSlot {
 			s.noteDirty(c, kept[i])
+		} else if e.Disk != index.NoSlot {
+			// On disk too (the disk tier's recovery got there first):
+			// a clean copy a store may drop for its slot.
+			s.noteClean(c, kept[i])
 		}
 	}
 	rec.blocks.Add(uint64(len(kept)))
 }
 
-// cpuRecoveryEnded ends the recovery: the tombstones go, the catalog's
+// cpuRecoveryEnded ends the recovery: the ledger goes (once done), the catalog's
 // namespaces may be swept from now on, and the arena's catalog keeps the
 // namespaces there are.
 func (s *Service) cpuRecoveryEnded(state int32, start time.Time) {
 	rec := &s.crec
-	rec.tombstones.stop()
+	if state == cpuRecoveryDone {
+		rec.cpuLedger.end()
+	}
 	took := time.Since(start)
 	rec.took.Store(int64(took))
 	s.mu.Lock()

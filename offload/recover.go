@@ -88,7 +88,7 @@ func (s *Service) recoveredKey(r disk.Recovered) (index.Key, bool) {
 // declined. The ones kept are then put under the disk policy.
 func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []disk.Verdict {
 	verdicts := make([]disk.Verdict, len(blocks))
-	var kept []int
+	var kept, cleaned []int
 	for i := range blocks {
 		k, slot := &keys[i], blocks[i].Slot
 		v := disk.Decline
@@ -105,16 +105,25 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 				v = disk.Keep
 				return true
 			case e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
-				// Stored again before recovery got here: this is its
-				// disk copy, no demotion needed.
+				// Stored again before recovery got here (or its CPU
+				// copy came back from the arena): this is its disk copy,
+				// no demotion needed, and the CPU copy is clean.
 				e.Disk = slot
 				v = disk.Keep
+				if e.CPU != index.NoSlot {
+					cleaned = append(cleaned, i)
+				}
 			}
 			return found
 		})
 		verdicts[i] = v
 		if v == disk.Keep {
 			kept = append(kept, i)
+		}
+	}
+	for _, i := range cleaned {
+		if ns := s.rec.byDigest[blocks[i].NS]; ns != nil {
+			s.noteClean(ns.classes[keys[i].Group], keys[i])
 		}
 	}
 	if len(kept) == 0 {

@@ -452,6 +452,15 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 		return nil, false, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
 
+	// A new namespace goes into the arena's catalog once s.mu is let go
+	// (the file is not written under the lock every Lookup takes), before
+	// this Register returns, so before any store of it.
+	var saveCPU *Namespace
+	defer func() {
+		if saveCPU != nil {
+			s.saveCPUNamespace(saveCPU)
+		}
+	}()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.mu.closing {
@@ -486,7 +495,7 @@ func (s *Service) Register(fingerprint []byte, l layout.Layout, specs []dma.Regi
 			closeAll()
 			return nil, false, fmt.Errorf("recording the namespace in the disk tier's catalog: %w", storageError(err))
 		}
-		s.saveCPUNamespace(ns)
+		saveCPU = ns
 	}
 	ns.regs++
 	s.mu.nextReg++
@@ -587,14 +596,16 @@ func (s *Service) dropNamespaceLocked(ns *Namespace) {
 	s.ev.SetHashLen(ns.ID, 0)
 	ns.dropClasses()
 	s.m.namespaces.Dec()
+	s.crec.stale.Store(true) // the arena's catalog drops it at its next rewrite
 }
 
 // sweepNamespaces drops the namespaces with no registration and no cached
 // block that have lingered long enough.
 func (s *Service) sweepNamespaces() {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.sweepNamespacesLocked(false)
+	s.mu.Unlock()
+	s.compactCPUCatalog()
 }
 
 // sweepNamespacesLocked drops empty namespaces; now drops them however

@@ -77,6 +77,7 @@ type config struct {
 
 	namespaceLinger time.Duration
 	debugChecks     bool
+	debugHoldCPU    bool
 
 	remote remoteFlags
 }
@@ -228,6 +229,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.writeThrough, "write-through", false, "write every stored block to disk at once (default: write-back, a block goes to disk when the CPU tier evicts it).")
 	fs.StringVar(&c.faultSpec, "fault-spec", "", "inject seeded disk faults, for tests and benchmarks only: comma-separated kind=rate with kinds read-eio, write-eio, short-read, torn-write, bitflip, enospc, plus latency=DURATION@rate and seed=N, e.g. read-eio=0.01,bitflip=0.001,latency=2ms@0.05,seed=7. Applies to the slot files once their background recovery has ended (see docs/faults.md).")
 	fs.DurationVar(&c.namespaceLinger, "namespace-linger", offload.DefaultNamespaceLinger, "how long a namespace with no registration and no cached block is kept (a scheduler's namespace ids survive an engine restart); then it goes, with its id and, with their last namespace, its block sizes' policies.")
+	fs.BoolVar(&c.debugHoldCPU, "debug-hold-cpu-recovery", false, "for tests only (with --debug-checks): the CPU arena's recovery waits before each chunk until POST /debug/cpu-recovery?chunks=N|all lets it go on (docs/model-test.md).")
 	fs.BoolVar(&c.debugChecks, "debug-checks", false, "for tests only: also serve /debug/check (slot, pin and index accounting of a quiet daemon) and /debug/goroutines on --metrics-addr (see docs/model-test.md).")
 	fs.StringVar(&c.eventsZMQ, "events-zmq", "", "publish what the tiers hold as vLLM KV events (BlockStored/BlockRemoved with medium CPU or STORAGE, locality LOCAL; STORAGE, REMOTE for blocks this node published to the remote tier, invalidated, or found gone from it; and the namespace_id of the engine identity; AllBlocksCleared) on a ZeroMQ PUB socket bound here: tcp://127.0.0.1:PORT or ipc://PATH; empty disables. See docs/events.md.")
 	fs.BoolVar(&c.eventsZMQExpose, "events-zmq-expose", false, "let --events-zmq bind beyond loopback (a router in another pod). The events name the hashes of cached prefixes, never tokens or block bytes.")
@@ -307,6 +309,9 @@ func (c *config) validate() error {
 	}
 	if c.namespaceLinger <= 0 {
 		bad("--namespace-linger %s: want a positive duration", c.namespaceLinger)
+	}
+	if c.debugHoldCPU && !c.debugChecks {
+		bad("--debug-hold-cpu-recovery needs --debug-checks: its gate is served beside the checks")
 	}
 	if c.debugChecks && c.metricsAddr == "" {
 		bad("--debug-checks needs --metrics-addr: the checks are served beside the metrics")

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"runtime/pprof"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/offload"
@@ -23,7 +24,34 @@ import (
 //	                   index): 200 "ok", or 500 with what disagrees.
 //	/debug/goroutines  every goroutine's stack (runtime/pprof, debug=1), to
 //	                   name a leak.
-func mountDebug(mux *http.ServeMux, svc *offload.Service) {
+//	/debug/cpu-recovery  with --debug-hold-cpu-recovery, POST ?chunks=N lets
+//	                   the CPU arena's recovery verify and file N more
+//	                   chunks, ?chunks=all lets it run to its end (a test
+//	                   invalidates and stops the daemon while it is held).
+func mountDebug(mux *http.ServeMux, svc *offload.Service, gate *recoveryGate) {
+	mux.HandleFunc("/debug/cpu-recovery", func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			http.Error(w, "POST ?chunks=N or ?chunks=all", http.StatusMethodNotAllowed)
+			return
+		}
+		if gate == nil {
+			http.Error(w, "the daemon runs without --debug-hold-cpu-recovery", http.StatusConflict)
+			return
+		}
+		v := r.URL.Query().Get("chunks")
+		if v == "all" {
+			gate.open()
+			fmt.Fprintln(w, "ok")
+			return
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > maxGateChunks {
+			http.Error(w, fmt.Sprintf("chunks: want 1..%d or all", maxGateChunks), http.StatusBadRequest)
+			return
+		}
+		gate.let(n)
+		fmt.Fprintln(w, "ok")
+	})
 	mux.HandleFunc("/debug/check", func(w http.ResponseWriter, r *http.Request) {
 		wait := 5 * time.Second
 		if v := r.URL.Query().Get("wait"); v != "" {
@@ -48,6 +76,59 @@ func mountDebug(mux *http.ServeMux, svc *offload.Service) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		pprof.Lookup("goroutine").WriteTo(w, debug)
 	})
+}
+
+// maxGateChunks bounds the chunks one /debug/cpu-recovery call lets go.
+const maxGateChunks = 1 << 16
+
+// recoveryGate holds the CPU arena's recovery before each chunk
+// (--debug-hold-cpu-recovery) until /debug/cpu-recovery lets it go on;
+// nil without the flag. It opens for good at the daemon's stop, so a held
+// recovery never holds up the shutdown.
+type recoveryGate struct {
+	tokens   chan struct{} // one per chunk let go
+	opened   chan struct{}
+	openOnce sync.Once
+}
+
+func newRecoveryGate(hold bool) *recoveryGate {
+	if !hold {
+		return nil
+	}
+	return &recoveryGate{tokens: make(chan struct{}, maxGateChunks), opened: make(chan struct{})}
+}
+
+// hook is the CPU recovery hook: test's (this package's tests), or the
+// gate's wait, or none.
+func (g *recoveryGate) hook(test func()) func() {
+	if test != nil || g == nil {
+		return test
+	}
+	return func() {
+		select {
+		case <-g.tokens:
+		case <-g.opened:
+		}
+	}
+}
+
+// let lets n more chunks go (tokens past the buffer's room are dropped:
+// maxGateChunks bounds a call).
+func (g *recoveryGate) let(n int) {
+	for range n {
+		select {
+		case g.tokens <- struct{}{}:
+		default:
+			return
+		}
+	}
+}
+
+// open lets everything go, from now on.
+func (g *recoveryGate) open() {
+	if g != nil {
+		g.openOnce.Do(func() { close(g.opened) })
+	}
 }
 
 // checkQuiet waits for queued disk writes to land, then runs the

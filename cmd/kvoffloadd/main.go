@@ -113,6 +113,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		copier.Close()
 		return err
 	}
+	gate := newRecoveryGate(cfg.debugHoldCPU)
 	svc, err := offload.New(offload.Config{
 		CPU:          cpu.Config{Bytes: cfg.cpuBytes, ChunkBytes: cfg.cpuChunkBytes, Policy: slots.Policy(cfg.cpuPolicy)},
 		CPUArenaDir:  cfg.cpuArenaDir,
@@ -125,9 +126,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		Remote:       remoteCfg,
 
 		NamespaceLinger: cfg.namespaceLinger,
-		// Set only by this package's tests: they hold the CPU tier's
-		// recovery before it files a chunk.
-		CPURecoveryHook: testHookCPURecovery,
+		// Set only by tests: they hold the CPU tier's recovery before it
+		// files a chunk.
+		CPURecoveryHook: gate.hook(testHookCPURecovery),
 	})
 	if err != nil {
 		if remoteCfg != nil {
@@ -156,6 +157,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	if cfg.eventsZMQ != "" {
 		if pub, err = events.NewPublisher(svc.Events(), cfg.eventsZMQConfig(log)); err != nil {
 			stopFaults()
+			gate.open()
 			svc.Close()
 			copier.Close()
 			return err
@@ -167,6 +169,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	}
 	closeAll := func() error {
 		stopFaults()
+		gate.open() // a held recovery must not hold up the stop
 		var pubErr error
 		if pub != nil {
 			pubErr = pub.Close()
@@ -214,7 +217,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 		if cfg.debugChecks {
-			mountDebug(mux, svc)
+			mountDebug(mux, svc, gate)
 			log.Warn("--debug-checks: /debug/check and /debug/goroutines are served on the metrics address; for tests only")
 		}
 		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}

@@ -25,6 +25,9 @@ func (r *runner) invalidate(op Op) error {
 		}
 		return err
 	}
+	if r.arenaRecovering() {
+		r.c.InvalInRecovery++
+	}
 	var keys []KeyRef // of set[0]; the others are the same hashes
 	req := &pb.InvalidateRequest{NamespaceIds: ids}
 	if op.Kind == InvalidateKeys {
@@ -88,6 +91,9 @@ var readFaultKinds = []string{"read-eio", "short-read", "bitflip"}
 
 func (r *runner) restart(op Op) error {
 	killed := op.Kind == Kill
+	if r.arenaRecovering() {
+		r.c.StopsInRecovery++
+	}
 	if m, err := r.p.Metrics(); err == nil {
 		r.faultsInc = max(r.faultsInc, m.Sum("kvoffload_faults_injected_total"))
 	}

@@ -477,6 +477,9 @@ func (r *runner) finalChecks() error {
 			r.nsID[i] = 0
 		}
 		// Recovery runs in the background: look once it has ended.
+		if err := r.p.LetRecovery("all"); err != nil {
+			return r.fail("daemon", "%v", err)
+		}
 		if _, ok, err := r.waitMetrics(60*time.Second, func(m Metrics) bool {
 			return m.Sum("kvoffload_disk_recovering") == 0 && m.Sum("kvoffload_cpu_recovery_state") != 1
 		}); err != nil || !ok {

@@ -39,6 +39,11 @@ type Proc struct {
 	Debug bool
 	// Linger: it takes --namespace-linger.
 	Linger bool
+	// HoldCPU: with a persistent arena, each incarnation starts with its
+	// recovery held (--debug-hold-cpu-recovery) and the runner lets it go
+	// on a chunk or two per operation (LetRecovery), so Invalidates,
+	// restarts and kills land while blocks are still unfiled.
+	HoldCPU bool
 
 	cmd     *exec.Cmd
 	exited  chan struct{}
@@ -53,6 +58,7 @@ func NewProc(binary, dir string, diskDirs int) (*Proc, error) {
 		return nil, err
 	}
 	p := &Proc{Binary: binary, Dir: dir, Socket: filepath.Join(dir, "kvoffloadd.sock"), Debug: flags["debug-checks"], Linger: flags["namespace-linger"]}
+	p.HoldCPU = p.Debug && flags["debug-hold-cpu-recovery"]
 	if len(p.Socket) > 107 {
 		return nil, fmt.Errorf("socket path %s is too long for a unix socket", p.Socket)
 	}
@@ -108,6 +114,9 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 	}
 	if p.ArenaDir != "" {
 		args = append(args, "--cpu-arena-dir", p.ArenaDir)
+		if p.HoldCPU {
+			args = append(args, "--debug-hold-cpu-recovery")
+		}
 	}
 	if p.Linger && sh.Linger > 0 {
 		args = append(args, "--namespace-linger", sh.Linger.String())
@@ -302,6 +311,25 @@ func (p *Proc) get(path string) (int, string, error) {
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 	return resp.StatusCode, string(b), err
+}
+
+// LetRecovery lets a held CPU arena recovery (HoldCPU) verify and file
+// chunks more chunks ("all": run to its end). Without a held recovery it
+// does nothing.
+func (p *Proc) LetRecovery(chunks string) error {
+	if p.ArenaDir == "" || !p.HoldCPU {
+		return nil
+	}
+	resp, err := httpc.Post("http://"+p.MetricsAddr+"/debug/cpu-recovery?chunks="+chunks, "text/plain", nil)
+	if err != nil {
+		return fmt.Errorf("/debug/cpu-recovery: %w", err)
+	}
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("/debug/cpu-recovery?chunks=%s: status %d: %s", chunks, resp.StatusCode, b)
+	}
+	return nil
 }
 
 // Metrics scrapes /metrics.

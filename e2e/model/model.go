@@ -70,6 +70,10 @@ type Model struct {
 	// (any disk fault may end in a failed read or a dropped disk copy).
 	readFaults bool
 	tol        Tolerances
+	// arenaRecovering: a persistent arena's recovery (held, Proc.HoldCPU)
+	// still runs; it may file a copy from before the restart after a
+	// failed store or load of the key.
+	arenaRecovering bool
 	// watch, when set, logs every event of one key (KVMODEL_WATCH=ns1/g0/c1.0).
 	watch string
 	logf  func(string, ...any)
@@ -127,11 +131,14 @@ func (m *Model) maybePresent(k KeyRef) bool { return len(m.key(k).present) > 0 }
 
 // clearAfter makes k absent as of a failure of a job issued at tick t:
 // only stores issued after t (and after the last clear) may have made it
-// present again.
-func (s *keyState) clearAfter(t int, remote bool) {
-	if remote {
-		// The remote tier may hold every generation not invalidated:
-		// a local failure drops the local copy only.
+// present again. elsewhere: a copy elsewhere survives the failure (the remote
+// tier, or a persistent arena's recovery that may still file a copy from
+// before the restart).
+func (s *keyState) clearAfter(t int, elsewhere bool) {
+	if elsewhere {
+		// The remote tier may hold every generation not invalidated,
+		// and a recovery still running may file one: a local failure
+		// drops the local copy only.
 		s.must = false
 		return
 	}
@@ -181,7 +188,7 @@ func (m *Model) storeSettled(k KeyRef, b *blockRec, ok, lost bool, incarnation i
 	default:
 		// The job claimed k (only a claim can fail), so k was absent
 		// when it was accepted, and its claim is gone now.
-		s.clearAfter(b.issued, m.sh.HasRemote())
+		s.clearAfter(b.issued, m.sh.HasRemote() || m.arenaRecovering)
 	}
 	m.trace(k, "store of tick %d settled ok=%v lost=%v", b.issued, ok, lost)
 }
@@ -212,7 +219,7 @@ func (m *Model) loadFailed(k KeyRef, clearFrom, issued int, diskRead bool) {
 		m.trace(k, "load of tick %d failed reading disk; another load may have kept a CPU copy", issued)
 		return
 	}
-	s.clearAfter(clearFrom, m.sh.HasRemote())
+	s.clearAfter(clearFrom, m.sh.HasRemote() || m.arenaRecovering)
 	m.trace(k, "load of tick %d failed", issued)
 }
 

@@ -59,16 +59,19 @@ type Counts struct {
 	LoadJobs         int
 	// Piggybacked: results first read on the reply of a transfer without
 	// wait (issue 11 item 4).
-	Piggybacked      int
-	BlocksVerified   int // loaded blocks compared byte for byte
-	Faults           float64
-	Corruptions      int
-	Restarts, Kills  int
-	WrongBytes       int
-	RSSStart, RSSEnd uint64
-	RSSMax           uint64 // the most any incarnation held, seen at the light checks
-	GorStart, GorEnd float64
-	Elapsed          time.Duration
+	Piggybacked     int
+	BlocksVerified  int // loaded blocks compared byte for byte
+	Faults          float64
+	Corruptions     int
+	Restarts, Kills int
+	// Invalidates, and restarts or kills, while a persistent arena's
+	// recovery still ran (HoldCPU).
+	InvalInRecovery, StopsInRecovery int
+	WrongBytes                       int
+	RSSStart, RSSEnd                 uint64
+	RSSMax                           uint64 // the most any incarnation held, seen at the light checks
+	GorStart, GorEnd                 float64
+	Elapsed                          time.Duration
 	// ByKind is the time spent in each kind of operation; Checking in
 	// the light checks after them.
 	ByKind   [numKinds]time.Duration
@@ -94,9 +97,9 @@ func (c Counts) Slowest() string {
 }
 
 func (c Counts) String() string {
-	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d results piggybacked, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills; daemon RSS %s -> %s (at most %s), goroutines %.0f -> %.0f",
+	return fmt.Sprintf("%d operations (%d skipped) in %s (%.0f ops/s): %d lookups offering %d blocks, %d store jobs, %d load jobs, %d results piggybacked, %d blocks verified byte for byte, %d wrong bytes, %.0f faults injected, %d slots corrupted, %d restarts, %d kills (%d invalidates and %d stops during the arena's recovery); daemon RSS %s -> %s (at most %s), goroutines %.0f -> %.0f",
 		c.Ops, c.Skipped, c.Elapsed.Round(time.Millisecond), float64(c.Ops)/max(c.Elapsed.Seconds(), 1e-9), c.Lookups, c.Offered, c.StoreJobs, c.LoadJobs, c.Piggybacked,
-		c.BlocksVerified, c.WrongBytes, c.Faults, c.Corruptions, c.Restarts, c.Kills, mib(c.RSSStart), mib(c.RSSEnd), mib(c.RSSMax), c.GorStart, c.GorEnd)
+		c.BlocksVerified, c.WrongBytes, c.Faults, c.Corruptions, c.Restarts, c.Kills, c.InvalInRecovery, c.StopsInRecovery, mib(c.RSSStart), mib(c.RSSEnd), mib(c.RSSMax), c.GorStart, c.GorEnd)
 }
 
 func mib(n uint64) string { return fmt.Sprintf("%.1fMiB", float64(n)/(1<<20)) }
@@ -307,6 +310,15 @@ func (r *runner) run() error {
 		if err := r.alive(); err != nil {
 			return err
 		}
+		// A held arena recovery goes on by a chunk after one operation
+		// in three: the next ones (Invalidates, restarts, kills) may
+		// meet blocks it has not filed yet.
+		if r.m.arenaRecovering && r.rng.IntN(3) == 0 {
+			if err := r.p.LetRecovery("1"); err != nil {
+				return r.fail("daemon", "%v", err)
+			}
+			r.m.arenaRecovering = r.arenaRecovering()
+		}
 		if n++; n%every == 0 {
 			t0 := time.Now()
 			err := r.lightCheck()
@@ -322,6 +334,16 @@ func (r *runner) run() error {
 		return nil
 	}
 	return r.finalChecks()
+}
+
+// arenaRecovering reports whether a held arena recovery (HoldCPU) still
+// runs.
+func (r *runner) arenaRecovering() bool {
+	if r.p.ArenaDir == "" || !r.p.HoldCPU {
+		return false
+	}
+	m, err := r.p.Metrics()
+	return err == nil && m.Sum("kvoffload_cpu_recovery_state") == 1
 }
 
 // fail records a finding; the run stops at the first one.
@@ -426,6 +448,8 @@ func (r *runner) startDaemon(faults string, reset bool) error {
 		return err
 	}
 	r.lastLoss = m.Losses()
+	// Held until the runner lets it go (LetRecovery).
+	r.m.arenaRecovering = r.p.ArenaDir != "" && r.p.HoldCPU
 	r.tally = map[string]float64{}
 	r.racedNS = map[int]bool{}
 	r.unobserved, r.maybesSettled, r.lossySettled = 0, 0, 0

@@ -1,6 +1,7 @@
 package cpu
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -11,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk"
+	"github.com/kvoffloadd/kvoffloadd/tiers/disk/slot"
 )
 
 // The namespace catalog of a persistent arena (CatalogFileName): a record
@@ -18,37 +20,68 @@ import (
 // namespace's fingerprint and layout (an opaque meta of the owner's) beside
 // the arena, in the disk tier's catalog format (docs/disk-format.md).
 
-// maxCatalogFile bounds the catalog file read at start.
-const maxCatalogFile = 64 << 20
+// maxCatalogFile bounds the catalog file read whole at start. The daemon
+// keeps no more entries than namespaces (a few hundred bytes each); a
+// larger file (an older daemon kept every namespace ever made) is read as
+// a stream, keeping only the namespaces the arena's records name
+// (oversized), so that it never costs the arena its blocks.
+var maxCatalogFile int64 = 64 << 20
 
 // loadCatalog reads the catalog of p's directory; a missing or damaged
-// one is empty (logged by the caller from the error).
-func (p *persist) loadCatalog() (map[[32]byte][]byte, error) {
+// one is empty (logged by the caller from the error). oversized says it
+// was past maxCatalogFile (only the entries of recorded namespaces kept).
+func (p *persist) loadCatalog() (_ map[[32]byte][]byte, oversized bool, err error) {
+	ns, err := p.readCatalog(&oversized)
+	if err != nil {
+		return map[[32]byte][]byte{}, oversized, err
+	}
+	return ns, oversized, nil
+}
+
+func (p *persist) readCatalog(oversized *bool) (map[[32]byte][]byte, error) {
 	path := filepath.Join(p.dir, CatalogFileName)
 	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return map[[32]byte][]byte{}, nil
 	}
 	if err != nil {
-		return map[[32]byte][]byte{}, err
+		return nil, err
 	}
 	defer f.Close()
 	fi, err := f.Stat()
 	if err != nil {
-		return map[[32]byte][]byte{}, err
+		return nil, err
 	}
-	if !fi.Mode().IsRegular() || fi.Size() > maxCatalogFile {
-		return map[[32]byte][]byte{}, fmt.Errorf("%s is not a regular file of at most %d bytes", path, maxCatalogFile)
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	if fi.Size() > maxCatalogFile {
+		*oversized = true
+		named := p.recordedNamespaces()
+		return disk.ReadCatalog(f, fi.Size(), func(d [32]byte) bool { return named[d] })
 	}
 	b := make([]byte, fi.Size())
 	if _, err := f.ReadAt(b, 0); err != nil {
-		return map[[32]byte][]byte{}, err
+		return nil, err
 	}
-	ns, err := disk.DecodeCatalog(b)
-	if err != nil {
-		return map[[32]byte][]byte{}, err
+	return disk.DecodeCatalog(b)
+}
+
+// recordedNamespaces are the namespace digests the arena's records name.
+func (p *persist) recordedNamespaces() map[[32]byte]bool {
+	out := map[[32]byte]bool{}
+	var buf [slot.HeaderSize]byte // past RecordBytes always zero
+	for off := 0; off+RecordBytes <= len(p.recs); off += RecordBytes {
+		r := p.recs[off : off+RecordBytes]
+		if bytes.Equal(r, zeroRecord[:]) {
+			continue
+		}
+		copy(buf[:RecordBytes], r)
+		if h, err := slot.Decode(buf[:]); err == nil {
+			out[h.Namespace] = true
+		}
 	}
-	return ns, nil
+	return out
 }
 
 // saveCatalog replaces the catalog file (a temporary file renamed over it:

@@ -297,9 +297,13 @@ func openPersist(dir string, g geometry, log *slog.Logger) (_ *persist, err erro
 	p.catalog = map[[32]byte][]byte{}
 	if p.attached {
 		var cerr error
-		if p.catalog, cerr = p.loadCatalog(); cerr != nil {
+		var oversized bool
+		if p.catalog, oversized, cerr = p.loadCatalog(); cerr != nil {
 			log.Error("cpu tier: the namespace catalog beside the arena is unreadable; the arena's blocks will not come back",
 				"dir", dir, "err", cerr)
+		} else if oversized {
+			log.Warn("cpu tier: the namespace catalog beside the arena is larger than this daemon writes one; only the namespaces the arena's records name are kept",
+				"dir", dir, "namespaces", len(p.catalog), "bound_bytes", maxCatalogFile)
 		}
 	}
 	encodeSuper(superblock{version: superVersion, geometry: g, recordBytes: RecordBytes, epoch: p.epoch}, p.file[:superBytes])
