@@ -20,6 +20,31 @@ import standin_vllm as sv
 from standin_engine import Config, Engine, Workload, quantile
 
 
+def settle(eng: Engine, max_steps: int = 3000) -> None:
+    """Steps until every request has finished and its blocks are back."""
+    for _ in range(max_steps):
+        if eng.idle():
+            return
+        eng.step()
+    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
+
+
+def serve(eng: Engine, *prompts: list[int], max_tokens: int = 1, prefix: str = "q", **kw) -> None:
+    """Adds one request per prompt and steps until all are done."""
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{prefix}{i}", p, max_tokens, **kw)
+    settle(eng)
+
+
+def toks(n: int, base: int) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def stored_blocks(daemon) -> int:
+    with daemon.client() as c:
+        return c.stats().blocks_stored
+
+
 @contextlib.contextmanager
 def connector_module(**switches):
     """kvoffload.vllm imported over the stand-in vLLM (with its switches)."""

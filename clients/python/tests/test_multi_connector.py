@@ -12,35 +12,17 @@ NIXL its own handshake.
 
 from __future__ import annotations
 
+import functools
 import pytest
 import standin_multi as sm
 from standin_engine import Config, Engine, Group, vllm_config
-from standin_run import connector_module
+import standin_run
+from standin_run import connector_module, settle, toks, stored_blocks
+
+# These tests let each request generate 2 tokens.
+serve = functools.partial(standin_run.serve, max_tokens=2)
 
 ORDERS = [("nixl", "ours"), ("ours", "nixl")]
-
-
-def settle(eng: Engine, max_steps: int = 3000) -> None:
-    for _ in range(max_steps):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
-
-
-def serve(eng: Engine, *prompts: list[int], prefix: str) -> None:
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{prefix}{i}", p, 2)
-    settle(eng)
-
-
-def toks(n: int, base: int) -> list[int]:
-    return [base + i for i in range(n)]
-
-
-def stored_blocks(daemon) -> int:
-    with daemon.client() as c:
-        return c.stats().blocks_stored
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=["nixl-first", "ours-first"])

@@ -11,34 +11,16 @@ holds KV that differs per request; the engine checks every block each step.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 from standin_engine import Config, Engine, Group
-from standin_run import connector_module
+import standin_run
+from standin_run import connector_module, settle, toks, stored_blocks
 
-
-def settle(eng: Engine, max_steps: int = 3000) -> None:
-    for _ in range(max_steps):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
-
-
-def serve(eng: Engine, *prompts: list[int], prefix: str) -> None:
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{prefix}{i}", p, 2)
-    settle(eng)
-
-
-def toks(n: int, base: int) -> list[int]:
-    return [base + i for i in range(n)]
-
-
-def stored_blocks(daemon) -> int:
-    with daemon.client() as c:
-        return c.stats().blocks_stored
+# These tests let each request generate 2 tokens.
+serve = functools.partial(standin_run.serve, max_tokens=2)
 
 
 def scratch_model(model: str, **kw) -> Config:

@@ -14,28 +14,15 @@ the daemon never maps its KV memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from standin_engine import Config, Engine
-from standin_run import connector_module
+import standin_run
+from standin_run import connector_module, settle, toks
 
-
-def settle(eng: Engine, max_steps: int = 3000) -> None:
-    for _ in range(max_steps):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
-
-
-def serve(eng: Engine, *prompts: list[int], prefix: str) -> None:
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{prefix}{i}", p, 2)
-    settle(eng)
-
-
-def toks(n: int, base: int) -> list[int]:
-    return [base + i for i in range(n)]
+# These tests let each request generate 2 tokens.
+serve = functools.partial(standin_run.serve, max_tokens=2)
 
 
 def sleep_and_wake(eng: Engine) -> None:

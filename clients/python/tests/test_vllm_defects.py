@@ -29,26 +29,7 @@ from standin_engine import (
     kv_cache_config,
     vllm_config,
 )
-from standin_run import connector_module, run
-
-
-def settle(eng: Engine, max_steps: int = 3000) -> None:
-    """Steps until every request has finished and its blocks are back."""
-    for _ in range(max_steps):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError(f"requests never finished: {list(eng.requests)[:5]}")
-
-
-def serve(eng: Engine, *prompts: list[int], max_tokens: int = 1, prefix: str = "q", **kw) -> None:
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{prefix}{i}", p, max_tokens, **kw)
-    settle(eng)
-
-
-def toks(n: int, base: int) -> list[int]:
-    return [base + i for i in range(n)]
+from standin_run import connector_module, run, settle, serve, toks
 
 
 @pytest.fixture
