@@ -258,12 +258,23 @@ func (s *Service) releaseLeases(match func(*lease) bool) {
 	s.mu.Lock()
 	for id, ls := range s.mu.leases {
 		if match(ls) {
-			gone = append(gone, ls)
-			delete(s.mu.leases, id)
-			s.releaseUseLocked(ls.owner, 1, ls.n)
+			gone = append(gone, s.dropLeaseLocked(id, ls))
 		}
 	}
 	s.mu.Unlock()
+	s.endLeases(gone)
+}
+
+// dropLeaseLocked takes lease id out of the table and its owner's count;
+// endLeases then unpins it, outside s.mu.
+func (s *Service) dropLeaseLocked(id uint64, ls *lease) *lease {
+	delete(s.mu.leases, id)
+	s.releaseUseLocked(ls.owner, 1, ls.n)
+	return ls
+}
+
+// endLeases unpins leases dropLeaseLocked took out.
+func (s *Service) endLeases(gone []*lease) {
 	for _, ls := range gone {
 		s.unpinLease(ls)
 		s.m.leases.Dec()
@@ -288,15 +299,10 @@ func (s *Service) ReleaseLeases(owner Owner, ids []uint64) (int, error) {
 		if !ok || ls.owner != owner {
 			continue
 		}
-		gone = append(gone, ls)
-		delete(s.mu.leases, id)
-		s.releaseUseLocked(ls.owner, 1, ls.n)
+		gone = append(gone, s.dropLeaseLocked(id, ls))
 	}
 	s.mu.Unlock()
-	for _, ls := range gone {
-		s.unpinLease(ls)
-		s.m.leases.Dec()
-	}
+	s.endLeases(gone)
 	return len(gone), nil
 }
 
