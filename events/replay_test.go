@@ -490,21 +490,27 @@ func TestPublisherHostilePeers(t *testing.T) {
 	silent := dialRaw(t, addr) // never greets
 	_ = silent
 
+	subscribeUntilMessage(t, ix, p.Addr(), "no message for a subscriber beside a silent peer")
+}
+
+// subscribeUntilMessage subscribes to the publisher at ep and changes
+// blocks in ix until a message comes (a subscription takes effect some time
+// after the connect), failing with msg after 3,000 changes.
+func subscribeUntilMessage(t *testing.T, ix *index.Index, ep, msg string) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	sub := zmq4.NewSub(ctx)
 	defer sub.Close()
-	if err := sub.Dial(p.Addr()); err != nil {
+	if err := sub.Dial(ep); err != nil {
 		t.Fatal(err)
 	}
 	sub.SetOption(zmq4.OptionSubscribe, "")
-	// The subscription takes effect some time after the connect: change
-	// blocks until a message comes.
 	got := make(chan error, 1)
 	go func() { _, err := sub.Recv(); got <- err }()
 	for i := uint64(0); ; i++ {
 		if i == 3000 {
-			t.Fatal("no message for a subscriber beside a silent peer")
+			t.Fatal(msg)
 		}
 		set(ix, key(1, i), index.InCPU)
 		select {
@@ -529,30 +535,7 @@ func TestPublisherIPC(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	sub := zmq4.NewSub(ctx)
-	defer sub.Close()
-	if err := sub.Dial(ep); err != nil {
-		t.Fatal(err)
-	}
-	sub.SetOption(zmq4.OptionSubscribe, "")
-	got := make(chan error, 1)
-	go func() { _, err := sub.Recv(); got <- err }()
-	for i := uint64(0); ; i++ {
-		if i == 3000 {
-			t.Fatal("no message over ipc")
-		}
-		set(ix, key(1, i), index.InCPU)
-		select {
-		case err := <-got:
-			if err != nil {
-				t.Fatal(err)
-			}
-			return
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	subscribeUntilMessage(t, ix, ep, "no message over ipc")
 }
 
 // TestAppendBatchShortHash: a block whose namespace's hash length the hub
