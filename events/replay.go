@@ -301,7 +301,7 @@ func (s *replayServer) serve(c net.Conn) {
 	}
 	for {
 		c.SetReadDeadline(time.Now().Add(s.idle))
-		frames, cmd, err := readMsg(r)
+		frames, cmd, err := readMsg(r, replayMaxFrame)
 		if err != nil {
 			s.drop(c, "request", err)
 			return
@@ -421,7 +421,7 @@ func handshake(c net.Conn, r *bufio.Reader) error {
 	if _, err := c.Write(ready); err != nil {
 		return err
 	}
-	frames, cmd, err := readMsg(r)
+	frames, cmd, err := readMsg(r, replayMaxFrame)
 	if err != nil {
 		return err
 	}
@@ -441,8 +441,9 @@ func handshake(c net.Conn, r *bufio.Reader) error {
 }
 
 // readMsg reads one message (frames until one without MORE), or one
-// command (cmd true, its body in frames[0]), within the bounds.
-func readMsg(r *bufio.Reader) (frames [][]byte, cmd bool, err error) {
+// command (cmd true, its body in frames[0]), of frames of at most maxFrame
+// bytes (a peer's: replayMaxFrame) and at most replayMaxFrames frames.
+func readMsg(r *bufio.Reader, maxFrame uint64) (frames [][]byte, cmd bool, err error) {
 	for {
 		flags, err := r.ReadByte()
 		if err != nil {
@@ -465,8 +466,8 @@ func readMsg(r *bufio.Reader) (frames [][]byte, cmd bool, err error) {
 			}
 			size = uint64(b)
 		}
-		if size > replayMaxFrame {
-			return nil, false, zmtpErr("a frame of %d bytes, at most %d", size, replayMaxFrame)
+		if size > maxFrame {
+			return nil, false, zmtpErr("a frame of %d bytes, at most %d", size, maxFrame)
 		}
 		body := make([]byte, size)
 		if _, err := io.ReadFull(r, body); err != nil {

@@ -188,7 +188,7 @@ func (p *rawPeer) handshake(t *testing.T) {
 	if _, err := p.c.Write(appendCommand(nil, "READY", appendProp(nil, "Socket-Type", "DEALER"))); err != nil {
 		t.Fatal(err)
 	}
-	frames, cmd, err := readMsg(p.r)
+	frames, cmd, err := readMsg(p.r, replayMaxFrame)
 	if err != nil || !cmd {
 		t.Fatalf("READY: %v %v", cmd, err)
 	}
@@ -219,7 +219,7 @@ func (p *rawPeer) replay(t *testing.T, start uint64) []uint64 {
 	p.send(t, nil, seqBytes(start))
 	var got []uint64
 	for {
-		frames, _, err := readMsgAny(p.r)
+		frames, _, err := readMsg(p.r, 1<<32)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -227,39 +227,6 @@ func (p *rawPeer) replay(t *testing.T, start uint64) []uint64 {
 			return got
 		}
 		got = append(got, binary.BigEndian.Uint64(frames[1]))
-	}
-}
-
-// readMsgAny reads a reply whose payload may exceed replayMaxFrame.
-func readMsgAny(r *bufio.Reader) ([][]byte, bool, error) {
-	var frames [][]byte
-	for {
-		fl, err := r.ReadByte()
-		if err != nil {
-			return nil, false, err
-		}
-		var size uint64
-		if fl&flagLong != 0 {
-			var b [8]byte
-			if _, err := io.ReadFull(r, b[:]); err != nil {
-				return nil, false, err
-			}
-			size = binary.BigEndian.Uint64(b[:])
-		} else {
-			b, err := r.ReadByte()
-			if err != nil {
-				return nil, false, err
-			}
-			size = uint64(b)
-		}
-		body := make([]byte, size)
-		if _, err := io.ReadFull(r, body); err != nil {
-			return nil, false, err
-		}
-		frames = append(frames, body)
-		if fl&flagMore == 0 {
-			return frames, fl&flagCommand != 0, nil
-		}
 	}
 }
 
@@ -306,12 +273,12 @@ func TestReplayHostile(t *testing.T) {
 	// A shorter start_seq reads as vLLM's int.from_bytes does.
 	p.send(t, nil, []byte{18})
 	for _, want := range []uint64{18, 19} {
-		frames, _, err := readMsgAny(p.r)
+		frames, _, err := readMsg(p.r, 1<<32)
 		if err != nil || binary.BigEndian.Uint64(frames[1]) != want {
 			t.Fatalf("1-byte start_seq: %v %v", frames, err)
 		}
 	}
-	if frames, _, err := readMsgAny(p.r); err != nil || !bytes.Equal(frames[1], endSeq) {
+	if frames, _, err := readMsg(p.r, 1<<32); err != nil || !bytes.Equal(frames[1], endSeq) {
 		t.Fatalf("1-byte start_seq: want END_SEQ, got %v %v", frames, err)
 	}
 	if st := s.stats(); st.Malformed != 5 || st.Dropped != 0 {
@@ -381,7 +348,7 @@ func TestReplayConnBound(t *testing.T) {
 			p.send(t, nil, seqBytes(0))
 			n := 0
 			for {
-				frames, _, err := readMsgAny(p.r)
+				frames, _, err := readMsg(p.r, 1<<32)
 				if err != nil {
 					errs <- err.Error()
 					return
