@@ -693,16 +693,8 @@ func (c *Cluster) MoveSlotPaged(ctx context.Context, slot int, to *Node, between
 		if len(keys) == 0 {
 			break
 		}
-		args := []any{"migrate", "127.0.0.1", to.Port, "", 0, 10000}
-		if c.opt.Password != "" {
-			args = append(args, "auth", c.opt.Password)
-		}
-		args = append(args, "keys")
-		for _, k := range keys {
-			args = append(args, k)
-		}
-		if err := src.Do(ctx, args...).Err(); err != nil {
-			return fmt.Errorf("node %s: MIGRATE: %w", from.Addr(), err)
+		if err := c.migrate(ctx, from, to, keys); err != nil {
+			return err
 		}
 		if between != nil {
 			between(page)
