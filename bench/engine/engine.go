@@ -476,6 +476,11 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 				// not waited for (a connector sends it for the policy).
 				j.ready, j.redo, j.mirr, tiers = len(mtiers), len(mtiers), true, mtiers
 				mr.Offered += len(mtiers)
+				for _, t := range mtiers {
+					if t == pb.Tier_TIER_DISK {
+						mr.OfferedDisk++
+					}
+				}
 			}
 		}
 		n := len(j.req.Keys)

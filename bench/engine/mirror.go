@@ -259,6 +259,9 @@ type MirrorResult struct {
 	// answer and the load, or its removal had not come yet), FailedOther
 	// those that failed otherwise (a disk read).
 	Offered, Stale, FailedOther int
+	// OfferedDisk counts the offered blocks the mirror said were in the
+	// disk tier only.
+	OfferedDisk int
 	// Ahead and Behind compare each of the live mirror's answers with the
 	// daemon's Lookup of the same keys right after it: blocks the mirror
 	// offered past the daemon's hit, and blocks of the daemon's hit the

@@ -471,6 +471,7 @@ type Mirror struct {
 	// Blocks the mirror offered; of them MISSING at their load (stale),
 	// and the stale share (goal <= 0.001).
 	Offered     int     `json:"offered"`
+	OfferedDisk int     `json:"offered_disk"` // of them, in the disk tier only
 	Stale       int     `json:"stale"`
 	StaleRate   float64 `json:"stale_rate"`
 	FailedOther int     `json:"failed_other"`
@@ -670,11 +671,11 @@ func (r *Report) Print(w io.Writer) {
 	if len(r.Mirror) > 0 {
 		fmt.Fprintf(w, "\nmirror (each workload twice on a fresh daemon: lookups to the daemon, then from a Go mirror of its WatchEvents stream with the daemon's Lookup still sent; per call µs p50/p99):\n")
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "workload\trequests\tin the step\tnot live\trecent (longer)\tmirror us\tmap us\tdaemon us\toffered\tstale (<=0.1%)\tahead/behind\tunknown (0)\tcorrupt (0)\thit rate\tdaemon run: hit rate\tfailed at load\t")
+		fmt.Fprintln(tw, "workload\trequests\tin the step\tnot live\trecent (longer)\tmirror us\tmap us\tdaemon us\toffered (disk)\tstale (<=0.1%)\tahead/behind\tunknown (0)\tcorrupt (0)\thit rate\tdaemon run: hit rate\tfailed at load\t")
 		for _, m := range r.Mirror {
-			fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d (%d)\t%.2f/%.2f\t%.2f/%.2f\t%.0f/%.0f\t%d\t%d (%.3f%%)\t%d/%d\t%d\t%d\t%.3f\t%.3f\t%.3f%%\t\n",
+			fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d (%d)\t%.2f/%.2f\t%.2f/%.2f\t%.0f/%.0f\t%d (%d)\t%d (%.3f%%)\t%d/%d\t%d\t%d\t%.3f\t%.3f\t%.3f%%\t\n",
 				m.Workload, m.Requests, 100*m.AnsweredShare, m.NotLive, m.Recent, m.RecentLonger, m.MirrorP50us, m.MirrorP99us, m.MapP50us, m.MapP99us,
-				m.DaemonP50us, m.DaemonP99us, m.Offered, m.Stale, 100*m.StaleRate, m.Ahead, m.Behind, m.Unknown, m.Corrupt, m.HitRate, m.DaemonHitRate, 100*m.DaemonFailedRate)
+				m.DaemonP50us, m.DaemonP99us, m.Offered, m.OfferedDisk, m.Stale, 100*m.StaleRate, m.Ahead, m.Behind, m.Unknown, m.Corrupt, m.HitRate, m.DaemonHitRate, 100*m.DaemonFailedRate)
 		}
 		tw.Flush()
 	}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/bench/daemon"
@@ -12,10 +14,12 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/bench/model"
 	"github.com/kvoffloadd/kvoffloadd/bench/report"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	"github.com/kvoffloadd/kvoffloadd/tiers/slots"
 )
 
 // The mirror scenario (issue 32): for each workload (cpu: the CPU tier
-// holds the working set; tight: a CPU tier of 40 % of it, evicting), the
+// holds the working set; tight: a CPU tier of 40 % of it, evicting;
+// mixed: 55 % of it over a disk tier, with a disk directory), the
 // run's steps on a fresh daemon twice: every lookup a round trip to the
 // daemon, then every lookup answered from an engine.Mirror of the daemon's
 // WatchEvents stream while it is live (the Python connector's rules), the
@@ -25,27 +29,47 @@ import (
 // the load) and both runs' hit rates.
 
 // mirrorWorkloads are the mirror scenario's CPU tiers: a share of the
-// working set (at least 2.5 engine-fulls).
+// working set (at least 2.5 engine-fulls), over a disk tier or not.
 var mirrorWorkloads = []struct {
 	name  string
 	share float64
-}{{"cpu", 1.25}, {"tight", 0.4}}
+	disk  bool
+}{{"cpu", 1.25, false}, {"tight", 0.4, false}, {"mixed", 0.55, true}}
 
 func (b *bench) mirror(ctx context.Context) error {
 	B := float64(b.o.shape.BlockBytes())
+	D, E := float64(b.distinct)*B, float64(b.region.Blocks)*B
+	size := func(x float64) uint64 { return (uint64(x) + 64<<20 - 1) / (64 << 20) * (64 << 20) }
 	var errs []error
 	for _, w := range mirrorWorkloads {
-		cpu := uint64(max(w.share*float64(b.distinct)*B, 2.5*float64(b.region.Blocks)*B))
-		cpu = (cpu + 64<<20 - 1) / (64 << 20) * (64 << 20)
+		cpu, disk := size(max(w.share*D, 2.5*E)), uint64(0)
 		row := report.Mirror{Workload: w.name, Desc: "cpu tier " + model.FormatBytes(cpu)}
+		if w.disk {
+			disk = size(1.5*D + 2*E)
+			why := ""
+			switch {
+			case !b.flags["disk-dir"] || !b.flags["disk-bytes"]:
+				why = "the daemon has no disk tier"
+			case b.diskDir == "":
+				why = b.diskWhy
+			case diskFree(b.diskDir) < disk+disk/8:
+				why = fmt.Sprintf("%s has %s free, the disk tier needs %s", b.diskDir, model.FormatBytes(diskFree(b.diskDir)), model.FormatBytes(disk))
+			}
+			if why != "" {
+				b.rep.Skipped = append(b.rep.Skipped, report.Skip{What: "mirror scenario, mixed workload", Reason: why})
+				b.prog.advance(2 * len(b.steps))
+				continue
+			}
+			row.Desc += ", disk tier " + model.FormatBytes(disk)
+		}
 		b.prog.phase(fmt.Sprintf("scenario mirror %s: %s, daemon lookups", w.name, row.Desc))
-		plain, err := b.mirrorRun(ctx, w.name+"-daemon", cpu, false)
+		plain, err := b.mirrorRun(ctx, w.name+"-daemon", cpu, disk, false)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s, daemon lookups: %w", w.name, err))
 			continue
 		}
 		b.prog.phase(fmt.Sprintf("scenario mirror %s: %s, mirror lookups", w.name, row.Desc))
-		res, err := b.mirrorRun(ctx, w.name+"-mirror", cpu, true)
+		res, err := b.mirrorRun(ctx, w.name+"-mirror", cpu, disk, true)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s, mirror lookups: %w", w.name, err))
 			continue
@@ -59,7 +83,7 @@ func (b *bench) mirror(ctx context.Context) error {
 		row.MirrorP50us, row.MirrorP99us = p(&m.MirrorOp, 50), p(&m.MirrorOp, 99)
 		row.MapP50us, row.MapP99us = p(&m.MapOp, 50), p(&m.MapOp, 99)
 		row.DaemonP50us, row.DaemonP99us = p(&res.Lookup, 50), p(&res.Lookup, 99)
-		row.Offered, row.Stale, row.FailedOther = m.Offered, m.Stale, m.FailedOther
+		row.Offered, row.OfferedDisk, row.Stale, row.FailedOther = m.Offered, m.OfferedDisk, m.Stale, m.FailedOther
 		if m.Offered > 0 {
 			row.StaleRate = float64(m.Stale) / float64(m.Offered)
 		}
@@ -87,14 +111,33 @@ func hitRate(r *engine.Result) float64 {
 	return float64(r.HitCPU+r.HitDisk+r.HitRemote) / float64(r.LookedUp)
 }
 
-// mirrorRun runs the steps on a fresh daemon with a CPU tier of cpu bytes,
-// with a mirror or without.
-func (b *bench) mirrorRun(ctx context.Context, name string, cpu uint64, mirror bool) (*engine.Result, error) {
+// mirrorRun runs the steps on a fresh daemon with a CPU tier of cpu bytes
+// (over a disk tier of disk bytes, if any), with a mirror or without.
+func (b *bench) mirrorRun(ctx context.Context, name string, cpu, disk uint64, mirror bool) (*engine.Result, error) {
 	dir, err := os.MkdirTemp(b.tmp, "mirror-"+name+"-")
 	if err != nil {
 		return nil, err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: b.o.daemonArgs})
+	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers}
+	if disk > 0 {
+		ddir := filepath.Join(b.diskDir, "mirror-"+name)
+		if err := os.Mkdir(ddir, 0o700); err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(ddir)
+		opts.DiskDir, opts.DiskBytes = ddir, disk
+		if b.flags["disk-reset"] {
+			opts.Extra = append(opts.Extra, "--disk-reset")
+		}
+		if b.flags["disk-queue-depth"] {
+			opts.Extra = append(opts.Extra, "--disk-queue-depth", strconv.Itoa(b.o.queueDepth))
+		}
+		if b.flags["disk-chunk-bytes"] {
+			opts.Extra = append(opts.Extra, "--disk-chunk-bytes", strconv.FormatUint(slots.DefaultChunkBytes(disk), 10))
+		}
+	}
+	opts.Extra = append(opts.Extra, b.o.daemonArgs...)
+	d, err := daemon.Start(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
