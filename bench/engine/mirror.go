@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -314,4 +315,10 @@ func (d *driver) mirrorLookup(j *job) (tiers []pb.Tier, live, use bool) {
 		use = true
 	}
 	return tiers, live, use
+}
+
+// String is the counts, without the latencies.
+func (m *MirrorResult) String() string {
+	return fmt.Sprintf("%d requests: %d answered, %d not live, %d recent (%d longer); %d offered (%d disk), %d stale, %d failed otherwise; ahead %d behind %d; %d unknown; mirror %d blocks, %d streams, %d resets, overflow %v",
+		m.Requests, m.Answered, m.NotLive, m.Recent, m.RecentLonger, m.Offered, m.OfferedDisk, m.Stale, m.FailedOther, m.Ahead, m.Behind, m.Unknown, m.Blocks, m.Streams, m.Resets, m.Overflow)
 }

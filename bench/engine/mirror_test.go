@@ -46,16 +46,15 @@ func TestMirrorMatchesLookup(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := res.Mirror
-	t.Logf("mirror: %d requests, %d answered, %d recent; %d offered (%d disk), %d stale, %d failed otherwise, ahead %d behind %d; hits cpu %d disk %d of %d; load failed %v",
-		m.Requests, m.Answered, m.Recent, m.Offered, m.OfferedDisk, m.Stale, m.FailedOther, m.Ahead, m.Behind, res.HitCPU, res.HitDisk, res.LookedUp, res.LoadFailed)
+	t.Logf("mirror: %v; hits cpu %d disk %d of %d; load failed %v", m, res.HitCPU, res.HitDisk, res.LookedUp, res.LoadFailed)
 	if m.Requests == 0 || m.Answered == 0 || m.Answered+m.NotLive+m.Recent != m.Requests || m.Offered == 0 {
-		t.Fatalf("the mirror answered nothing, or its counts do not add up: %+v", *m)
+		t.Fatalf("the mirror answered nothing, or its counts do not add up: %v", m)
 	}
 	if m.Unknown != 0 || res.CorruptDelivered != 0 {
 		t.Errorf("the mirror offered %d blocks never stored; %d loads delivered wrong bytes (%s)", m.Unknown, res.CorruptDelivered, res.FirstCorrupt)
 	}
 	if res.HitDisk == 0 || m.MirrorOp.Calls != m.Requests || m.MapOp.Calls != m.Requests || res.Lookup.Calls != m.Requests {
-		t.Errorf("no disk hits, or not every lookup timed: %+v", *m)
+		t.Errorf("no disk hits, or not every lookup timed: %v", m)
 	}
 
 	c := d.Client(t)
@@ -120,6 +119,6 @@ func TestMirrorOverflow(t *testing.T) {
 	}
 	m := res.Mirror
 	if !m.Overflow || m.Blocks != 0 || m.NotLive == 0 {
-		t.Fatalf("mirror %+v", *m)
+		t.Fatalf("mirror %v", m)
 	}
 }
