@@ -297,6 +297,8 @@ type driver struct {
 	mirror *Mirror
 	dict   map[string]struct{}
 	recent map[string]time.Time
+	// remoteSeen: a Lookup answered a block from the remote tier.
+	remoteSeen bool
 }
 
 // warm stores every engine block under a throwaway key, loads it back and
@@ -460,6 +462,7 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 		}
 		tiers := lr.GetTiers()
 		if d.mirror != nil {
+			d.remoteSeen = d.remoteSeen || slices.Contains(tiers, pb.Tier_TIER_REMOTE)
 			mr := res.Mirror
 			if live {
 				if n := len(mtiers); n > j.ready {

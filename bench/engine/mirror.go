@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -85,6 +86,11 @@ func (m *Mirror) Lookup(namespaces []uint32, g uint32, keys [][]byte, tiers []pb
 	defer m.mu.RUnlock()
 	if !m.live {
 		return tiers, false
+	}
+	for _, ns := range namespaces {
+		if !slices.Contains(m.ns, ns) {
+			return tiers, false // not followed: only the daemon knows
+		}
 	}
 	for _, k := range keys {
 		worst := pb.Tier_TIER_NONE
@@ -242,11 +248,13 @@ const RecentStore = time.Second
 // MirrorResult is what an engine run with a mirror (Config.MirrorClient)
 // did. Requests counts new requests; each was answered from the mirror
 // in its step (Answered) or, as a connector would, by the daemon's Lookup,
-// which costs a scheduler step: the mirror was not live (NotLive) or its
+// which costs a scheduler step: the mirror was not live (NotLive), its
 // hit stopped at a block this engine sent to a Store less than RecentStore
-// ago (Recent).
+// ago (Recent), or its hit was short of the request once the daemon had
+// answered a block from the remote tier (Remote: other nodes' blocks are
+// not all mirrored).
 type MirrorResult struct {
-	Requests, Answered, NotLive, Recent int
+	Requests, Answered, NotLive, Recent, Remote int
 	// MirrorOp times each lookup in the mirror, MapOp a plain Go map
 	// lookup of the same keys (the engine's own keys, no lock, no tiers:
 	// the shape of vLLM's in-process CPU tier) right after it. The
@@ -310,6 +318,8 @@ func (d *driver) mirrorLookup(j *job) (tiers []pb.Tier, live, use bool) {
 		mr.NotLive++
 	case len(tiers) < len(j.req.Keys) && d.recent[string(j.req.Keys[len(tiers)])] != (time.Time{}):
 		mr.Recent++
+	case len(tiers) < len(j.req.Keys) && d.remoteSeen:
+		mr.Remote++
 	default:
 		mr.Answered++
 		use = true
@@ -319,6 +329,6 @@ func (d *driver) mirrorLookup(j *job) (tiers []pb.Tier, live, use bool) {
 
 // String is the counts, without the latencies.
 func (m *MirrorResult) String() string {
-	return fmt.Sprintf("%d requests: %d answered, %d not live, %d recent (%d longer); %d offered (%d disk), %d stale, %d failed otherwise; ahead %d behind %d; %d unknown; mirror %d blocks, %d streams, %d resets, overflow %v",
-		m.Requests, m.Answered, m.NotLive, m.Recent, m.RecentLonger, m.Offered, m.OfferedDisk, m.Stale, m.FailedOther, m.Ahead, m.Behind, m.Unknown, m.Blocks, m.Streams, m.Resets, m.Overflow)
+	return fmt.Sprintf("%d requests: %d answered, %d not live, %d recent (%d longer), %d remote; %d offered (%d disk), %d stale, %d failed otherwise; ahead %d behind %d; %d unknown; mirror %d blocks, %d streams, %d resets, overflow %v",
+		m.Requests, m.Answered, m.NotLive, m.Recent, m.RecentLonger, m.Remote, m.Offered, m.OfferedDisk, m.Stale, m.FailedOther, m.Ahead, m.Behind, m.Unknown, m.Blocks, m.Streams, m.Resets, m.Overflow)
 }

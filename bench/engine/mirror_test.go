@@ -47,7 +47,7 @@ func TestMirrorMatchesLookup(t *testing.T) {
 	}
 	m := res.Mirror
 	t.Logf("mirror: %v; hits cpu %d disk %d of %d; load failed %v", m, res.HitCPU, res.HitDisk, res.LookedUp, res.LoadFailed)
-	if m.Requests == 0 || m.Answered == 0 || m.Answered+m.NotLive+m.Recent != m.Requests || m.Offered == 0 {
+	if m.Requests == 0 || m.Answered == 0 || m.Answered+m.NotLive+m.Recent+m.Remote != m.Requests || m.Offered == 0 {
 		t.Fatalf("the mirror answered nothing, or its counts do not add up: %v", m)
 	}
 	if m.Unknown != 0 || res.CorruptDelivered != 0 {

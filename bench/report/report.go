@@ -455,11 +455,13 @@ type Mirror struct {
 	Desc     string `json:"desc"`
 	Requests int    `json:"requests"`
 	// Answered in the step from the mirror; the others asked the daemon
-	// (a step): not live, or the hit stopped at a block stored < 1 s ago.
+	// (a step): not live, the hit stopped at a block stored < 1 s ago, or
+	// short once the daemon had shown a remote tier.
 	Answered      int     `json:"answered"`
 	AnsweredShare float64 `json:"answered_share"`
 	NotLive       int     `json:"not_live"`
 	Recent        int     `json:"recent_store"`
+	Remote        int     `json:"remote"`
 	// Per lookup call, µs: the mirror, the plain map, the daemon's Lookup
 	// in the same run.
 	MirrorP50us float64 `json:"mirror_p50_us"`
@@ -671,10 +673,10 @@ func (r *Report) Print(w io.Writer) {
 	if len(r.Mirror) > 0 {
 		fmt.Fprintf(w, "\nmirror (each workload twice on a fresh daemon: lookups to the daemon, then from a Go mirror of its WatchEvents stream with the daemon's Lookup still sent; per call µs p50/p99):\n")
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "workload\trequests\tin the step\tnot live\trecent (longer)\tmirror us\tmap us\tdaemon us\toffered (disk)\tstale (<=0.1%)\tahead/behind\tunknown (0)\tcorrupt (0)\thit rate\tdaemon run: hit rate\tfailed at load\t")
+		fmt.Fprintln(tw, "workload\trequests\tin the step\tnot live\trecent (longer)\tremote\tmirror us\tmap us\tdaemon us\toffered (disk)\tstale (<=0.1%)\tahead/behind\tunknown (0)\tcorrupt (0)\thit rate\tdaemon run: hit rate\tfailed at load\t")
 		for _, m := range r.Mirror {
-			fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d (%d)\t%.2f/%.2f\t%.2f/%.2f\t%.0f/%.0f\t%d (%d)\t%d (%.3f%%)\t%d/%d\t%d\t%d\t%.3f\t%.3f\t%.3f%%\t\n",
-				m.Workload, m.Requests, 100*m.AnsweredShare, m.NotLive, m.Recent, m.RecentLonger, m.MirrorP50us, m.MirrorP99us, m.MapP50us, m.MapP99us,
+			fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d (%d)\t%d\t%.2f/%.2f\t%.2f/%.2f\t%.0f/%.0f\t%d (%d)\t%d (%.3f%%)\t%d/%d\t%d\t%d\t%.3f\t%.3f\t%.3f%%\t\n",
+				m.Workload, m.Requests, 100*m.AnsweredShare, m.NotLive, m.Recent, m.RecentLonger, m.Remote, m.MirrorP50us, m.MirrorP99us, m.MapP50us, m.MapP99us,
 				m.DaemonP50us, m.DaemonP99us, m.Offered, m.OfferedDisk, m.Stale, 100*m.StaleRate, m.Ahead, m.Behind, m.Unknown, m.Corrupt, m.HitRate, m.DaemonHitRate, 100*m.DaemonFailedRate)
 		}
 		tw.Flush()

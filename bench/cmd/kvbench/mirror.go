@@ -75,7 +75,7 @@ func (b *bench) mirror(ctx context.Context) error {
 			continue
 		}
 		m := res.Mirror
-		row.Requests, row.Answered, row.NotLive, row.Recent = m.Requests, m.Answered, m.NotLive, m.Recent
+		row.Requests, row.Answered, row.NotLive, row.Recent, row.Remote = m.Requests, m.Answered, m.NotLive, m.Recent, m.Remote
 		if m.Requests > 0 {
 			row.AnsweredShare = float64(m.Answered) / float64(m.Requests)
 		}

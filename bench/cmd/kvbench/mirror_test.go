@@ -37,7 +37,7 @@ func TestQuickMirror(t *testing.T) {
 		if m.Unknown != 0 || m.Corrupt != 0 {
 			t.Errorf("%s: wrong answers: %+v", m.Workload, m)
 		}
-		if m.Requests == 0 || m.Answered == 0 || m.Offered == 0 || m.Answered+m.NotLive+m.Recent != m.Requests {
+		if m.Requests == 0 || m.Answered == 0 || m.Offered == 0 || m.Answered+m.NotLive+m.Recent+m.Remote != m.Requests {
 			t.Errorf("%s: the mirror answered nothing, or the counts do not add up: %+v", m.Workload, m)
 		}
 		if m.Stale > m.Offered || m.StaleRate != float64(m.Stale)/float64(m.Offered) || m.HitRate <= 0 || m.DaemonHitRate <= 0 {
