@@ -274,8 +274,9 @@ type MirrorResult struct {
 	// Ahead and Behind compare each of the live mirror's answers with the
 	// daemon's Lookup of the same keys right after it: blocks the mirror
 	// offered past the daemon's hit, and blocks of the daemon's hit the
-	// mirror did not offer (Recent's included). RecentLonger counts the
-	// Recent requests whose daemon hit was longer: the rule's gain.
+	// mirror did not offer (the fallbacks' included). RecentLonger counts
+	// the fallbacks of a live mirror (Recent, Remote) whose daemon hit was
+	// longer: the rules' gain.
 	Ahead, Behind, RecentLonger int
 	// Unknown counts offered blocks this engine never sent to a Store:
 	// a wrong answer (0).
