@@ -8,6 +8,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -75,6 +76,17 @@ type Config struct {
 	// loads, idle lookups) begins; the phase ends when the returned
 	// function is called.
 	Phase func(name string) (end func())
+
+	// MirrorClient, if set, is a connection of its own on which the
+	// engine follows the daemon's WatchEvents for its namespace (a
+	// Mirror) and answers each new request's lookup from it while it is
+	// live, as the Python connector does (issue 32): the daemon still gets
+	// the same Lookup (no lease), timed, whose answer is used only when the
+	// mirror cannot answer. Result.Mirror says what it did. LeaseMs must
+	// be 0 (a lease is the daemon's to take).
+	MirrorClient *client.Client
+	// MirrorMaxBlocks bounds the mirror's entries (0: 2,000,000).
+	MirrorMaxBlocks int
 
 	// Keep leaves the run's blocks cached at the end instead of
 	// invalidating them: a daemon of kvbench's own whose blocks another
@@ -161,6 +173,9 @@ type Result struct {
 	// held, loaded through the daemon.
 	RemoteLoad       Op
 	RemoteLoadFailed map[string]int
+
+	// Mirror is Config.MirrorClient's measurement (nil without).
+	Mirror *MirrorResult
 }
 
 // StepDisk is one step's disk reads and the raw time for as many.
@@ -174,7 +189,8 @@ type job struct {
 	base  int // engine block of the request's first block
 	ready int
 	lease uint64
-	redo  int // first block the engine (re)computes
+	redo  int  // first block the engine (re)computes
+	mirr  bool // ready came from the mirror
 }
 
 // Run drives the daemon through every step.
@@ -182,6 +198,9 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	c, reg := cfg.Client, cfg.Region
 	if cfg.StepTimeout <= 0 {
 		cfg.StepTimeout = time.Minute
+	}
+	if cfg.MirrorClient != nil && cfg.LeaseMs != 0 {
+		return nil, errors.New("a lookup mirror takes no leases: LeaseMs must be 0")
 	}
 	rctx, cancel := context.WithTimeout(ctx, cfg.StepTimeout)
 	r, err := c.Register(rctx, cfg.Fingerprint, reg.Shape.Layout(), reg.Wire(), "kvbench")
@@ -194,9 +213,19 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		failed: map[string]failure{},
 		res:    newResult(),
 	}
+	if cfg.MirrorClient != nil {
+		d.mirror = NewMirror(cfg.MirrorClient, []uint32{d.ns}, cmp.Or(cfg.MirrorMaxBlocks, 2_000_000))
+		d.res.Mirror = &MirrorResult{}
+		d.dict, d.recent = map[string]struct{}{}, map[string]time.Time{}
+	}
 	runErr := d.warm(ctx)
 	if runErr == nil {
 		runErr = d.run(ctx)
+	}
+	if d.mirror != nil {
+		mr := d.res.Mirror
+		mr.Blocks, mr.Streams, mr.Resets, mr.Overflow, _ = d.mirror.Counts()
+		d.mirror.Close()
 	}
 	if runErr == nil && cfg.DiskLoads {
 		runErr = d.diskLoads(ctx)
@@ -261,6 +290,15 @@ type driver struct {
 	diskBlocks int
 	// probing: the transfer under way is a step's; the prober runs.
 	probing bool
+
+	// With Config.MirrorClient: the mirror; every key this engine sent
+	// to a Store (the plain map the mirror is timed against, and what a
+	// mirror may offer); and when each was last sent, for a second.
+	mirror *Mirror
+	dict   map[string]struct{}
+	recent map[string]time.Time
+	// remoteSeen: a Lookup answered a block from the remote tier.
+	remoteSeen bool
 }
 
 // warm stores every engine block under a throwaway key, loads it back and
@@ -395,7 +433,19 @@ func (d *driver) step(ctx context.Context, reqs []workload.Request) error {
 
 func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 	res := d.res
+	if d.mirror != nil {
+		for k, t := range d.recent {
+			if time.Since(t) > RecentStore {
+				delete(d.recent, k)
+			}
+		}
+	}
 	for _, j := range jobs {
+		var mtiers []pb.Tier
+		live, use := false, false
+		if d.mirror != nil {
+			mtiers, live, use = d.mirrorLookup(j)
+		}
 		keys, _ := client.Keys(0, model.HashBytes, j.req.Keys...)
 		t0 := time.Now()
 		lr, err := d.c.Lookup(ctx, []uint32{d.ns}, keys, d.cfg.LeaseMs)
@@ -410,11 +460,37 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 		if j.ready > len(j.req.Keys) || len(lr.GetTiers()) != j.ready {
 			return fmt.Errorf("lookup %s: ready %d of %d keys with %d tiers", j.req.ID, j.ready, len(j.req.Keys), len(lr.GetTiers()))
 		}
+		tiers := lr.GetTiers()
+		if d.mirror != nil {
+			d.remoteSeen = d.remoteSeen || slices.Contains(tiers, pb.Tier_TIER_REMOTE)
+			mr := res.Mirror
+			if live {
+				if n := len(mtiers); n > j.ready {
+					mr.Ahead += n - j.ready
+				} else {
+					mr.Behind += j.ready - n
+					if !use && j.ready > n {
+						mr.RecentLonger++
+					}
+				}
+			}
+			if use {
+				// The mirror's answer, in this step: the daemon's is
+				// not waited for (a connector sends it for the policy).
+				j.ready, j.redo, j.mirr, tiers = len(mtiers), len(mtiers), true, mtiers
+				mr.Offered += len(mtiers)
+				for _, t := range mtiers {
+					if t == pb.Tier_TIER_DISK {
+						mr.OfferedDisk++
+					}
+				}
+			}
+		}
 		n := len(j.req.Keys)
 		res.LookedUp += n
 		res.KindLookedUp[j.req.Kind] += n
 		res.KindHit[j.req.Kind] += j.ready
-		for i, t := range lr.GetTiers() {
+		for i, t := range tiers {
 			switch t {
 			case pb.Tier_TIER_DISK:
 				res.HitDisk++
@@ -423,6 +499,15 @@ func (d *driver) lookup(ctx context.Context, jobs []*job) error {
 				res.HitRemote++
 			default:
 				res.HitCPU++
+			}
+			if j.mirr {
+				// As fresh as the stream: a block whose load failed may
+				// be offered until its removal arrives (a stale answer,
+				// counted at its load), never a block never stored.
+				if _, ok := d.dict[string(j.req.Keys[i])]; !ok {
+					res.Mirror.Unknown++
+				}
+				continue
 			}
 			d.reoffered(j.req.Keys[i], fmt.Sprintf("the Lookup of %s in step %d", j.req.ID, d.res.Steps))
 		}
@@ -564,6 +649,13 @@ func (d *driver) loadJobs(ctx context.Context, jobs []*job, op *Op, failedBy map
 				failedKeys = append(failedKeys, key)
 			}
 			failedBy[statusName(st)]++
+			if j.mirr {
+				if st == pb.BlockStatus_BLOCK_STATUS_MISSING {
+					d.res.Mirror.Stale++
+				} else {
+					d.res.Mirror.FailedOther++
+				}
+			}
 			d.res.BlocksFailedLoaded++
 			if st == pb.BlockStatus_BLOCK_STATUS_IO_ERROR || st == pb.BlockStatus_BLOCK_STATUS_CORRUPT {
 				d.res.ReadFailures++
@@ -720,6 +812,10 @@ func (d *driver) store(ctx context.Context, jobs []*job) error {
 			d.reg.Fill(j.base+i, j.req.Keys[i])
 			ids = append(ids, uint32(j.base+i))
 			delete(d.failed, string(j.req.Keys[i]))
+			if d.mirror != nil {
+				d.dict[string(j.req.Keys[i])] = struct{}{}
+				d.recent[string(j.req.Keys[i])] = time.Now()
+			}
 		}
 		keys, _ := client.Keys(0, model.HashBytes, j.req.Keys[j.redo:]...)
 		d.nextJob++

@@ -36,9 +36,11 @@ type Report struct {
 	// Hybrid is the hybrid scenario: one entry per hybrid model shape.
 	Hybrid []Hybrid `json:"hybrid,omitempty"`
 	// Scale is the scale scenario: one row per number of blocks.
-	Scale   []Scale `json:"scale,omitempty"`
-	Skipped []Skip  `json:"skipped"`
-	Goals   []Goal  `json:"goals"`
+	Scale []Scale `json:"scale,omitempty"`
+	// Mirror is the mirror scenario: one row per workload.
+	Mirror  []Mirror `json:"mirror,omitempty"`
+	Skipped []Skip   `json:"skipped"`
+	Goals   []Goal   `json:"goals"`
 	// Interference is what other processes did to the machine during
 	// each phase of the run; a flagged phase's figures are suspect.
 	Interference *Interference `json:"interference,omitempty"`
@@ -443,6 +445,54 @@ type Goal struct {
 	Flagged bool `json:"flagged"`
 }
 
+// Mirror is one workload of the mirror scenario (issue 32): the same steps
+// on a fresh daemon twice, each request's lookup a round trip to the
+// daemon, then answered from a Go mirror of the daemon's WatchEvents
+// stream (the Python connector's rules) with the daemon's Lookup still
+// sent, and a plain Go map of the same keys, all timed per call.
+type Mirror struct {
+	Workload string `json:"workload"`
+	Desc     string `json:"desc"`
+	Requests int    `json:"requests"`
+	// Answered in the step from the mirror; the others asked the daemon
+	// (a step): not live, the hit stopped at a block stored < 1 s ago, or
+	// short once the daemon had shown a remote tier.
+	Answered      int     `json:"answered"`
+	AnsweredShare float64 `json:"answered_share"`
+	NotLive       int     `json:"not_live"`
+	Recent        int     `json:"recent_store"`
+	Remote        int     `json:"remote"`
+	// Per lookup call, µs: the mirror, the plain map, the daemon's Lookup
+	// in the same run.
+	MirrorP50us float64 `json:"mirror_p50_us"`
+	MirrorP99us float64 `json:"mirror_p99_us"`
+	MapP50us    float64 `json:"map_p50_us"`
+	MapP99us    float64 `json:"map_p99_us"`
+	DaemonP50us float64 `json:"daemon_p50_us"`
+	DaemonP99us float64 `json:"daemon_p99_us"`
+	// Blocks the mirror offered; of them MISSING at their load (stale),
+	// and the stale share (goal <= 0.001).
+	Offered     int     `json:"offered"`
+	OfferedDisk int     `json:"offered_disk"` // of them, in the disk tier only
+	Stale       int     `json:"stale"`
+	StaleRate   float64 `json:"stale_rate"`
+	FailedOther int     `json:"failed_other"`
+	// Against the daemon's answer right after: blocks offered past it,
+	// blocks of it missed; offered blocks never stored (0); bytes wrong (0).
+	Ahead        int `json:"ahead"`
+	Behind       int `json:"behind"`
+	RecentLonger int `json:"recent_longer"`
+	Unknown      int `json:"unknown"`
+	Corrupt      int `json:"corrupt_delivered"`
+	// Hit rates (blocks offered / looked up): this run, and the run whose
+	// every lookup was the daemon's; the daemon run's failed-load share.
+	HitRate          float64 `json:"hit_rate"`
+	DaemonHitRate    float64 `json:"daemon_hit_rate"`
+	DaemonFailedRate float64 `json:"daemon_failed_rate"`
+	MirrorBlocks     int     `json:"mirror_blocks"`
+	MirrorStreams    int     `json:"mirror_streams"`
+}
+
 // Scale is one N of the scale scenario (issue 34): N small blocks stored by
 // concurrent ranks into a CPU tier with room for 2N, then over a disk tier
 // with room for N, which is killed (-9) and recovered.
@@ -617,6 +667,17 @@ func (r *Report) Print(w io.Writer) {
 		for _, p := range r.Sweep {
 			fmt.Fprintf(tw, "%g\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%d\t%d\t%d\t%d\t\n", p.Rate, p.LoadGBps, p.LoadP99us, p.DiskLoadGBps, p.DiskLoadP99us, p.StoreGBps,
 				p.Faults.InjectedRead, p.Faults.ReadFailuresReported, p.Faults.CorruptBlocksDelivered, p.Faults.FailedBlocksReoffered)
+		}
+		tw.Flush()
+	}
+	if len(r.Mirror) > 0 {
+		fmt.Fprintf(w, "\nmirror (each workload twice on a fresh daemon: lookups to the daemon, then from a Go mirror of its WatchEvents stream with the daemon's Lookup still sent; per call µs p50/p99):\n")
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "workload\trequests\tin the step\tnot live\trecent (longer)\tremote\tmirror us\tmap us\tdaemon us\toffered (disk)\tstale (<=0.1%)\tahead/behind\tunknown (0)\tcorrupt (0)\thit rate\tdaemon run: hit rate\tfailed at load\t")
+		for _, m := range r.Mirror {
+			fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%d (%d)\t%d\t%.2f/%.2f\t%.2f/%.2f\t%.0f/%.0f\t%d (%d)\t%d (%.3f%%)\t%d/%d\t%d\t%d\t%.3f\t%.3f\t%.3f%%\t\n",
+				m.Workload, m.Requests, 100*m.AnsweredShare, m.NotLive, m.Recent, m.RecentLonger, m.Remote, m.MirrorP50us, m.MirrorP99us, m.MapP50us, m.MapP99us,
+				m.DaemonP50us, m.DaemonP99us, m.Offered, m.OfferedDisk, m.Stale, 100*m.StaleRate, m.Ahead, m.Behind, m.Unknown, m.Corrupt, m.HitRate, m.DaemonHitRate, 100*m.DaemonFailedRate)
 		}
 		tw.Flush()
 	}

@@ -42,10 +42,10 @@ func main() {
 	}
 }
 
-// allScenarios in the order they run; restart and scale run only when asked
-// for (they fill --restart-bytes of disk, and memory and disk for
-// --scale-blocks).
-var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "hybrid", "restart", "scale"}
+// allScenarios in the order they run; restart, scale and mirror run only
+// when asked for (they fill --restart-bytes of disk, and memory and disk for
+// --scale-blocks; mirror is a comparison for issue 32).
+var allScenarios = []string{"cpu", "disk", "mixed", "tight", "faults", "corrupt", "remote", "hybrid", "restart", "scale", "mirror"}
 
 // defaultScenarios run without --scenarios.
 var defaultScenarios = allScenarios[:8]
@@ -121,7 +121,14 @@ scale (only when named: for each --scale-blocks N, N 4 KiB blocks stored by
 --scale-ranks engines at once into a CPU tier with room for 2N, none may be
 lost; Stats timed; the daemon's heap and RSS per block; then over a disk tier
 with room for N, stores faster than the disk, none may be dropped, a kill -9
-and the recovery against a raw O_DIRECT read of the same slot file).
+and the recovery against a raw O_DIRECT read of the same slot file),
+mirror (only when named: the steps twice per workload, cpu and tight, each on a
+fresh daemon: every lookup a round trip to the daemon, then answered from an
+in-process mirror of the daemon's WatchEvents stream as the Python connector
+does, the daemon's Lookup still sent; the share of new requests answered in
+their step, the mirror's, a plain Go map's and the daemon's lookup time per
+call, the stale answers (offered by the mirror, MISSING at the load) and both
+runs' hit rates).
 
 Flags:
 `

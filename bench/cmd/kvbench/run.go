@@ -181,6 +181,8 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 	for _, sc := range runs {
 		if sc.kind == "hybrid" {
 			units += len(o.hybridModels) * o.hybridSteps(nsteps)
+		} else if sc.kind == "mirror" {
+			units += 2 * len(mirrorWorkloads) * nsteps
 		} else {
 			units += nsteps
 		}
@@ -202,6 +204,15 @@ func (b *bench) run(ctx context.Context) (*report.Report, error) {
 		if sc.kind == "hybrid" {
 			if err := b.hybrid(ctx, nsteps); err != nil {
 				errs = append(errs, fmt.Errorf("scenario hybrid: %w", err))
+			}
+			continue
+		}
+		if sc.kind == "mirror" {
+			if err := b.mirror(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("scenario mirror: %w", err))
+				if ctx.Err() != nil {
+					break
+				}
 			}
 			continue
 		}
@@ -316,6 +327,9 @@ func (b *bench) plan() ([]scenario, []report.Skip) {
 	skip := func(what, why string) { skips = append(skips, report.Skip{What: what, Reason: why}) }
 	for _, s := range o.scenarios {
 		switch {
+		case s == "mirror" && o.socket == "":
+			runs = append(runs, scenario{name: s, kind: s})
+			continue
 		case s == "scale" && o.socket == "":
 			// It sizes its own tiers, per N, and skips the disk part
 			// itself without a disk directory or the room.
