@@ -434,9 +434,18 @@ func TestCPUArenaRecoveredCopiesOnDiskAreClean(t *testing.T) {
 		t.Fatal(err)
 	}
 	// As many new blocks as the CPU tier holds: each store must find a
-	// slot, free or given up by a clean copy.
+	// slot, free or given up by a clean copy. Each waits until the
+	// write-through copies of the one before have landed: a copy holds
+	// its CPU slot until then, and a store that found the tier full of
+	// them (no clean copy left, 16 disk writes queued, 217..278 of 448
+	// blocks on disk, in 2 of 13 runs) was refused NO_SPACE, the
+	// back-pressure of a disk slower than the stores, not a clean copy
+	// kept.
 	fresh := m.Hashes(72, 256)
 	for at := 0; at < len(fresh); at += m.Blocks {
+		waitMetric(t, metrics, "kvoffload_cpu_clean_blocks", func(v float64) bool {
+			return v == metric(t, scrape(t, metrics), `kvoffload_tier_blocks{tier="cpu"}`)
+		})
 		res, err := c2.Store(ctx, reg2.RegistrationId, []*pb.Job{testenv.Job(uint64(1000+at), fresh[at:at+m.Blocks], testenv.Seq(0, m.Blocks))}, true)
 		if err != nil {
 			t.Fatal(err)
