@@ -103,6 +103,12 @@ func (c *Class) Adopt(ch uint32, used []SlotID) error {
 // Adopt took, so it evicts them like any other. It waits until the policy
 // has them. Call it after the keys are in the owner's index (the policy's
 // Evict callback must find them) and without holding any index lock.
+//
+// Like Admit, it first gives the class free chunks while the policy would
+// hold more than the class's capacity less its reserve: a chunk Adopt took
+// full of blocks is over its capacity by the reserve, and without a free
+// chunk to make up for it the policy evicted that many of the blocks just
+// recovered although the tier had room.
 func (c *Class) Learn(keys []index.Key) {
 	if len(keys) == 0 {
 		return
@@ -118,7 +124,21 @@ func (c *Class) Learn(keys []index.Key) {
 	}
 	c.amu.Lock()
 	defer c.amu.Unlock()
+	c.growForLearn(len(keys))
 	c.policy.learn(keys, hs)
+}
+
+// growForLearn is grow for n keys whose blocks already have their slots:
+// only the policy's capacity counts, not the free slots. The caller holds
+// c.amu.
+func (c *Class) growForLearn(n int) {
+	held := c.policy.size()
+	t := c.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for held+int64(n) > c.maxCost && len(t.mu.freeChunks) > 0 && !c.removed {
+		c.addChunkLocked(t.popFreeChunkLocked())
+	}
 }
 
 // Held counts chunks held for recovery.
