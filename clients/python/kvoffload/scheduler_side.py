@@ -376,6 +376,8 @@ class SchedulerSide:
                 if self._gen:  # a cache reset came first: its fingerprints are resolved anew
                     return self.namespace_ids()
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                if self._mirror is not None:
+                    self._mirror.follow(self._ns_ids)  # now, not at the first lookup (namespace_ids)
                 return self._ns_ids
             self._discovery_misses += 1
             if self._discovery_misses in (1, 30):

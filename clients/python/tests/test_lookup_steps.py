@@ -298,3 +298,59 @@ def test_an_answer_from_the_mirror_is_not_taken_for_another_start(fresh_daemon, 
         assert got == (16, True), got  # 24 tokens in all, from what it found
     finally:
         h.close()
+
+
+def test_an_engine_idle_since_its_start_answers_its_first_requests_in_their_step(fresh_daemon, shm, fingerprint):
+    """vLLM's engine loop does not step while it has no request, so nothing
+    calls the connector between its start and the first requests. Its mirror
+    must follow the daemon from the start (the workers' namespaces found by
+    registration key), not from the first lookup: a burst of repeats that
+    reaches an engine idle since its start is answered from the mirror in the
+    step it arrives, with the hits, and the KV is what recomputing gives.
+    (Under vLLM's real Scheduler at 7cfb97e every such request waited 1-8
+    steps for its answer.)"""
+    from helpers import wait_for
+
+    d = fresh_daemon()
+    model = fingerprint.decode()
+    rng = random.Random(4)
+    cfg = Config(model=model, prefix_caching=False, gpu_s=0.0, num_blocks=256, max_batched_tokens=512, max_seqs=16)
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, d.socket, shm)
+        try:
+            u = eng.block_size
+            prompts = [[rng.randrange(10, 5000) for _ in range(5 * u)] for _ in range(6)]
+            for i, p in enumerate(prompts):
+                eng.add_request(f"a{i}", p, 2)
+            for _ in range(2000):
+                if eng.idle():
+                    break
+                eng.step()
+                eng.verify()
+            assert eng.idle(), "requests never finished"
+            eng.drain()
+        finally:
+            eng.close()
+        eng = Engine(cfg, mod, d.socket, shm)
+        try:
+            sched = eng.sched_conn._scheduler
+            m = sched._mirror
+            assert m is not None
+            # No step, no lookup: the engine waits for its first request. Its
+            # mirror catches up with what the first engine stored meanwhile.
+            assert wait_for(lambda: m.blocks() >= 6 * 5), m.blocks()
+            for i, p in enumerate(prompts):
+                eng.add_request(f"b{i}", p + [7], 2)
+            for _ in range(2000):
+                if eng.idle():
+                    break
+                eng.step()
+                eng.verify()
+            assert eng.idle(), "requests never finished"
+            assert not eng.deferred_rids, f"waited a step for their lookup: {sorted(eng.deferred_rids)}"
+            assert all(eng.admitted[f"b{i}"][0] for i in range(len(prompts))), eng.admitted
+            assert eng.counters["hit_tokens"] == len(prompts) * 5 * u, eng.counters
+            assert eng.counters["load_failures"] == 0, eng.counters
+            assert sched.mirror_answers >= len(prompts)
+        finally:
+            eng.close()
