@@ -1004,6 +1004,13 @@ class SchedulerSide:
             self._step_wait_left -= time.monotonic() - t0
             ns = self.namespace_ids()
         if not ns:
+            if self._resetting:
+                # Since a cache reset: the workers store nothing under the new
+                # identity before they have registered it, so until its
+                # namespaces resolve the daemon holds none of its blocks. A
+                # miss, not a step's wait for every request (under vLLM's real
+                # Scheduler that wait was 3-11 steps after each reset).
+                return self._miss(rid)
             # Being resolved (just started, or after a daemon restart): ask again.
             if self._ns_task is not None and self._io.healthy() and not late:
                 return None, False
