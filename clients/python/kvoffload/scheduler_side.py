@@ -251,6 +251,9 @@ class SchedulerSide:
         self._gen = 0
         self._token = b""
         self._resetting = False  # namespaces of a new identity not resolved yet
+        # (group, key) of every block planned to store since the reset, while
+        # resetting; None: too many (or no reset)
+        self._since_reset: set[tuple[int, bytes]] | None = None
         self._ns_ids: list[int] | None = None
         self._ns_task: Any = None
         self._ns_next = 0.0
@@ -376,6 +379,8 @@ class SchedulerSide:
                 if self._gen:  # a cache reset came first: its fingerprints are resolved anew
                     return self.namespace_ids()
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                if self._mirror is not None:
+                    self._mirror.follow(self._ns_ids)  # now, not at the first lookup (namespace_ids)
                 return self._ns_ids
             self._discovery_misses += 1
             if self._discovery_misses in (1, 30):
@@ -440,6 +445,7 @@ class SchedulerSide:
             if ids and all(ids):
                 self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
                 self._resetting = False
+                self._since_reset = None
                 if self._mirror is not None:
                     self._mirror.follow(self._ns_ids)
             else:
@@ -484,6 +490,7 @@ class SchedulerSide:
                 self._events_fp = self._fingerprints[min(self._fingerprints, key=str)]
         self._ns_ids, self._ns_task, self._ns_next = None, None, 0.0
         self._resetting = True
+        self._since_reset = set()
         for rec in list(self._lookups.values()) + list(self._matched.values()):
             self._drop(rec)
         self._lookups.clear()
@@ -1002,6 +1009,14 @@ class SchedulerSide:
             self._step_wait_left -= time.monotonic() - t0
             ns = self.namespace_ids()
         if not ns:
+            if self._resetting and not self._stored_since_reset(hashes, start, end):
+                # Since a cache reset the new identity's namespaces hold only
+                # what this engine planned to store since (no other engine
+                # derives its fingerprints): a request none of whose blocks
+                # is among those is a miss now, not a step's wait for the
+                # namespaces to resolve (under vLLM's real Scheduler every
+                # waiting request waited 3-11 steps after each reset).
+                return self._miss(rid)
             # Being resolved (just started, or after a daemon restart): ask again.
             if self._ns_task is not None and self._io.healthy() and not late:
                 return None, False
@@ -1073,6 +1088,20 @@ class SchedulerSide:
         self._lookups[rid] = rec
         self.mirror_answers += 1
         return self._answer(rid, rec, rec)
+
+    def _stored_since_reset(self, hashes: Sequence[bytes], start: int, end: int) -> bool:
+        """Whether a block of units [start, end) is one this engine planned
+        to store since the last reset (True when it kept too many to tell)."""
+        since = self._since_reset
+        if since is None:
+            return True
+        if not since:
+            return False
+        for g in range(self.keys.num_groups):
+            for k in self.keys.keys(hashes, g, self.keys.block_range(g, start, end)):
+                if (g, bytes(k)) in since:
+                    return True
+        return False
 
     def _note_stores(self, jobs: Sequence[GroupJob]) -> None:
         now = self._clock()
@@ -1304,6 +1333,10 @@ class SchedulerSide:
                 plan.stores[rid] = jobs
                 if self._mirror is not None:
                     self._note_stores(jobs)
+                if self._resetting and self._since_reset is not None:
+                    self._since_reset.update((j.group, bytes(h)) for j in jobs for h in j.hashes)
+                    if len(self._since_reset) > _RECENT_STORES:
+                        self._since_reset = None  # too many to tell: lookups wait for the namespaces
                 st.store_seq = self._seq
                 st.store_starts.append((self._seq, first))
                 self._note_reads(rid, jobs)

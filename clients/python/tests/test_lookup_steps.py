@@ -298,3 +298,109 @@ def test_an_answer_from_the_mirror_is_not_taken_for_another_start(fresh_daemon, 
         assert got == (16, True), got  # 24 tokens in all, from what it found
     finally:
         h.close()
+
+
+def test_an_engine_idle_since_its_start_answers_its_first_requests_in_their_step(fresh_daemon, shm, fingerprint):
+    """vLLM's engine loop does not step while it has no request, so nothing
+    calls the connector between its start and the first requests. Its mirror
+    must follow the daemon from the start (the workers' namespaces found by
+    registration key), not from the first lookup: a burst of repeats that
+    reaches an engine idle since its start is answered from the mirror in the
+    step it arrives, with the hits, and the KV is what recomputing gives.
+    (Under vLLM's real Scheduler at 7cfb97e every such request waited 1-8
+    steps for its answer.)"""
+    from helpers import wait_for
+
+    d = fresh_daemon()
+    model = fingerprint.decode()
+    rng = random.Random(4)
+    cfg = Config(model=model, prefix_caching=False, gpu_s=0.0, num_blocks=256, max_batched_tokens=512, max_seqs=16)
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, d.socket, shm)
+        try:
+            u = eng.block_size
+            prompts = [[rng.randrange(10, 5000) for _ in range(5 * u)] for _ in range(6)]
+            for i, p in enumerate(prompts):
+                eng.add_request(f"a{i}", p, 2)
+            for _ in range(2000):
+                if eng.idle():
+                    break
+                eng.step()
+                eng.verify()
+            assert eng.idle(), "requests never finished"
+            eng.drain()
+        finally:
+            eng.close()
+        eng = Engine(cfg, mod, d.socket, shm)
+        try:
+            sched = eng.sched_conn._scheduler
+            m = sched._mirror
+            assert m is not None
+            # No step, no lookup: the engine waits for its first request. Its
+            # mirror catches up with what the first engine stored meanwhile.
+            assert wait_for(lambda: m.blocks() >= 6 * 5), m.blocks()
+            for i, p in enumerate(prompts):
+                eng.add_request(f"b{i}", p + [7], 2)
+            for _ in range(2000):
+                if eng.idle():
+                    break
+                eng.step()
+                eng.verify()
+            assert eng.idle(), "requests never finished"
+            assert not eng.deferred_rids, f"waited a step for their lookup: {sorted(eng.deferred_rids)}"
+            assert all(eng.admitted[f"b{i}"][0] for i in range(len(prompts))), eng.admitted
+            assert eng.counters["hit_tokens"] == len(prompts) * 5 * u, eng.counters
+            assert eng.counters["load_failures"] == 0, eng.counters
+            assert sched.mirror_answers >= len(prompts)
+        finally:
+            eng.close()
+
+
+def test_requests_after_a_cache_reset_do_not_wait_for_the_new_identity(fresh_daemon, shm, fingerprint):
+    """After ``reset_cache`` (a weight update) the workers register the new
+    identity only once a plan has told them, and store nothing under it
+    before: until its namespaces resolve, the daemon holds none of its
+    blocks. The requests that come meanwhile are answered a miss in the step
+    they are asked, not deferred until the workers have registered (under
+    vLLM's real Scheduler every waiting request was held 3-11 steps after
+    each reset). Nothing of the old identity is offered, and the KV is what
+    recomputing gives."""
+    d = fresh_daemon()
+    rng = random.Random(5)
+    # lookup_wait_ms 0: the loop never waits for the daemon, so a resolve in
+    # flight is never answered within the step however fast the machine.
+    cfg = Config(model=fingerprint.decode(), prefix_caching=False, gpu_s=0.0, num_blocks=256, max_batched_tokens=512,
+                 max_seqs=16, extra={"lookup_wait_ms": 0})
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, d.socket, shm)
+        try:
+            u = eng.block_size
+
+            def run() -> None:
+                for _ in range(2000):
+                    if eng.idle():
+                        break
+                    eng.step()
+                    eng.verify()
+                assert eng.idle(), "requests never finished"
+
+            prompts = [[rng.randrange(10, 5000) for _ in range(4 * u)] for _ in range(4)]
+            for i, p in enumerate(prompts):
+                eng.add_request(f"a{i}", p, 2)
+            run()
+            for i, p in enumerate(prompts):
+                eng.add_request(f"b{i}", p + [7], 2)
+            run()
+            assert eng.counters["hit_tokens"] == 4 * 4 * u, eng.counters  # the daemon serves before the reset
+            eng.drain()
+            assert eng.reset_prefix_cache()
+            eng.deferred_rids.clear()
+            for i, p in enumerate(prompts):
+                eng.add_request(f"c{i}", p + [8], 2)  # old identity's blocks: never offered
+                eng.add_request(f"n{i}", [rng.randrange(10, 5000) for _ in range(3 * u)], 2)
+            run()
+            assert not eng.deferred_rids, f"waited a step for their lookup: {sorted(eng.deferred_rids)}"
+            assert eng.counters["hit_tokens"] == 4 * 4 * u, eng.counters
+            assert eng.counters["load_failures"] == 0, eng.counters
+        finally:
+            eng.close()
