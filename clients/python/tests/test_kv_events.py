@@ -330,7 +330,7 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
                     c = d.client()
                     (ns,) = c.resolve([eng.sched_conn._scheduler._events_fp])
                     gone = sorted({h for g, h, m in held if m == "STORAGE"})[:16]
-                    assert len(gone) == 16 and c.invalidate([ns], gone) == 16
+                    assert gone and c.invalidate([ns], gone) == len(gone)
                     converge(eng, d)
                     d.restart()
                 wl.tick(eng)
@@ -351,8 +351,21 @@ def test_replay_of_the_connectors_events_equals_lookup(fresh_daemon, shm, monkey
             # ... and after the restart's reset, the blocks recovered from disk.
             after = eng.kv_events[names.index("AllBlocksCleared", 1) + 1:]
             assert any(type(e).__name__ == "BlockStored" and e.medium == "STORAGE" for e in after)
-            assert len(want) > 50 and any(m == "STORAGE" for _, _, m in want), len(want)
-            assert check_payloads(eng, eng.kv_events) > 100
+            # How many blocks the daemon holds at the end is not checked: it
+            # depends on how many steps requests spent waiting for lookups and
+            # loads, on stores refused while the CPU tier's slots wait for disk
+            # writes, and on how many of the steps after the restart run once
+            # the daemon is back (the engine does not wait for it: 75 steps
+            # can end 1.3s after the restart, before the workers re-register,
+            # and store nothing), all of which vary with the machine's load (beside
+            # three busy loops: 26 to 296 blocks here; 78 to 288 at 8f6d10d,
+            # whose half-way count went down to 23). What is checked is that the
+            # replay equals the Lookup (converge), over a run that stored,
+            # demoted and removed on both tiers, recovered from disk, and
+            # stored more blocks (each checked against its tokens) than the
+            # CPU tier holds.
+            assert any(m == "STORAGE" for _, _, m in want), len(want)
+            assert check_payloads(eng, eng.kv_events) > 64
             assert feed.streams >= 2
         finally:
             eng.close()
