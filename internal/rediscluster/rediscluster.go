@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -700,26 +701,8 @@ func (c *Cluster) MoveSlotPaged(ctx context.Context, slot int, to *Node, between
 			between(page)
 		}
 	}
-	for _, n := range append([]*Node{to, from}, c.nodes...) {
-		cl := n.Client()
-		err := cl.Do(ctx, "cluster", "setslot", slot, "node", ids[to]).Err()
-		cl.Close()
-		if err != nil {
-			return fmt.Errorf("node %s: SETSLOT NODE: %w", n.Addr(), err)
-		}
-	}
-	return poll(ctx, 30*time.Second, func() error {
-		for _, n := range c.nodes {
-			owner, err := n.slotOwnerSeen(ctx, slot)
-			if err != nil {
-				return err
-			}
-			if owner != to.Addr() {
-				return fmt.Errorf("node %s still sees slot %d on %s", n.Addr(), slot, owner)
-			}
-		}
-		return nil
-	})
+	m := &Migration{c: c, slots: map[int]*slotMove{slot: {from: from, to: to, fromID: ids[from], toID: ids[to]}}}
+	return m.give(ctx)
 }
 
 // Migration is a resharding under way, as `redis-cli --cluster reshard`
@@ -733,8 +716,8 @@ type Migration struct {
 }
 
 type slotMove struct {
-	from, to *Node
-	toID     string
+	from, to     *Node
+	fromID, toID string
 }
 
 // StartMigration marks each slot importing on to(its owner) and migrating
@@ -769,7 +752,7 @@ func (c *Cluster) StartMigration(ctx context.Context, slots []int, to func(from 
 		if err := from.do(ctx, "cluster", "setslot", slot, "migrating", ids[dst]); err != nil {
 			return nil, fmt.Errorf("SETSLOT MIGRATING: %w", err)
 		}
-		m.slots[slot] = &slotMove{from: from, to: dst, toID: ids[dst]}
+		m.slots[slot] = &slotMove{from: from, to: dst, fromID: ids[from], toID: ids[dst]}
 	}
 	return m, nil
 }
@@ -821,6 +804,42 @@ func (m *Migration) Finish(ctx context.Context) error {
 			}
 		}
 		src.Close()
+	}
+	return m.give(ctx)
+}
+
+// give hands each slot of m, its keys moved, to its new master on every
+// node, and returns once every master agrees.
+//
+// A node told CLUSTER SETSLOT NODE changes its own slot table and nothing
+// else: only the new master, importing the slot, bumps its config epoch,
+// and only if it is not already the greatest it knows of. Gossip then
+// settles a conflicting claim by config epoch, the higher winning. So if
+// the old master's epoch is the higher (say it was the new master of a
+// slot moved just before), a ping it sent while it still owned the slot,
+// or an UPDATE about it from a node not yet told, gives the slot back to
+// it on whichever node reads that last, and as the old master no longer
+// claims the slot nothing ever corrects it: one node keeps redirecting to
+// the other (redis/redis#3776). Hence, before any node is told, the new
+// master's config epoch is made greater than the old master's as every
+// master sees them (CLUSTER BUMPEPOCH on the new master, then waiting for
+// gossip); a stale claim of the old master then loses everywhere. The
+// slots go by pair of masters, so that a pair waits on gossip once.
+func (m *Migration) give(ctx context.Context) error {
+	var order []int
+	for slot := range m.slots {
+		order = append(order, slot)
+	}
+	key := func(slot int) []int {
+		sm := m.slots[slot]
+		return []int{sm.from.Index(), sm.to.Index(), slot}
+	}
+	slices.SortFunc(order, func(a, b int) int { return slices.Compare(key(a), key(b)) })
+	for _, slot := range order {
+		sm := m.slots[slot]
+		if err := m.c.outrank(ctx, sm); err != nil {
+			return fmt.Errorf("slot %d: %w", slot, err)
+		}
 		for _, n := range append([]*Node{sm.to, sm.from}, m.c.nodes...) {
 			if err := n.do(ctx, "cluster", "setslot", slot, "node", sm.toID); err != nil {
 				return fmt.Errorf("SETSLOT NODE: %w", err)
@@ -841,6 +860,56 @@ func (m *Migration) Finish(ctx context.Context) error {
 		}
 		return nil
 	})
+}
+
+// outrank returns once every master sees sm.to's config epoch above
+// sm.from's, bumping sm.to's while it does not see it so itself.
+func (c *Cluster) outrank(ctx context.Context, sm *slotMove) error {
+	return poll(ctx, 30*time.Second, func() error {
+		for _, n := range append([]*Node{sm.to}, c.nodes...) {
+			e, err := n.configEpochs(ctx)
+			if err != nil {
+				return err
+			}
+			if e[sm.toID] > e[sm.fromID] {
+				continue
+			}
+			if n == sm.to {
+				// STILL where to's epoch equals the greatest it knows of
+				// (from's too, a collision that gossip resolves).
+				if err := n.do(ctx, "cluster", "bumpepoch"); err != nil {
+					return err
+				}
+			}
+			return fmt.Errorf("node %s sees config epoch %d on the new master %s, %d on the old one %s",
+				n.Addr(), e[sm.toID], sm.to.Addr(), e[sm.fromID], sm.from.Addr())
+		}
+		return nil
+	})
+}
+
+// configEpochs is the config epoch of every node n knows, by node ID
+// (CLUSTER NODES).
+func (n *Node) configEpochs(ctx context.Context) (map[string]int64, error) {
+	cl := n.Client()
+	defer cl.Close()
+	s, err := cl.ClusterNodes(ctx).Result()
+	if err != nil {
+		return nil, fmt.Errorf("node %s: CLUSTER NODES: %w", n.Addr(), err)
+	}
+	out := map[string]int64{}
+	for _, line := range strings.Split(s, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 8 {
+			continue
+		}
+		e, err := strconv.ParseInt(f[6], 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("node %s: CLUSTER NODES: config epoch %q: %w", n.Addr(), f[6], err)
+		}
+		out[f[0]] = e
+	}
+	return out, nil
 }
 
 // migrate moves keys from one master to another (MIGRATE ... KEYS).
