@@ -1,11 +1,8 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
@@ -19,18 +16,9 @@ func TestQuickMirror(t *testing.T) {
 		t.Skip("-short: builds and runs the daemon")
 	}
 	defer leakcheck.VerifyNone(t)
-	bin := buildDaemon(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	var stdout, stderr bytes.Buffer
-	rep, err := run(ctx, []string{"--quick", "--daemon", bin, "--scenarios", "mirror", "--layers", "4", "--steps", "80", "--engine-blocks", "48",
-		"--baselines=false", "--redis-server", "none", "--seed", "5"}, &stdout, &stderr)
-	t.Logf("stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
-	if err != nil {
-		t.Fatalf("kvbench: %v", err)
-	}
+	rep, stdout := runQuick(t, "--scenarios", "mirror", "--layers", "4", "--steps", "80", "--seed", "5")
 	// The mixed workload needs a disk tier; without, it says why.
-	if len(rep.Mirror) != len(mirrorWorkloads) && (len(rep.Mirror) != len(mirrorWorkloads)-1 || !strings.Contains(stdout.String(), "mirror scenario, mixed workload")) {
+	if len(rep.Mirror) != len(mirrorWorkloads) && (len(rep.Mirror) != len(mirrorWorkloads)-1 || !strings.Contains(stdout, "mirror scenario, mixed workload")) {
 		t.Fatalf("mirror rows: %+v", rep.Mirror)
 	}
 	for _, m := range rep.Mirror {
@@ -50,7 +38,7 @@ func TestQuickMirror(t *testing.T) {
 			t.Errorf("mixed: the mirror offered no block from the disk tier: %+v", m)
 		}
 	}
-	if !bytes.Contains(stdout.Bytes(), []byte("stale (<=0.1%)")) {
+	if !strings.Contains(stdout, "stale (<=0.1%)") {
 		t.Errorf("the mirror table is not printed")
 	}
 }

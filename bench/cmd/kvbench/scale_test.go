@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvoffloadd/kvoffloadd/bench/report"
 	"github.com/kvoffloadd/kvoffloadd/internal/leakcheck"
 )
 
@@ -18,16 +19,7 @@ func TestQuickScale(t *testing.T) {
 		t.Skip("-short: builds and runs the daemon")
 	}
 	defer leakcheck.VerifyNone(t)
-	bin := buildDaemon(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	var stdout, stderr bytes.Buffer
-	rep, err := run(ctx, []string{"--quick", "--daemon", bin, "--scenarios", "scale", "--scale-blocks", "4096", "--steps", "2", "--engine-blocks", "48",
-		"--baselines=false", "--redis-server", "none", "--seed", "4"}, &stdout, &stderr)
-	t.Logf("stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
-	if err != nil {
-		t.Fatalf("kvbench: %v", err)
-	}
+	rep, _ := runQuick(t, "--scenarios", "scale", "--scale-blocks", "4096", "--steps", "2", "--seed", "4")
 	if len(rep.Scale) != 1 {
 		t.Fatalf("scale rows: %+v", rep.Scale)
 	}
@@ -41,4 +33,23 @@ func TestQuickScale(t *testing.T) {
 	if sc.DiskStoredOK != 4096 || sc.DiskDropped != 0 || sc.DiskLost != 0 || sc.DiskOnDisk == 0 || sc.RecoveredBlocks < sc.DiskOnDisk || sc.BadSlots != 0 {
 		t.Fatalf("disk tier: %+v", sc)
 	}
+}
+
+// runQuick runs kvbench --quick with args (and --engine-blocks 48, no
+// baselines, no Redis) against the daemon built from this tree, within 4
+// minutes, logging its output; a kvbench error fails the test. It returns
+// the report and what kvbench printed.
+func runQuick(t *testing.T, args ...string) (*report.Report, string) {
+	t.Helper()
+	bin := buildDaemon(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	all := append([]string{"--quick", "--daemon", bin, "--engine-blocks", "48", "--baselines=false", "--redis-server", "none"}, args...)
+	rep, err := run(ctx, all, &stdout, &stderr)
+	t.Logf("stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	if err != nil {
+		t.Fatalf("kvbench: %v", err)
+	}
+	return rep, stdout.String()
 }
