@@ -33,6 +33,16 @@ ARRIVALS = 3  # new requests a step
 STEPS = 50
 
 
+def settle_verified(eng) -> None:
+    """Steps until every request has finished, checking the KV each step."""
+    for _ in range(2000):
+        if eng.idle():
+            return
+        eng.step()
+        eng.verify()
+    raise AssertionError("requests never finished")
+
+
 def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str) -> dict:
     """One run; returns per-request and per-call figures."""
     cfg = Config(model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
@@ -69,12 +79,7 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
                 eng.add_request(f"q{n}", prompt, 2, **kw)
             eng.step()
             eng.verify()
-        for _ in range(2000):
-            if eng.idle():
-                break
-            eng.step()
-            eng.verify()
-        assert eng.idle(), "requests never finished"
+        settle_verified(eng)
         calls = eng.lookup_call_s
         hits = sum(1 for h, _ in eng.admitted.values() if h)
         return {
@@ -322,12 +327,7 @@ def test_an_engine_idle_since_its_start_answers_its_first_requests_in_their_step
             prompts = [[rng.randrange(10, 5000) for _ in range(5 * u)] for _ in range(6)]
             for i, p in enumerate(prompts):
                 eng.add_request(f"a{i}", p, 2)
-            for _ in range(2000):
-                if eng.idle():
-                    break
-                eng.step()
-                eng.verify()
-            assert eng.idle(), "requests never finished"
+            settle_verified(eng)
             eng.drain()
         finally:
             eng.close()
@@ -341,12 +341,7 @@ def test_an_engine_idle_since_its_start_answers_its_first_requests_in_their_step
             assert wait_for(lambda: m.blocks() >= 6 * 5), m.blocks()
             for i, p in enumerate(prompts):
                 eng.add_request(f"b{i}", p + [7], 2)
-            for _ in range(2000):
-                if eng.idle():
-                    break
-                eng.step()
-                eng.verify()
-            assert eng.idle(), "requests never finished"
+            settle_verified(eng)
             assert not eng.deferred_rids, f"waited a step for their lookup: {sorted(eng.deferred_rids)}"
             assert all(eng.admitted[f"b{i}"][0] for i in range(len(prompts))), eng.admitted
             assert eng.counters["hit_tokens"] == len(prompts) * 5 * u, eng.counters
@@ -377,12 +372,7 @@ def test_requests_after_a_cache_reset_do_not_wait_for_the_new_identity(fresh_dae
             u = eng.block_size
 
             def run() -> None:
-                for _ in range(2000):
-                    if eng.idle():
-                        break
-                    eng.step()
-                    eng.verify()
-                assert eng.idle(), "requests never finished"
+                settle_verified(eng)
 
             prompts = [[rng.randrange(10, 5000) for _ in range(4 * u)] for _ in range(4)]
             for i, p in enumerate(prompts):
