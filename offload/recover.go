@@ -25,20 +25,13 @@ import (
 //   - Stores need disk slots: the disk tier never hands out one in a
 //     chunk recovery has not scanned.
 
-// maxTombstones bounds the keys invalidated during recovery that the
-// service remembers (48 bytes each with the map's overhead, ~50 MiB). Past
-// it a namespace's further invalidations count as invalidating the whole
-// namespace for what recovery has not reached yet: more of the disk's
-// blocks are erased than were asked, never fewer.
-const maxTombstones = 1 << 20
-
 // recovery is the service's state of the disk tier's recovery.
 type recovery struct {
 	byDigest map[[32]byte]*Namespace // the catalog's namespaces, fixed at start
 	done     chan struct{}           // closed when recovery ends
 	epoch    uint32                  // the disk tier's write epoch of this run
 
-	tombstones // what Invalidates dropped while it runs
+	tombs index.Tombstones // what Invalidates dropped while it runs
 }
 
 // startRecovery brings back the namespaces of the disk tier's catalog and
@@ -68,7 +61,7 @@ func (s *Service) startRecovery(t *disk.Tier) error {
 		rec.byDigest[d] = ns
 	}
 	s.mu.Unlock()
-	rec.tombstones.start()
+	rec.tombs.Start()
 	return t.Recover(disk.Recoverer{Key: s.recoveredKey, File: s.fileRecovered, Done: s.recoveryDone})
 }
 
@@ -98,7 +91,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 		marked := s.invalidatedOnDisk(s.rec.byDigest[blocks[i].NS], k, blocks[i].Write)
 		s.ix.Mutate(k, func(e *index.Entry, found bool) bool {
 			switch {
-			case marked, s.rec.invalidated(k):
+			case marked, s.rec.tombs.Has(k):
 				v = disk.Erase
 			case !found:
 				e.State, e.Disk, e.CPU = index.Ready, slot, index.NoSlot
@@ -158,7 +151,7 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 // namespaces of the catalog may be swept from now on like any other (their
 // linger starts now).
 func (s *Service) recoveryDone(st disk.RecoveryStats) {
-	s.rec.tombstones.stop()
+	s.rec.tombs.Stop()
 	s.mu.Lock()
 	now := time.Now()
 	for _, ns := range s.rec.byDigest {

@@ -596,7 +596,7 @@ func (s *Service) dropNamespaceLocked(ns *Namespace) {
 	s.ev.SetHashLen(ns.ID, 0)
 	ns.dropClasses()
 	s.m.namespaces.Dec()
-	s.crec.stale.Store(true) // the arena's catalog drops it at its next rewrite
+	s.cpu.DroppedNamespace() // the arena's catalog drops it at its next rewrite
 }
 
 // sweepNamespaces drops the namespaces with no registration and no cached
@@ -911,28 +911,38 @@ func (s *Service) Invalidate(nsIDs []uint32, keys *Keys) (int, error) {
 			return 0, err
 		}
 	}
-	// Before any entry goes: copies the disk tier's recovery has not
-	// reached yet must not come back after this call (recover.go).
-	s.rec.invalidating(nss, keys)
-	s.crec.invalidating(nss, keys)
+	ids := make([]uint32, len(nss))
+	for i, ns := range nss {
+		ids[i] = ns.ID
+	}
+	var ks []index.Key // nil: the whole namespaces
+	if keys != nil {
+		ks = make([]index.Key, 0, n*len(nss))
+		for _, ns := range nss {
+			for i := 0; i < n; i++ {
+				ks = append(ks, makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb]))
+			}
+		}
+	}
+	// Before any entry goes: copies the tiers' recoveries have not
+	// reached yet must not come back after this call (recover.go; the
+	// arena's clears their records now, tiers/cpu/ledger.go).
+	s.rec.tombs.Add(ids, ks)
+	s.cpu.Invalidating(ids, ks)
 	var dropped []index.Key
 	var want map[index.Key]struct{}
 	all := map[uint32]bool{}
-	var ids []uint32 // the namespaces reset, for the event hub
 	if keys == nil {
 		for _, ns := range nss {
 			all[ns.ID] = true
-			ids = append(ids, ns.ID)
 		}
 		// Subscribers learn one reset of each namespace, not a removal
 		// per block.
 		s.ev.BeginReset(ids)
 	} else {
-		want = make(map[index.Key]struct{}, n*len(nss))
-		for _, ns := range nss {
-			for i := 0; i < n; i++ {
-				want[makeKey(ns.ID, keys.Group, keys.Hashes[i*hb:(i+1)*hb])] = struct{}{}
-			}
+		want = make(map[index.Key]struct{}, len(ks))
+		for _, k := range ks {
+			want[k] = struct{}{}
 		}
 	}
 	s.inval.Lock()
@@ -1229,7 +1239,11 @@ func (s *Service) Close() error {
 	s.mu.regs = map[uint64]*Registration{}
 	s.mu.Unlock()
 	close(s.stop)
+	// The CPU tier's recovery files blocks in the index and the
+	// policies: it ends with the other background work.
+	s.cpu.StopRecovery()
 	s.reaper.Wait()
+	<-s.cpu.RecoveryDone()
 	for _, r := range regs {
 		r.close()
 	}

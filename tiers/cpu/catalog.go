@@ -120,21 +120,67 @@ func (t *Tier) Namespaces() map[[32]byte][]byte {
 	return maps.Clone(p.catalog)
 }
 
-// SaveNamespaces records metas (digest → the owner's meta) in the catalog
-// and, when keepOnly, drops every other entry. Without a persistent arena
-// it does nothing.
-func (t *Tier) SaveNamespaces(metas map[[32]byte][]byte, keepOnly bool) error {
+// The catalog keeps the owner's namespaces (digest → the owner's meta),
+// and no more: all, the owner's snapshot of them, is read under the
+// catalog's lock, so a namespace the owner adds after a snapshot is saved
+// after that write (AddNamespace waits for it). Nothing here runs under a
+// lock of the owner's but DroppedNamespace: the file is never written
+// under a lock the owner's hot paths take. A save that fails costs the
+// arena's blocks at the next start, nothing now.
+
+// SaveNamespaces replaces the catalog with all(). Without a persistent
+// arena it does nothing.
+func (t *Tier) SaveNamespaces(all func() map[[32]byte][]byte) error {
 	p := t.persist
 	if p == nil {
 		return nil
 	}
 	p.catMu.Lock()
 	defer p.catMu.Unlock()
-	next := maps.Clone(metas)
-	if !keepOnly {
-		next = maps.Clone(p.catalog)
-		maps.Copy(next, metas)
+	// Cleared before the snapshot: a namespace dropped after it is
+	// dropped at the next rewrite.
+	p.stale.Store(false)
+	return p.replaceCatalog(all())
+}
+
+// AddNamespace records a namespace the owner made, before any block of it
+// is stored; after a DroppedNamespace, the whole catalog is rewritten from
+// all instead, without the namespaces dropped.
+func (t *Tier) AddNamespace(d [32]byte, meta []byte, all func() map[[32]byte][]byte) error {
+	p := t.persist
+	if p == nil {
+		return nil
 	}
+	if p.stale.Load() {
+		return t.SaveNamespaces(all)
+	}
+	p.catMu.Lock()
+	defer p.catMu.Unlock()
+	next := maps.Clone(p.catalog)
+	next[d] = meta
+	return p.replaceCatalog(next)
+}
+
+// DroppedNamespace notes that the owner dropped a namespace (no block of
+// it is left in the arena): the catalog drops it at its next rewrite
+// (CompactNamespaces, or the next AddNamespace). It takes no lock.
+func (t *Tier) DroppedNamespace() {
+	if t.persist != nil {
+		t.persist.stale.Store(true)
+	}
+}
+
+// CompactNamespaces rewrites the catalog from all when a namespace was
+// dropped since its last rewrite.
+func (t *Tier) CompactNamespaces(all func() map[[32]byte][]byte) error {
+	if t.persist == nil || !t.persist.stale.Load() {
+		return nil
+	}
+	return t.SaveNamespaces(all)
+}
+
+// replaceCatalog saves next as the catalog; the caller holds catMu.
+func (p *persist) replaceCatalog(next map[[32]byte][]byte) error {
 	if err := p.saveCatalog(next); err != nil {
 		return fmt.Errorf("cpu tier: save the namespace catalog in %s: %w", p.dir, err)
 	}

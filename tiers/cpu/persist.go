@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/zeebo/xxh3"
@@ -150,8 +151,9 @@ type persist struct {
 	attached bool // the file held an arena of this geometry: recover it
 	seq      seqCounter
 
-	catMu   sync.Mutex
+	catMu   sync.Mutex          // orders the catalog's writes (catalog.go)
 	catalog map[[32]byte][]byte // CatalogFileName's contents
+	stale   atomic.Bool         // a namespace was dropped since the catalog's last rewrite
 }
 
 // checkArenaDir creates dir (0700) if missing and refuses one the daemon
@@ -372,7 +374,8 @@ func NewPersistent(cfg Config, dir string) (*Tier, error) {
 	}
 	mem := p.file[g.arenaOff : g.arenaOff+g.arenaBytes : g.arenaOff+g.arenaBytes]
 	locked := adviseAndLock(mem, g.arenaBytes, cfg.Logger)
-	t := &Tier{Space: sp, mem: mem, locked: locked, persist: p, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
+	t := &Tier{Space: sp, mem: mem, locked: locked, persist: p, log: cfg.Logger, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
+	t.rec.init(p.attached)
 	go func() {
 		defer close(t.populated)
 		populate(mem, &t.backed, t.stopPopulate, cfg.Logger)

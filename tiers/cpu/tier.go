@@ -26,6 +26,8 @@ type Tier struct {
 	locked bool
 	// persist is the arena's file (persist.go), nil for a private arena.
 	persist *persist
+	rec     recovery // of a re-attached arena (recover.go)
+	log     *slog.Logger
 
 	stopPopulate chan struct{}
 	populated    chan struct{} // closed when populate has returned
@@ -50,7 +52,8 @@ func New(cfg Config) (*Tier, error) {
 		sp.Close()
 		return nil, err
 	}
-	t := &Tier{Space: sp, mem: mem, locked: locked, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
+	t := &Tier{Space: sp, mem: mem, locked: locked, log: cfg.Logger, stopPopulate: make(chan struct{}), populated: make(chan struct{})}
+	t.rec.init(false)
 	go func() {
 		defer close(t.populated)
 		populate(mem, &t.backed, t.stopPopulate, cfg.Logger)
@@ -86,6 +89,10 @@ func (t *Tier) Close() error {
 	if t.mem == nil {
 		return nil
 	}
+	// The owner stopped recovery already (its File touches the owner's
+	// index); this only makes sure.
+	t.StopRecovery()
+	t.rec.wg.Wait()
 	close(t.stopPopulate)
 	<-t.populated
 	t.Space.Close()
