@@ -2,6 +2,13 @@
 // heap (page aligned, huge pages advised, locked where RLIMIT_MEMLOCK
 // allows) whose slots are managed by package slots. Slots are 4 KiB aligned
 // so the disk tier reads and writes them with O_DIRECT.
+//
+// With a persistent arena (NewPersistent, persist.go) the arena is a file
+// that outlives the process, with a record per slot (records.go) and a
+// namespace catalog beside it (catalog.go); after a restart Recover brings
+// its blocks back in the background and hands them to the owner
+// (recover.go), and Invalidating makes an invalidation durable in the file
+// while recovery runs (ledger.go).
 package cpu
 
 import (

@@ -30,7 +30,7 @@ type ledger struct {
 		sync.Mutex
 		unfiled map[uint32]map[index.Key]SlotID // by namespace
 	}
-	clear func(SlotID) // the tier's ClearRecord
+	clear func(SlotID) // the tier's clearRecord
 }
 
 // begin starts the ledger of a recovery (before anything can invalidate).

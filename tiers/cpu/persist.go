@@ -340,7 +340,7 @@ func (p *persist) close() error {
 
 // NewPersistent is New with the arena in dir's arena file (see persist):
 // re-attached when it holds an arena of this geometry (Attached; the
-// owner recovers its blocks from the records, Records), else started
+// owner recovers its blocks from the records with Recover), else started
 // empty. The directory is locked until Close.
 func NewPersistent(cfg Config, dir string) (*Tier, error) {
 	cfg.Name = "cpu"

@@ -59,7 +59,7 @@ func storeOne(t *testing.T, tr *Tier, fill byte, hash string) SlotID {
 
 func scanAll(tr *Tier) (found []Found, bad int) {
 	for ch := uint32(0); uint64(ch) < tr.Capacity()/tr.ChunkBytes(); ch++ {
-		f, b := tr.ScanRecords(ch)
+		f, b := tr.scanRecords(ch)
 		found, bad = append(found, f...), bad+b
 	}
 	return found, bad
@@ -104,7 +104,7 @@ func TestPersistentArenaReattaches(t *testing.T) {
 		if f.Slot != a && f.Slot != b {
 			t.Fatalf("record of slot %d, stored %d and %d", f.Slot, a, b)
 		}
-		if err := tr.VerifyRecord(f); err != nil {
+		if err := tr.verifyRecord(f); err != nil {
 			t.Fatalf("slot %d: %v", f.Slot, err)
 		}
 		if f.Epoch != 1 || f.Group != 1 || f.Namespace[0] != 7 {
@@ -113,7 +113,7 @@ func TestPersistentArenaReattaches(t *testing.T) {
 	}
 	tr.Slot(a, 1)[0] ^= 0xff // as a stray write from outside would
 	for _, f := range found {
-		err := tr.VerifyRecord(f)
+		err := tr.verifyRecord(f)
 		if f.Slot == a && err == nil {
 			t.Fatal("a changed payload verified")
 		}

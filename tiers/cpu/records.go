@@ -96,10 +96,10 @@ type Found struct {
 	slot.Header
 }
 
-// ScanRecords decodes the records of chunk ch: the ones that name a block,
+// scanRecords decodes the records of chunk ch: the ones that name a block,
 // and how many were damaged, misplaced or not from an earlier run (these
 // are cleared). It reads only the records, not the payloads.
-func (t *Tier) ScanRecords(ch uint32) (found []Found, bad int) {
+func (t *Tier) scanRecords(ch uint32) (found []Found, bad int) {
 	p := t.persist
 	if p == nil {
 		return nil, 0
@@ -127,14 +127,15 @@ func (t *Tier) ScanRecords(ch uint32) (found []Found, bad int) {
 	return found, bad
 }
 
-// VerifyRecord checks that f's slot holds the payload its record names.
-func (t *Tier) VerifyRecord(f Found) error {
+// verifyRecord checks that f's slot holds the payload its record names.
+func (t *Tier) verifyRecord(f Found) error {
 	return slot.VerifyPayload(f.Header, t.Slot(f.Slot, f.PayloadLen))
 }
 
-// ClearRecord invalidates slot s's record: recovery drops what it found
-// there (a slot in a held chunk, no longer in use).
-func (t *Tier) ClearRecord(s SlotID) {
+// clearRecord invalidates slot s's record: recovery drops what it found
+// there (a slot in a held chunk, no longer in use, or one an Invalidate
+// named).
+func (t *Tier) clearRecord(s SlotID) {
 	if t.persist != nil {
 		t.persist.clearRecord(s)
 	}

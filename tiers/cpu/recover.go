@@ -133,7 +133,7 @@ func (t *Tier) Recover(r Recoverer) error {
 		t.finishRecovery(r, RecoveryStopped, start)
 		return err
 	}
-	t.rec.ledger.begin(t.ClearRecord)
+	t.rec.ledger.begin(t.clearRecord)
 	t.log.Info("cpu tier: recovering the arena's blocks in the background", "dir", t.ArenaDir())
 	t.rec.wg.Add(1)
 	go t.recoverArena(r, start)
@@ -173,12 +173,12 @@ func (t *Tier) recoverArena(r Recoverer, start time.Time) {
 	chunks := uint32(t.Capacity() / t.ChunkBytes())
 	newest := map[index.Key]Recovered{}
 	for ch := range chunks {
-		found, bad := t.ScanRecords(ch)
+		found, bad := t.scanRecords(ch)
 		rec.bad.Add(uint64(bad))
 		for _, f := range found {
 			k, ok := r.Key(f)
 			if !ok {
-				t.ClearRecord(f.Slot)
+				t.clearRecord(f.Slot)
 				rec.bad.Add(1)
 				continue
 			}
@@ -189,7 +189,7 @@ func (t *Tier) recoverArena(r Recoverer, start time.Time) {
 					loser = o
 					newest[k] = b
 				}
-				t.ClearRecord(loser.Slot)
+				t.clearRecord(loser.Slot)
 				continue
 			}
 			newest[k] = b
@@ -262,7 +262,7 @@ func (t *Tier) slotsPerChunk() SlotID { return SlotID(t.ChunkBytes() / layout.Sl
 func (t *Tier) unhold(ch uint32) {
 	per := t.slotsPerChunk()
 	for sl := SlotID(ch) * per; sl < SlotID(ch+1)*per; sl++ {
-		t.ClearRecord(sl)
+		t.clearRecord(sl)
 	}
 	if err := t.Unhold(ch); err != nil {
 		t.log.Error("cpu tier: a chunk recovery held stays out of use", "chunk", ch, "err", err)
@@ -292,14 +292,14 @@ func (t *Tier) recoverChunk(ch uint32, found []Recovered, r Recoverer) {
 		// not fit the chunk's slots is not one of them.
 		if layout.AlignUp(f.PayloadLen) != slotBytes || (f.Slot-base)%step != 0 {
 			rec.settled(&f.Key)
-			t.ClearRecord(f.Slot)
+			t.clearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
 		}
-		if err := t.VerifyRecord(f.Found); err != nil {
+		if err := t.verifyRecord(f.Found); err != nil {
 			t.log.Warn("cpu tier: a block in the arena failed verification; it is dropped", "slot", f.Slot, "err", err)
 			rec.settled(&f.Key)
-			t.ClearRecord(f.Slot)
+			t.clearRecord(f.Slot)
 			rec.bad.Add(1)
 			continue
 		}
@@ -326,7 +326,7 @@ func (t *Tier) recoverChunk(ch uint32, found []Recovered, r Recoverer) {
 	// Slots other than these are free from here on: their records go.
 	for sl := base; sl < base+t.slotsPerChunk(); sl++ {
 		if !keep[sl] {
-			t.ClearRecord(sl)
+			t.clearRecord(sl)
 		}
 	}
 	if err := c.Adopt(ch, used); err != nil {
