@@ -394,3 +394,96 @@ def test_requests_after_a_cache_reset_do_not_wait_for_the_new_identity(fresh_dae
             assert eng.counters["load_failures"] == 0, eng.counters
         finally:
             eng.close()
+
+
+def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemon, shm, fingerprint):
+    """On vLLM's loop the mirror answers a model without windowed groups by
+    probing each group's keys in place (SchedulerSide._mirror_lookup), not
+    through the daemon's lookup rounds and result objects. Two ranks, two
+    full-attention groups of different block sizes (group 1's keys every
+    second hash), holes in one rank or one group only, every start: the
+    probe finds what those rounds find, against the daemon and against the
+    mirror, and the call itself makes no lookup_many."""
+    from helpers import KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
+    from test_connector import Harness
+
+    from kvoffload.scheduler_side import _Lookup
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2, block_sizes=(4, 8), layers={0: ["a.0"], 1: ["b.0"]}, mirror=True)
+    try:
+        sched, m = h.sched, h.sched._mirror
+        assert sched._mirror_direct
+        reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 34))) for i in range(4)]  # 4 units of 8 tokens
+        for i, r in enumerate(reqs):
+            assert h.ask(r) == (0, False)
+            g0, g1 = [1 + 10 * i + j for j in range(9)], [1 + 5 * i + j for j in range(5)]
+            sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
+            h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData(r.request_id, (g0, g1))],
+                                   num_scheduled_tokens={r.request_id: r.num_tokens}))
+        assert h.run_until(h.idle)
+        c = d.client()
+        ns0, ns1 = (w.namespace_id for w in h.workers)
+        c.invalidate([ns0], [reqs[1].block_hashes[4]], group=0)  # unit 2, rank 0
+        c.invalidate([ns1], [reqs[2].block_hashes[3]], group=1)  # unit 1, rank 1, group 1
+        c.invalidate([ns0, ns1], [reqs[3].block_hashes[0]], group=0)  # unit 0
+        ns = tuple(sched.namespace_ids())
+
+        def answers(run) -> list:
+            out = []
+            for r in reqs:
+                for start in range(4):
+                    rec = _Lookup((start, 4, ns), list(r.block_hashes), True, 0.0)
+                    run(rec)
+                    out.append((rec.hit_units, rec.ready_before, [int(t) for t in rec.tiers],
+                                [int(t) for t in rec.prefix_tiers], rec.keys_asked, rec.error))
+            return out
+
+        rounds = answers(lambda rec: sched._batch_fn([rec])(c))
+        assert [a[0] for a in rounds[::4]] == [4, 2, 1, 0], rounds  # hits from 0: whole, short in each way
+        assert wait_for(lambda: m.live(ns) and answers(sched._mirror_lookup) == rounds)
+        assert answers(lambda rec: sched._batch_fn([rec])(m)) == rounds
+
+        def no_rounds(*a, **kw):
+            raise AssertionError("the mirror's answer went through lookup_many")
+
+        m.lookup_many = no_rounds
+        before = sched.mirror_answers
+        assert sched.get_num_new_matched_tokens(Request("q", reqs[0].prompt_token_ids + [5]), 0) == (32, True)
+        assert sched.mirror_answers == before + 1
+    finally:
+        h.close()
+
+
+def test_the_mirror_lets_the_gil_go_every_slice_of_events(fresh_daemon, shm, fingerprint):
+    """The mirror's thread applies at most ``slice_events`` events between
+    two pauses in which it lets the GIL go (so that vLLM's scheduler thread
+    never waits on it for more than a slice, not the 5 ms switch interval):
+    a snapshot of many blocks is applied in bounded slices, and what the
+    mirror holds after it is what the daemon holds."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    from kvoffload import Client
+    from kvoffload.mirror import LookupMirror
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2)
+    m = LookupMirror(Client(d.socket), slice_events=5)
+    try:
+        reqs = [Request(f"s{i}", list(range(100 * i, 100 * i + 26))) for i in range(4)]  # 6 blocks each
+        for i, r in enumerate(reqs):
+            prefill(h, r, [1 + 7 * i + j for j in range(7)])
+        assert h.run_until(h.idle)
+        ns = h.sched.namespace_ids()
+        m.follow(ns)  # a snapshot: 4 x 6 blocks in each of 2 namespaces
+        assert wait_for(lambda: m.live(ns) and m.blocks() == 48)
+        assert m.events >= 48
+        assert 0 < m.max_run <= 5, m.max_run
+        assert m.pauses >= 48 // 5, (m.pauses, m.events)
+        calls = [(ns, r.block_hashes, 0, 0, True) for r in reqs]
+        assert [x.ready for x in m.lookup_many(calls)] == [x.ready for x in d.client().lookup_many(calls)] == [6] * 4
+    finally:
+        m.close()
+        m._client.close()
+        h.close()
