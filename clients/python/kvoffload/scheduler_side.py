@@ -236,6 +236,8 @@ class SchedulerSide:
         if lookup_mirror and client is None and not lease_ms:
             self._mirror = LookupMirror(Client(socket, timeout=rpc_timeout_s), max_blocks=mirror_max_blocks)
         self._shadow: list[tuple[_Lookup, _Lookup]] = []  # (mirror's answer, the daemon's lookup of the same)
+        self._mirror_asked: list[_Lookup] = []  # mirror's answers whose daemon lookup the next flush makes
+        self._unrecorded: list[_Lookup] = []  # mirror's answers whose stats the next flush records
         self.mirror_answers = 0  # requests answered from the mirror
         self.mirror_behind = 0  # asks the mirror left to the daemon: a block stored lately not mirrored yet
         self._recent: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # (group, key) -> when planned
@@ -505,6 +507,7 @@ class SchedulerSide:
         self._matched.clear()
         self._batch = []
         self._shadow = []
+        self._mirror_asked = []
         for rid, jobs in self._loads.items():
             # Planned under the old identity and not yet sent: fail them.
             self._loads[rid] = [GroupJob(j.group, [], j.block_ids) for j in jobs]
@@ -621,6 +624,14 @@ class SchedulerSide:
         running (they go with a later flush), and the leases no load will
         name."""
         self._release_spare()
+        for rec in self._unrecorded:
+            self._record(rec, rec.keys_asked)
+        self._unrecorded = []
+        for rec in self._mirror_asked:
+            shadow = _Lookup(rec.key, rec.hashes, False, rec.created)
+            self._batch.append(shadow)
+            self._shadow.append((rec, shadow))
+        self._mirror_asked = []
         if self._shadow:
             self._compare_shadows()
         self._lookup_tasks = [t for t in self._lookup_tasks if not t.done.is_set()]
@@ -908,9 +919,10 @@ class SchedulerSide:
                        ready_before=min(held, s), leases=rec.leases, tiers=tiers, took=rec.took,
                        answered_at=rec.answered_at)
 
-    def _answer(self, rid: str, base: _Lookup, rec: _Lookup) -> tuple[int, bool]:
+    def _answer(self, rid: str, base: _Lookup, rec: _Lookup, record_later: bool = False) -> tuple[int, bool]:
         """The answer ``rec`` gives (``base`` itself or what it found for
-        another start, :meth:`_cover`): vLLM's wait for it ends."""
+        another start, :meth:`_cover`): vLLM's wait for it ends. With
+        ``record_later`` its stats are recorded by the step's flush."""
         U = self.keys.unit_tokens
         self._asked.pop(rid, None)
         if base.answered_at == 0.0:
@@ -923,9 +935,10 @@ class SchedulerSide:
                 else:
                     self._warn_once(f"lookup:{e.code}", "kvoffload: Lookup failed (%s); treating it as a miss", e)
                     self._ns_next = 0.0  # namespaces may have changed: resolve again
+            elif record_later and len(self._unrecorded) < _MAX_SPARE_LEASES:
+                self._unrecorded.append(rec)
             else:
-                self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units),
-                                  keys=base.keys_asked, outside_window=rec.keys_outside if rec.hit_units > 0 else 0)
+                self._record(rec, base.keys_asked)
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
             self._hit_tiers.pop(rid, None)
@@ -933,6 +946,10 @@ class SchedulerSide:
         self._matched[rid] = rec
         self._hit_tiers[rid] = rec.tiers[: self.keys.blocks_per_unit[self._tier_group] * rec.hit_units]
         return rec.hit_units * U, True
+
+    def _record(self, rec: _Lookup, keys_asked: int) -> None:
+        self.stats.lookup(rec.took, rec.hit_units * self.keys.unit_tokens, self._tier_tokens(rec.tiers, rec.hit_units),
+                          keys=keys_asked, outside_window=rec.keys_outside if rec.hit_units > 0 else 0)
 
     def hit_sources(self, rid: str, num_external_tokens: int) -> dict[str, int]:
         """The tokens of a request's external hit by the tier they come
@@ -1090,17 +1107,17 @@ class SchedulerSide:
             if not self._mirror.remote_seen:
                 self.mirror_behind += 1
             return None
-        if rid not in self._looked_up and len(self._batch) < _MAX_SPARE_LEASES:
+        if rid not in self._looked_up and len(self._batch) + len(self._mirror_asked) < _MAX_SPARE_LEASES:
             self._looked_up.add(rid)
-            shadow = _Lookup(key, rec.hashes, False, now)
-            self._batch.append(shadow)
-            self._shadow.append((rec, shadow))
+            self._mirror_asked.append(rec)  # its lookup goes with the step's batch (_flush), not from here
         old = self._lookups.pop(rid, None)
         if old is not None:
             self._drop(old)
         self._lookups[rid] = rec
         self.mirror_answers += 1
-        return self._answer(rid, rec, rec)
+        # Off the call: the stats and the daemon's lookup of the same (above)
+        # go with the step's flush (build_connector_meta).
+        return self._answer(rid, rec, rec, record_later=True)
 
     def _mirror_lookup(self, rec: _Lookup) -> None:
         """What ``_batch_fn([rec])`` finds in the mirror, for a model whose
@@ -1172,13 +1189,16 @@ class SchedulerSide:
         recent = self._recent
         if not recent:
             return False
+        keys, hashes = self.keys, rec.hashes
         u = rec.key[0] + rec.hit_units
         # A windowed group's missing block may lie anywhere up to the end
         # (the windows of every candidate were asked): all of them there.
-        spans = [(g, u + 1) for g in self.keys.full_groups] + [(g, rec.key[1]) for g in self.keys.windowed_groups]
+        spans = [(g, u + 1) for g in keys.full_groups] + [(g, rec.key[1]) for g in keys.windowed_groups]
         for g, stop in spans:
-            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, u, stop)):
-                t = recent.get((g, bytes(k)))
+            f, k = keys.factors[g], keys.blocks_per_unit[g]
+            for i in range(u * k, stop * k):
+                h = hashes[(i + 1) * f - 1]
+                t = recent.get((g, h if type(h) is bytes else bytes(h)))
                 if t is not None and now - t < _RECENT_STORE_S:
                     return True
         return False

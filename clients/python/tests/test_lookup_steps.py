@@ -10,9 +10,11 @@ time of each ``get_num_new_matched_tokens`` call; the same workload with
 lookups off (``kvoffload_load: false``: the connector answers at once, as
 without one) is the baseline. The assertion is on steps, never on time.
 
-    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk]
+    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50]
 
-prints the figures of docs/vllm.md (Lookups in the step they are asked).
+prints the figures of docs/vllm.md (Lookups in the step they are asked). Each
+call is timed beside an empty call made at the same place just before it
+(``floor_us``: what a call without a connector costs there, in the same run).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ ARRIVALS = 3  # new requests a step
 STEPS = 50
 
 
+def _noop(request, num_computed_tokens):
+    return 0, False
+
+
 def settle_verified(eng) -> None:
     """Steps until every request has finished, checking the KV each step."""
     for _ in range(2000):
@@ -43,11 +49,31 @@ def settle_verified(eng) -> None:
     raise AssertionError("requests never finished")
 
 
-def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str) -> dict:
+def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str, steps: int = STEPS) -> dict:
     """One run; returns per-request and per-call figures."""
     cfg = Config(model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
                  max_seqs=64, extra={"lookup_deadline_ms": 2000, **extra})
     eng = Engine(cfg, mod, socket, shm)
+    calls: list[float] = []  # each get_num_new_matched_tokens call's time
+    floor: list[float] = []  # an empty call's, made just before it
+    first: list[float] = []  # the calls that are their step's first (after the forward: cold caches)
+    real = eng.sched_conn.get_num_new_matched_tokens
+    last_step = [-1]
+
+    def timed(request, num_computed_tokens):
+        t0 = time.perf_counter()
+        _noop(request, num_computed_tokens)
+        t1 = time.perf_counter()
+        try:
+            return real(request, num_computed_tokens)
+        finally:
+            calls.append(time.perf_counter() - t1)
+            floor.append(t1 - t0)
+            if eng.step_seq != last_step[0]:
+                last_step[0] = eng.step_seq
+                first.append(calls[-1])
+
+    eng.sched_conn.get_num_new_matched_tokens = timed
     try:
         u = eng.block_size
         sched = eng.sched_conn._scheduler
@@ -65,7 +91,7 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
         repeats: set[str] = set()
         kw = {} if load else {"kv_transfer_params": {"kvoffload_load": False}}
         n = 0
-        for step in range(STEPS):
+        for step in range(steps):
             for _ in range(ARRIVALS):
                 n += 1
                 old = [p for s, p in prompts if s <= step - 10]
@@ -80,7 +106,6 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             eng.step()
             eng.verify()
         settle_verified(eng)
-        calls = eng.lookup_call_s
         hits = sum(1 for h, _ in eng.admitted.values() if h)
         return {
             "requests": len(eng.admitted),
@@ -94,6 +119,13 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             "call_us_p50": round(quantile(calls, 0.5) * 1e6, 1),
             "call_us_p99": round(quantile(calls, 0.99) * 1e6, 1),
             "call_us_max": round(max(calls, default=0) * 1e6, 1),
+            "floor_us_p50": round(quantile(floor, 0.5) * 1e6, 1),
+            "floor_us_p99": round(quantile(floor, 0.99) * 1e6, 1),
+            "floor_us_max": round(max(floor, default=0) * 1e6, 1),
+            "first_call_us_p50": round(quantile(first, 0.5) * 1e6, 1),
+            "first_call_us_p99": round(quantile(first, 0.99) * 1e6, 1),
+            "calls_over_50us": sum(1 for c in calls if c > 50e-6),
+            "calls_over_1ms": sum(1 for c in calls if c > 1e-3),
             "load_failures": eng.counters["load_failures"],
             "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items()
                                    if k.startswith("hit_") and k != "hit_tokens"},
@@ -129,6 +161,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps of arrivals (3 requests each)")
     args = ap.parse_args()
     flags = ["--disk-dir", "{dir}/disk"] if args.disk else []
     d = conftest.Daemon(flags, cpu_bytes="4MiB" if args.disk else "64MiB", log_level="warn")
@@ -145,7 +178,7 @@ def main() -> int:
             for name, extra, load in (("off", {}, False), ("rpc", {"lookup_mirror": False}, True),
                                       ("mirror", {}, True)):
                 out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load,
-                                  model=f"steps-{name}-{args.seed}-{args.disk}")
+                                  model=f"steps-{name}-{args.seed}-{args.disk}", steps=args.steps)
         print(json.dumps(out, indent=1))
     finally:
         for s in shms:
