@@ -130,6 +130,7 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items()
                                    if k.startswith("hit_") and k != "hit_tokens"},
             "mirror_answers": getattr(sched, "mirror_answers", 0),
+            "mirror_events": getattr(sched._mirror, "events", None),
         }
     finally:
         eng.close()
@@ -150,9 +151,49 @@ def test_no_new_request_waits_a_step_for_its_lookup(daemon, shm):
     assert got["load_failures"] == 0, got
 
 
+def churn(socket: str, model: str, seconds: float) -> int:
+    """A second engine of the same model (the same namespaces) storing new
+    prompts as fast as it can: the measured engine's mirror follows every
+    block it stores and the daemon evicts (--churn)."""
+    from kvoffload import ShmRegion
+
+    shms: list = []
+
+    def shm(n: int):
+        s = ShmRegion(n)
+        shms.append(s)
+        return s
+
+    cfg = Config(model=model, prefix_caching=False, gpu_s=0.0, num_blocks=768, max_batched_tokens=2048,
+                 max_seqs=64, extra={"lookup_deadline_ms": 2000})
+    rng = random.Random(99)
+    end = time.monotonic() + seconds
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, socket, shm)
+        try:
+            n = 0
+            while time.monotonic() < end:
+                for _ in range(8):
+                    n += 1
+                    eng.add_request(f"c{n}", [rng.randrange(10, 5000) for _ in range(5 * eng.block_size)], 1,
+                                    kv_transfer_params={"kvoffload_load": False})
+                for _ in range(200):
+                    if eng.idle():
+                        break
+                    eng.step()
+                if n == 8:
+                    print("storing", flush=True)  # the parent measures from here
+        finally:
+            eng.close()
+            for s in shms:
+                s.close()
+    return 0
+
+
 def main() -> int:
     import argparse
     import json
+    import subprocess
 
     import conftest
 
@@ -162,7 +203,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps of arrivals (3 requests each)")
+    ap.add_argument("--churn", action="store_true",
+                    help="meanwhile a second engine of the same model stores new prompts (the mirror's events)")
+    ap.add_argument("--churn-child", nargs=2, metavar=("SOCKET", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.churn_child:
+        return churn(args.churn_child[0], args.churn_child[1], 300.0)
     flags = ["--disk-dir", "{dir}/disk"] if args.disk else []
     d = conftest.Daemon(flags, cpu_bytes="4MiB" if args.disk else "64MiB", log_level="warn")
     shms: list = []
@@ -177,8 +223,19 @@ def main() -> int:
         with connector_module() as mod:
             for name, extra, load in (("off", {}, False), ("rpc", {"lookup_mirror": False}, True),
                                       ("mirror", {}, True)):
-                out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load,
-                                  model=f"steps-{name}-{args.seed}-{args.disk}", steps=args.steps)
+                model = f"steps-{name}-{args.seed}-{args.disk}"
+                child = None
+                if args.churn:
+                    child = subprocess.Popen([sys.executable, __file__, "--churn-child", d.socket, model],
+                                             stdout=subprocess.PIPE, text=True)
+                    assert child.stdout.readline().strip() == "storing", "the churning engine did not start"
+                try:
+                    out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load, model=model,
+                                      steps=args.steps)
+                finally:
+                    if child is not None:
+                        child.terminate()
+                        child.wait(30)
         print(json.dumps(out, indent=1))
     finally:
         for s in shms:
