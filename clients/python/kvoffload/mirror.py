@@ -53,10 +53,15 @@ _RANK = {Tier.CPU: 0, Tier.CPU_AND_DISK: 0, Tier.DISK: 1, Tier.REMOTE: 2}
 _STORED, _REMOVED, _CLEARED, _LOST, _CAUGHT_UP = (int(k) for k in (
     EventKind.BLOCK_STORED, EventKind.BLOCK_REMOVED, EventKind.ALL_BLOCKS_CLEARED, EventKind.EVENTS_LOST,
     EventKind.CAUGHT_UP))
-# The thread applies at most SLICE_EVENTS events (about 100 us of Python on
-# this machine's loaded cores) and then sleeps _PAUSE_S with the GIL let go,
-# so that vLLM's scheduler thread never waits for it longer than a slice.
+# While it answers, the thread applies at most SLICE_EVENTS events (about
+# 100 us of Python) and then sleeps _PAUSE_S with the GIL let go, so that
+# vLLM's scheduler thread never waits for it longer than a slice. While it
+# catches up (a snapshot: lookups go to the daemon meanwhile), slices of
+# CATCH_UP_SLICE_EVENTS (about 2 ms, under the 5 ms switch interval) keep
+# the pauses from slowing it down where a sleep lasts far longer than asked
+# (a loaded machine).
 SLICE_EVENTS = 64
+CATCH_UP_SLICE_EVENTS = 1024
 _PAUSE_S = 0.0001
 
 
@@ -93,7 +98,7 @@ class LookupMirror:
     """
 
     def __init__(self, client: Any, *, max_blocks: int = 2_000_000, retry_s: float = 0.2, max_events: int = 128,
-                 slice_events: int = SLICE_EVENTS):
+                 slice_events: int = SLICE_EVENTS, catch_up_slice_events: int = CATCH_UP_SLICE_EVENTS):
         self._client = client
         self.max_blocks = int(max_blocks)
         self._retry = retry_s
@@ -114,9 +119,10 @@ class LookupMirror:
         self._fails = 0
         self._caught = False  # the current stream has caught up once
         self._slice = max(1, int(slice_events))
+        self._catch_up_slice = max(1, int(catch_up_slice_events))
         self.events = 0  # events applied
         self.pauses = 0  # times the thread let the GIL go after a slice
-        self.max_run = 0  # most events applied between two pauses (at most slice_events)
+        self.max_run = 0  # most events applied between two pauses (at most the slice of the time)
         self._thread = threading.Thread(target=self._run, name="kvoffload-mirror", daemon=True)
         self._thread.start()
 
@@ -323,6 +329,15 @@ class LookupMirror:
                 maps, last = self._maps, None
         self.events += len(evs)
 
+    def _pause(self) -> int:
+        """Lets vLLM's loop have the GIL: a thread that holds it waits up to
+        the switch interval (5 ms) for it otherwise. A sleep of zero hands
+        nothing over (this thread takes the GIL back before a waiting one
+        wakes): it sleeps long enough for one to."""
+        self.pauses += 1
+        time.sleep(_PAUSE_S)
+        return 0
+
     def _clear(self) -> None:
         self._live = None
         self._maps = {}
@@ -340,11 +355,13 @@ class LookupMirror:
             self._caught = False
         self._clear()
         run = 0  # events applied since the thread last let the GIL go
-        per = self._slice
         try:
             for evs in _responses(stream):
                 i, n = 0, len(evs)
                 while i < n:
+                    per = self._slice if self._live is not None else self._catch_up_slice
+                    if run >= per:  # the slice shrank (the mirror went live)
+                        run = self._pause()
                     k = min(n, i + per - run)
                     self._apply(evs[i:k] if i or k < n else evs, want)
                     run += k - i
@@ -352,14 +369,7 @@ class LookupMirror:
                     if run > self.max_run:
                         self.max_run = run
                     if run >= per:
-                        # Let vLLM's loop have the GIL: a thread that
-                        # holds it waits up to the switch interval (5 ms)
-                        # for it otherwise. A sleep of zero hands nothing
-                        # over (this thread takes it back before a waiter
-                        # wakes): sleep long enough for one to.
-                        self.pauses += 1
-                        time.sleep(_PAUSE_S)
-                        run = 0
+                        run = self._pause()
                     if self._n > self.max_blocks:
                         log.warning("kvoffload: the lookup mirror passed %d blocks; lookups go to the daemon from "
                                     "now on (kv_connector_extra_config lookup_mirror_max_blocks)", self.max_blocks)

@@ -546,11 +546,11 @@ def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemo
 
 
 def test_the_mirror_lets_the_gil_go_every_slice_of_events(fresh_daemon, shm, fingerprint):
-    """The mirror's thread applies at most ``slice_events`` events between
-    two pauses in which it lets the GIL go (so that vLLM's scheduler thread
+    """The mirror's thread applies a bounded slice of events between two
+    pauses in which it lets the GIL go (so that vLLM's scheduler thread
     never waits on it for more than a slice, not the 5 ms switch interval):
-    a snapshot of many blocks is applied in bounded slices, and what the
-    mirror holds after it is what the daemon holds."""
+    ``catch_up_slice_events`` while a snapshot comes, ``slice_events`` once
+    it answers; what it holds is what the daemon holds."""
     from helpers import Request, wait_for
     from test_connector import Harness, prefill
 
@@ -559,7 +559,7 @@ def test_the_mirror_lets_the_gil_go_every_slice_of_events(fresh_daemon, shm, fin
 
     d = fresh_daemon()
     h = Harness(d, shm, fingerprint, tp=2)
-    m = LookupMirror(Client(d.socket), slice_events=5)
+    m = LookupMirror(Client(d.socket), slice_events=5, catch_up_slice_events=7)
     try:
         reqs = [Request(f"s{i}", list(range(100 * i, 100 * i + 26))) for i in range(4)]  # 6 blocks each
         for i, r in enumerate(reqs):
@@ -569,10 +569,19 @@ def test_the_mirror_lets_the_gil_go_every_slice_of_events(fresh_daemon, shm, fin
         m.follow(ns)  # a snapshot: 4 x 6 blocks in each of 2 namespaces
         assert wait_for(lambda: m.live(ns) and m.blocks() == 48)
         assert m.events >= 48
+        assert 0 < m.max_run <= 7, m.max_run
+        assert m.pauses >= 48 // 7, (m.pauses, m.events)
+        # Live: 3 more requests' blocks (36 events), at most 5 between pauses.
+        m.max_run, pauses = 0, m.pauses
+        more = [Request(f"t{i}", list(range(5000 + 100 * i, 5000 + 100 * i + 26))) for i in range(3)]
+        for i, r in enumerate(more):
+            prefill(h, r, [1 + 7 * i + j for j in range(7)])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.blocks() == 84)
         assert 0 < m.max_run <= 5, m.max_run
-        assert m.pauses >= 48 // 5, (m.pauses, m.events)
-        calls = [(ns, r.block_hashes, 0, 0, True) for r in reqs]
-        assert [x.ready for x in m.lookup_many(calls)] == [x.ready for x in d.client().lookup_many(calls)] == [6] * 4
+        assert m.pauses >= pauses + 36 // 5, (m.pauses, pauses)
+        calls = [(ns, r.block_hashes, 0, 0, True) for r in reqs + more]
+        assert [x.ready for x in m.lookup_many(calls)] == [x.ready for x in d.client().lookup_many(calls)] == [6] * 7
     finally:
         m.close()
         m._client.close()
