@@ -25,6 +25,10 @@ be offered yet (a miss), and a block evicted a moment ago may still be (its
 load fails, vLLM recomputes it: counted as a failed load, as with any block
 evicted between a lookup and its load).
 
+The thread shares the GIL with vLLM's loop: it reads the daemon's messages
+without making a Python object per event, and lets the GIL go between
+bounded slices of events (``slice_events`` while it answers).
+
 :meth:`close` stops the thread and waits for it.
 """
 

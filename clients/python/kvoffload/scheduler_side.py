@@ -1089,8 +1089,9 @@ class SchedulerSide:
         return None, False
 
     def _from_mirror(self, rid: str, key: tuple, hashes: Sequence[bytes], now: float) -> tuple[int, bool] | None:
-        """The lookup of ``key`` run against the mirror, on vLLM's loop (the
-        same rounds as the daemon's, from memory): the answer in this very
+        """The lookup of ``key`` run against the mirror, on vLLM's loop (a
+        probe of each group's keys, :meth:`_mirror_lookup`, or with windowed
+        groups the daemon's rounds, from memory): the answer in this very
         step. None where the daemon must be asked: a hit short of the asked
         range once the daemon has shown a remote tier (other nodes' blocks
         are not all mirrored). The daemon still sees the lookup (its
