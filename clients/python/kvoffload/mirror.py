@@ -25,6 +25,10 @@ be offered yet (a miss), and a block evicted a moment ago may still be (its
 load fails, vLLM recomputes it: counted as a failed load, as with any block
 evicted between a lookup and its load).
 
+The thread shares the GIL with vLLM's loop: it reads the daemon's messages
+without making a Python object per event, and lets the GIL go between
+bounded slices of events (``slice_events`` while it answers).
+
 :meth:`close` stops the thread and waits for it.
 """
 
@@ -37,7 +41,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from .errors import KVOffloadError
+from .errors import KVOffloadError, from_rpc_error
 from .types import EventKind, LookupResult, Tier
 
 __all__ = ["LookupMirror"]
@@ -50,6 +54,41 @@ _BIT = {Tier.CPU: 1, Tier.DISK: 2, Tier.REMOTE: 4}
 _TIER = {1: Tier.CPU, 2: Tier.DISK, 3: Tier.CPU_AND_DISK, 4: Tier.REMOTE, 5: Tier.CPU_AND_DISK, 6: Tier.DISK,
          7: Tier.CPU_AND_DISK}
 _RANK = {Tier.CPU: 0, Tier.CPU_AND_DISK: 0, Tier.DISK: 1, Tier.REMOTE: 2}
+_STORED, _REMOVED, _CLEARED, _LOST, _CAUGHT_UP = (int(k) for k in (
+    EventKind.BLOCK_STORED, EventKind.BLOCK_REMOVED, EventKind.ALL_BLOCKS_CLEARED, EventKind.EVENTS_LOST,
+    EventKind.CAUGHT_UP))
+# While it answers, the thread applies at most SLICE_EVENTS events (about
+# 100 us of Python) and then sleeps _PAUSE_S with the GIL let go, so that
+# vLLM's scheduler thread never waits for it longer than a slice. While it
+# catches up (a snapshot: lookups go to the daemon meanwhile), slices of
+# CATCH_UP_SLICE_EVENTS (about 2 ms, under the 5 ms switch interval) keep
+# the pauses from slowing it down where a sleep lasts far longer than asked
+# (a loaded machine).
+SLICE_EVENTS = 64
+CATCH_UP_SLICE_EVENTS = 1024
+_PAUSE_S = 0.0001
+
+
+def _responses(stream: Any):
+    """The event lists of a ``watch_events`` stream, as the daemon's
+    messages: read from the gRPC call itself, each event's fields are read
+    once, where they are applied (a KVEvent object and two enum lookups per
+    event cost the thread, and vLLM's loop waiting on the GIL, several times
+    what applying it does)."""
+    call = getattr(stream, "_call", None)
+    if call is None:  # another client's stream: its KVEvents
+        yield from stream
+        return
+    while True:
+        try:
+            r = next(call)
+        except StopIteration:
+            return
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return  # cancelled: follow() or close()
+            raise from_rpc_error(e, "WatchEvents") from None
+        yield r.events
 
 
 class LookupMirror:
@@ -62,7 +101,8 @@ class LookupMirror:
         retry_s: wait before following again after a stream ended.
     """
 
-    def __init__(self, client: Any, *, max_blocks: int = 2_000_000, retry_s: float = 0.2, max_events: int = 128):
+    def __init__(self, client: Any, *, max_blocks: int = 2_000_000, retry_s: float = 0.2, max_events: int = 128,
+                 slice_events: int = SLICE_EVENTS, catch_up_slice_events: int = CATCH_UP_SLICE_EVENTS):
         self._client = client
         self.max_blocks = int(max_blocks)
         self._retry = retry_s
@@ -82,6 +122,11 @@ class LookupMirror:
         self.resets = 0
         self._fails = 0
         self._caught = False  # the current stream has caught up once
+        self._slice = max(1, int(slice_events))
+        self._catch_up_slice = max(1, int(catch_up_slice_events))
+        self.events = 0  # events applied
+        self.pauses = 0  # times the thread let the GIL go after a slice
+        self.max_run = 0  # most events applied between two pauses (at most the slice of the time)
         self._thread = threading.Thread(target=self._run, name="kvoffload-mirror", daemon=True)
         self._thread.start()
 
@@ -111,6 +156,52 @@ class LookupMirror:
 
     def blocks(self) -> int:
         return self._n
+
+    def held(self, namespace_ids: Sequence[int], group: int, hashes: Sequence[bytes], factor: int, first: int,
+             stop: int) -> list[Tier]:
+        """The tier of each leading block of ``group`` in [first, stop) that
+        every namespace holds, block ``i`` keyed by ``hashes[(i + 1) *
+        factor - 1]`` (KeyMapper.keys) without building the keys: the
+        scheduler's lookup of a model without windowed groups, on vLLM's
+        loop (a few dict probes a block, nothing else allocated but the
+        answer)."""
+        maps = self._maps
+        ms = []
+        for n in namespace_ids:
+            byg = maps.get(n)
+            m = byg.get(group) if byg is not None else None
+            if m is None:
+                return []
+            ms.append(m)
+        tiers: list[Tier] = []
+        if len(ms) == 1 and factor == 1:
+            get = ms[0].get
+            for h in hashes[first:stop]:
+                b = get(h)
+                if not b:
+                    break
+                tiers.append(_TIER[b])
+            return tiers
+        if len(ms) == 1:
+            get = ms[0].get
+            for i in range(first, stop):
+                b = get(hashes[(i + 1) * factor - 1])
+                if not b:
+                    break
+                tiers.append(_TIER[b])
+            return tiers
+        for i in range(first, stop):
+            h = hashes[(i + 1) * factor - 1]
+            worst = None
+            for m in ms:
+                b = m.get(h)
+                if not b:
+                    return tiers
+                t = _TIER[b]
+                if worst is None or _RANK[t] > _RANK[worst]:
+                    worst = t
+            tiers.append(worst)
+        return tiers
 
     def lookup_many(self, calls: Sequence[tuple], timeout: float | None = None) -> list[LookupResult]:
         """As Client.lookup_many, from memory: per ``(namespace_ids, hashes,
@@ -198,6 +289,59 @@ class LookupMirror:
                 while not self._stop and time.monotonic() < end:
                     self._cv.wait(end - time.monotonic())
 
+    def _apply(self, evs: Sequence[Any], want: tuple[int, ...]) -> None:
+        """Applies events in order (the daemon's KVEvent messages, or
+        kvoffload KVEvents: the same fields)."""
+        maps = self._maps
+        last, m = None, None  # (namespace, group) of the previous event, and its map
+        for e in evs:
+            k = e.kind
+            if k == _STORED or k == _REMOVED:
+                bit = _BIT.get(e.tier, 0)
+                if bit == 4:
+                    self.remote_seen = True
+                at = (e.namespace_id, e.group)
+                if at != last:
+                    byg = maps.get(at[0])
+                    if byg is None:
+                        byg = maps[at[0]] = {}
+                    m = byg.get(at[1])
+                    if m is None:
+                        m = byg[at[1]] = {}
+                    last = at
+                h = e.hash
+                old = m.get(h, 0)
+                if k == _STORED:
+                    if not old:
+                        self._n += 1
+                    m[h] = old | bit
+                elif old:
+                    new = old & ~bit
+                    if new:
+                        m[h] = new
+                    else:
+                        del m[h]
+                        self._n -= 1
+            elif k == _CAUGHT_UP:
+                if self._live is None:
+                    with self._cv:
+                        if want == self._want:
+                            self._live = want
+                            self._caught = True
+            elif k == _CLEARED or k == _LOST:
+                self._clear()
+                maps, last = self._maps, None
+        self.events += len(evs)
+
+    def _pause(self) -> int:
+        """Lets vLLM's loop have the GIL: a thread that holds it waits up to
+        the switch interval (5 ms) for it otherwise. A sleep of zero hands
+        nothing over (this thread takes the GIL back before a waiting one
+        wakes): it sleeps long enough for one to."""
+        self.pauses += 1
+        time.sleep(_PAUSE_S)
+        return 0
+
     def _clear(self) -> None:
         self._live = None
         self._maps = {}
@@ -214,50 +358,29 @@ class LookupMirror:
             self.streams += 1
             self._caught = False
         self._clear()
+        run = 0  # events applied since the thread last let the GIL go
         try:
-            for evs in stream:
-                maps = self._maps
-                for e in evs:
-                    k = e.kind
-                    if k == EventKind.BLOCK_STORED or k == EventKind.BLOCK_REMOVED:
-                        bit = _BIT.get(e.tier, 0)
-                        if bit == 4:
-                            self.remote_seen = True
-                        byg = maps.get(e.namespace_id)
-                        if byg is None:
-                            byg = maps[e.namespace_id] = {}
-                        m = byg.get(e.group)
-                        if m is None:
-                            m = byg[e.group] = {}
-                        old = m.get(e.hash, 0)
-                        if k == EventKind.BLOCK_STORED:
-                            if not old:
-                                self._n += 1
-                            m[e.hash] = old | bit
-                        elif old:
-                            new = old & ~bit
-                            if new:
-                                m[e.hash] = new
-                            else:
-                                del m[e.hash]
-                                self._n -= 1
-                    elif k == EventKind.CAUGHT_UP:
-                        if self._live is None:
-                            with self._cv:
-                                if want == self._want:
-                                    self._live = want
-                                    self._caught = True
-                    elif k == EventKind.ALL_BLOCKS_CLEARED or k == EventKind.EVENTS_LOST:
+            for evs in _responses(stream):
+                i, n = 0, len(evs)
+                while i < n:
+                    per = self._slice if self._live is not None else self._catch_up_slice
+                    if run >= per:  # the slice shrank (the mirror went live)
+                        run = self._pause()
+                    k = min(n, i + per - run)
+                    self._apply(evs[i:k] if i or k < n else evs, want)
+                    run += k - i
+                    i = k
+                    if run > self.max_run:
+                        self.max_run = run
+                    if run >= per:
+                        run = self._pause()
+                    if self._n > self.max_blocks:
+                        log.warning("kvoffload: the lookup mirror passed %d blocks; lookups go to the daemon from "
+                                    "now on (kv_connector_extra_config lookup_mirror_max_blocks)", self.max_blocks)
+                        with self._cv:
+                            self.overflow = True
                         self._clear()
-                        maps = self._maps
-                if self._n > self.max_blocks:
-                    log.warning("kvoffload: the lookup mirror passed %d blocks; lookups go to the daemon from now "
-                                "on (kv_connector_extra_config lookup_mirror_max_blocks)", self.max_blocks)
-                    with self._cv:
-                        self.overflow = True
-                    self._clear()
-                    return
-                with self._cv:
+                        return
                     if self._stop or want != self._want:
                         return
         finally:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, abc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -73,10 +73,15 @@ class RequestControls:
     store: str = "all"  # "all", "prompt" (prompt tokens only) or "none"
 
 
+_DEFAULT_CONTROLS = RequestControls()
+
+
 def request_controls(request: Any) -> RequestControls:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if not isinstance(params, Mapping):
-        return RequestControls()
+    params = getattr(request, "kv_transfer_params", None)
+    if not params:  # most requests: no typing check on vLLM's loop
+        return _DEFAULT_CONTROLS
+    if not isinstance(params, abc.Mapping):
+        return _DEFAULT_CONTROLS
     store = params.get("kvoffload_store", "all")
     if store not in ("all", "prompt", "none"):
         store = "all"
@@ -209,6 +214,9 @@ class SchedulerSide:
         # The group whose blocks say where a hit's tokens come from: the
         # first full-attention group (its blocks cover the whole hit).
         self._tier_group = self.keys.full_groups[0] if self.keys.full_groups else 0
+        # Every group full attention: the mirror's lookup is one probe of
+        # each group's keys (_mirror_lookup), not the daemon's rounds.
+        self._mirror_direct = not self.keys.windowed_groups and not self.keys.scratch_groups
         # EAGLE/MTP draft groups: while a request decodes, the KV of its last
         # block is the draft's and is computed again (vLLM's offloading
         # connector leaves it out too): the last unit is not stored yet.
@@ -228,6 +236,8 @@ class SchedulerSide:
         if lookup_mirror and client is None and not lease_ms:
             self._mirror = LookupMirror(Client(socket, timeout=rpc_timeout_s), max_blocks=mirror_max_blocks)
         self._shadow: list[tuple[_Lookup, _Lookup]] = []  # (mirror's answer, the daemon's lookup of the same)
+        self._mirror_asked: list[_Lookup] = []  # mirror's answers whose daemon lookup the next flush makes
+        self._unrecorded: list[_Lookup] = []  # mirror's answers whose stats the next flush records
         self.mirror_answers = 0  # requests answered from the mirror
         self.mirror_behind = 0  # asks the mirror left to the daemon: a block stored lately not mirrored yet
         self._recent: OrderedDict[tuple[int, bytes], float] = OrderedDict()  # (group, key) -> when planned
@@ -497,6 +507,7 @@ class SchedulerSide:
         self._matched.clear()
         self._batch = []
         self._shadow = []
+        self._mirror_asked = []
         for rid, jobs in self._loads.items():
             # Planned under the old identity and not yet sent: fail them.
             self._loads[rid] = [GroupJob(j.group, [], j.block_ids) for j in jobs]
@@ -613,6 +624,14 @@ class SchedulerSide:
         running (they go with a later flush), and the leases no load will
         name."""
         self._release_spare()
+        for rec in self._unrecorded:
+            self._record(rec, rec.keys_asked)
+        self._unrecorded = []
+        for rec in self._mirror_asked:
+            shadow = _Lookup(rec.key, rec.hashes, False, rec.created)
+            self._batch.append(shadow)
+            self._shadow.append((rec, shadow))
+        self._mirror_asked = []
         if self._shadow:
             self._compare_shadows()
         self._lookup_tasks = [t for t in self._lookup_tasks if not t.done.is_set()]
@@ -900,9 +919,10 @@ class SchedulerSide:
                        ready_before=min(held, s), leases=rec.leases, tiers=tiers, took=rec.took,
                        answered_at=rec.answered_at)
 
-    def _answer(self, rid: str, base: _Lookup, rec: _Lookup) -> tuple[int, bool]:
+    def _answer(self, rid: str, base: _Lookup, rec: _Lookup, record_later: bool = False) -> tuple[int, bool]:
         """The answer ``rec`` gives (``base`` itself or what it found for
-        another start, :meth:`_cover`): vLLM's wait for it ends."""
+        another start, :meth:`_cover`): vLLM's wait for it ends. With
+        ``record_later`` its stats are recorded by the step's flush."""
         U = self.keys.unit_tokens
         self._asked.pop(rid, None)
         if base.answered_at == 0.0:
@@ -915,17 +935,21 @@ class SchedulerSide:
                 else:
                     self._warn_once(f"lookup:{e.code}", "kvoffload: Lookup failed (%s); treating it as a miss", e)
                     self._ns_next = 0.0  # namespaces may have changed: resolve again
+            elif record_later and len(self._unrecorded) < _MAX_SPARE_LEASES:
+                self._unrecorded.append(rec)
             else:
-                self.stats.lookup(rec.took, rec.hit_units * U, self._tier_tokens(rec.tiers, rec.hit_units))
-                self.stats.lookup_keys(base.keys_asked, rec.keys_outside if rec.hit_units > 0 else 0,
-                                       rec.hit_units > 0)
+                self._record(rec, base.keys_asked)
         if rec.hit_units <= 0:
             self._matched.pop(rid, None)
             self._hit_tiers.pop(rid, None)
             return 0, False
         self._matched[rid] = rec
-        self._hit_tiers[rid] = list(rec.tiers)[: self.keys.blocks_per_unit[self._tier_group] * rec.hit_units]
+        self._hit_tiers[rid] = rec.tiers[: self.keys.blocks_per_unit[self._tier_group] * rec.hit_units]
         return rec.hit_units * U, True
+
+    def _record(self, rec: _Lookup, keys_asked: int) -> None:
+        self.stats.lookup(rec.took, rec.hit_units * self.keys.unit_tokens, self._tier_tokens(rec.tiers, rec.hit_units),
+                          keys=keys_asked, outside_window=rec.keys_outside if rec.hit_units > 0 else 0)
 
     def hit_sources(self, rid: str, num_external_tokens: int) -> dict[str, int]:
         """The tokens of a request's external hit by the tier they come
@@ -950,12 +974,14 @@ class SchedulerSide:
 
     def _tier_tokens(self, tiers: Sequence[Any], hit_units: int) -> dict[str, int]:
         """Hit tokens by the tier the tier group's blocks came from."""
-        out: dict[str, int] = {}
         n = self.keys.blocks_per_unit[self._tier_group] * hit_units
+        if n <= 0:
+            return {}
         bs = self.keys.block_sizes[self._tier_group]
-        for t in list(tiers)[:n]:
-            name = "cpu" if t in (Tier.CPU, Tier.CPU_AND_DISK) else "remote" if t == Tier.REMOTE else "disk"
-            out[name] = out.get(name, 0) + bs
+        ts = list(tiers[:n])  # counted in C: this runs on vLLM's loop
+        cpu = ts.count(Tier.CPU) + ts.count(Tier.CPU_AND_DISK)
+        remote = ts.count(Tier.REMOTE)
+        out = {name: k * bs for name, k in (("cpu", cpu), ("remote", remote), ("disk", len(ts) - cpu - remote)) if k}
         return out
 
     def _fresh(self, rec: _Lookup, now: float) -> bool:
@@ -997,12 +1023,17 @@ class SchedulerSide:
         if end <= start:
             return 0, False
         now = self._clock()
+        ns = self.namespace_ids()
+        mirror = self._mirror
+        if ns and mirror is not None and mirror.live(ns):
+            got = self._from_mirror(rid, (start, end, tuple(ns)), hashes, now)
+            if got is not None:
+                return got
         # vLLM's wait for this request's answer runs from its first ask,
         # whatever it passes on later ones (the local hit moves while it
         # waits): by ``lookup_deadline_s`` from there it has one.
         first = self._asked.setdefault(rid, now)
         late = now - first >= self._deadline
-        ns = self.namespace_ids()
         if not ns and self._ns_task is not None and self._wait > 0 and self._step_wait_left > 0 and self._io.healthy():
             t0 = time.monotonic()
             self._ns_task.done.wait(self._step_wait_left)
@@ -1022,10 +1053,6 @@ class SchedulerSide:
                 return None, False
             return self._miss(rid, timed_out=late)
         key = (start, end, tuple(ns))
-        if self._mirror is not None and self._mirror.live(key[2]):
-            got = self._from_mirror(rid, key, hashes, now)
-            if got is not None:
-                return got
         rec = self._lookups.get(rid)
         if rec is not None and (rec.key[2] != key[2] or (rec.done and rec.answered_at and not self._fresh(rec, now))):
             # Another identity's namespaces, or an answer too old to give again.
@@ -1062,32 +1089,72 @@ class SchedulerSide:
         return None, False
 
     def _from_mirror(self, rid: str, key: tuple, hashes: Sequence[bytes], now: float) -> tuple[int, bool] | None:
-        """The lookup of ``key`` run against the mirror, on vLLM's loop (the
-        same rounds as the daemon's, from memory): the answer in this very
+        """The lookup of ``key`` run against the mirror, on vLLM's loop (a
+        probe of each group's keys, :meth:`_mirror_lookup`, or with windowed
+        groups the daemon's rounds, from memory): the answer in this very
         step. None where the daemon must be asked: a hit short of the asked
         range once the daemon has shown a remote tier (other nodes' blocks
         are not all mirrored). The daemon still sees the lookup (its
         admission policy counts the keys as accessed): the same lookup goes
         with the step's batch, and its answer is compared, not used."""
         rec = _Lookup(key, list(hashes), True, now)
-        self._batch_fn([rec])(self._mirror)
+        if self._mirror_direct:
+            self._mirror_lookup(rec)
+        else:
+            self._batch_fn([rec])(self._mirror)
         if rec.error is not None:
             return None
         if rec.hit_units < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
             if not self._mirror.remote_seen:
                 self.mirror_behind += 1
             return None
-        if rid not in self._looked_up and len(self._batch) < _MAX_SPARE_LEASES:
+        if rid not in self._looked_up and len(self._batch) + len(self._mirror_asked) < _MAX_SPARE_LEASES:
             self._looked_up.add(rid)
-            shadow = _Lookup(key, rec.hashes, False, now)
-            self._batch.append(shadow)
-            self._shadow.append((rec, shadow))
+            self._mirror_asked.append(rec)  # its lookup goes with the step's batch (_flush), not from here
         old = self._lookups.pop(rid, None)
         if old is not None:
             self._drop(old)
         self._lookups[rid] = rec
         self.mirror_answers += 1
-        return self._answer(rid, rec, rec)
+        # Off the call: the stats and the daemon's lookup of the same (above)
+        # go with the step's flush (build_connector_meta).
+        return self._answer(rid, rec, rec, record_later=True)
+
+    def _mirror_lookup(self, rec: _Lookup) -> None:
+        """What ``_batch_fn([rec])`` finds in the mirror, for a model whose
+        groups all use full attention (no window rounds), probed in place:
+        each group's keys of [start, end), and the local prefix's stored
+        blocks when there is one. No key list, request or result object is
+        built per group: this runs on vLLM's loop."""
+        t0 = time.monotonic()
+        keys, held = self.keys, self._mirror.held
+        start, end, ns = rec.key
+        hashes = rec.hashes
+        if hashes and type(hashes[0]) is not bytes:
+            hashes = [bytes(h) for h in hashes]
+        bpu, factors = keys.blocks_per_unit, keys.factors
+        f = end
+        asked = 0
+        for g in keys.full_groups:
+            k = bpu[g]
+            tiers = held(ns, g, hashes, factors[g], start * k, end * k)
+            f = min(f, start + len(tiers) // k)
+            asked += (end - start) * k
+            if g == self._tier_group:
+                rec.tiers = tiers
+        if start > 0:
+            before = start
+            for g in keys.full_groups:
+                k = bpu[g]
+                tiers = held(ns, g, hashes, factors[g], 0, start * k)
+                before = min(before, len(tiers) // k)
+                if g == self._tier_group:
+                    rec.prefix_tiers = tiers
+            rec.ready_before = before
+        rec.keys_asked = asked
+        rec.hit_units = f - start
+        rec.took = time.monotonic() - t0
+        rec.done = True
 
     def _stored_since_reset(self, hashes: Sequence[bytes], start: int, end: int) -> bool:
         """Whether a block of units [start, end) is one this engine planned
@@ -1123,13 +1190,16 @@ class SchedulerSide:
         recent = self._recent
         if not recent:
             return False
+        keys, hashes = self.keys, rec.hashes
         u = rec.key[0] + rec.hit_units
         # A windowed group's missing block may lie anywhere up to the end
         # (the windows of every candidate were asked): all of them there.
-        spans = [(g, u + 1) for g in self.keys.full_groups] + [(g, rec.key[1]) for g in self.keys.windowed_groups]
+        spans = [(g, u + 1) for g in keys.full_groups] + [(g, rec.key[1]) for g in keys.windowed_groups]
         for g, stop in spans:
-            for k in self.keys.keys(rec.hashes, g, self.keys.block_range(g, u, stop)):
-                t = recent.get((g, bytes(k)))
+            f, k = keys.factors[g], keys.blocks_per_unit[g]
+            for i in range(u * k, stop * k):
+                h = hashes[(i + 1) * f - 1]
+                t = recent.get((g, h if type(h) is bytes else bytes(h)))
                 if t is not None and now - t < _RECENT_STORE_S:
                     return True
         return False

@@ -47,12 +47,25 @@ class StatsRecorder:
         if len(s) < MAX_SAMPLES:
             s.append(float(v))
 
-    def lookup(self, seconds: float, hit_tokens: int, by_tier: Mapping[str, int]) -> None:
+    def lookup(self, seconds: float, hit_tokens: int, by_tier: Mapping[str, int], keys: int | None = None,
+               outside_window: int = 0) -> None:
+        """One lookup answered; with ``keys``, also :meth:`lookup_keys` (a
+        hit when ``hit_tokens`` > 0), under the same lock."""
         with self._lock:
-            self._data["lookups_total"] += 1
-            self._sample("lookup_seconds", seconds)
-            for tier, n in by_tier.items():
-                self._data["hit_tokens"][tier] = self._data["hit_tokens"].get(tier, 0) + int(n)
+            d = self._data
+            d["lookups_total"] += 1
+            s = d["lookup_seconds"]
+            if len(s) < MAX_SAMPLES:
+                s.append(float(seconds))
+            if by_tier:
+                h = d["hit_tokens"]
+                for tier, n in by_tier.items():
+                    h[tier] = h.get(tier, 0) + int(n)
+            if keys is not None:
+                d["lookup_keys_total"] += int(keys)
+                if hit_tokens > 0:
+                    d["hit_lookup_keys_total"] += int(keys)
+                    d["hit_keys_outside_window_total"] += int(outside_window)
 
     def lookup_keys(self, keys: int, outside_window: int, hit: bool) -> None:
         """Keys one request's lookup asked for (the local prefix's peek not

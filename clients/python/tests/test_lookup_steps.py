@@ -10,9 +10,11 @@ time of each ``get_num_new_matched_tokens`` call; the same workload with
 lookups off (``kvoffload_load: false``: the connector answers at once, as
 without one) is the baseline. The assertion is on steps, never on time.
 
-    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk]
+    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50]
 
-prints the figures of docs/vllm.md (Lookups in the step they are asked).
+prints the figures of docs/vllm.md (Lookups in the step they are asked). Each
+call is timed beside an empty call made at the same place just before it
+(``floor_us``: what a call without a connector costs there, in the same run).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ ARRIVALS = 3  # new requests a step
 STEPS = 50
 
 
+def _noop(request, num_computed_tokens):
+    return 0, False
+
+
 def settle_verified(eng) -> None:
     """Steps until every request has finished, checking the KV each step."""
     for _ in range(2000):
@@ -43,11 +49,31 @@ def settle_verified(eng) -> None:
     raise AssertionError("requests never finished")
 
 
-def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str) -> dict:
+def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str, steps: int = STEPS) -> dict:
     """One run; returns per-request and per-call figures."""
     cfg = Config(model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
                  max_seqs=64, extra={"lookup_deadline_ms": 2000, **extra})
     eng = Engine(cfg, mod, socket, shm)
+    calls: list[float] = []  # each get_num_new_matched_tokens call's time
+    floor: list[float] = []  # an empty call's, made just before it
+    first: list[float] = []  # the calls that are their step's first (after the forward: cold caches)
+    real = eng.sched_conn.get_num_new_matched_tokens
+    last_step = [-1]
+
+    def timed(request, num_computed_tokens):
+        t0 = time.perf_counter()
+        _noop(request, num_computed_tokens)
+        t1 = time.perf_counter()
+        try:
+            return real(request, num_computed_tokens)
+        finally:
+            calls.append(time.perf_counter() - t1)
+            floor.append(t1 - t0)
+            if eng.step_seq != last_step[0]:
+                last_step[0] = eng.step_seq
+                first.append(calls[-1])
+
+    eng.sched_conn.get_num_new_matched_tokens = timed
     try:
         u = eng.block_size
         sched = eng.sched_conn._scheduler
@@ -65,7 +91,7 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
         repeats: set[str] = set()
         kw = {} if load else {"kv_transfer_params": {"kvoffload_load": False}}
         n = 0
-        for step in range(STEPS):
+        for step in range(steps):
             for _ in range(ARRIVALS):
                 n += 1
                 old = [p for s, p in prompts if s <= step - 10]
@@ -80,7 +106,6 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             eng.step()
             eng.verify()
         settle_verified(eng)
-        calls = eng.lookup_call_s
         hits = sum(1 for h, _ in eng.admitted.values() if h)
         return {
             "requests": len(eng.admitted),
@@ -94,10 +119,18 @@ def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, m
             "call_us_p50": round(quantile(calls, 0.5) * 1e6, 1),
             "call_us_p99": round(quantile(calls, 0.99) * 1e6, 1),
             "call_us_max": round(max(calls, default=0) * 1e6, 1),
+            "floor_us_p50": round(quantile(floor, 0.5) * 1e6, 1),
+            "floor_us_p99": round(quantile(floor, 0.99) * 1e6, 1),
+            "floor_us_max": round(max(floor, default=0) * 1e6, 1),
+            "first_call_us_p50": round(quantile(first, 0.5) * 1e6, 1),
+            "first_call_us_p99": round(quantile(first, 0.99) * 1e6, 1),
+            "calls_over_50us": sum(1 for c in calls if c > 50e-6),
+            "calls_over_1ms": sum(1 for c in calls if c > 1e-3),
             "load_failures": eng.counters["load_failures"],
             "hit_tokens_by_tier": {k[4:]: v for k, v in eng.counters.items()
                                    if k.startswith("hit_") and k != "hit_tokens"},
             "mirror_answers": getattr(sched, "mirror_answers", 0),
+            "mirror_events": getattr(sched._mirror, "events", None),
         }
     finally:
         eng.close()
@@ -118,9 +151,49 @@ def test_no_new_request_waits_a_step_for_its_lookup(daemon, shm):
     assert got["load_failures"] == 0, got
 
 
+def churn(socket: str, model: str, seconds: float) -> int:
+    """A second engine of the same model (the same namespaces) storing new
+    prompts as fast as it can: the measured engine's mirror follows every
+    block it stores and the daemon evicts (--churn)."""
+    from kvoffload import ShmRegion
+
+    shms: list = []
+
+    def shm(n: int):
+        s = ShmRegion(n)
+        shms.append(s)
+        return s
+
+    cfg = Config(model=model, prefix_caching=False, gpu_s=0.0, num_blocks=768, max_batched_tokens=2048,
+                 max_seqs=64, extra={"lookup_deadline_ms": 2000})
+    rng = random.Random(99)
+    end = time.monotonic() + seconds
+    with connector_module() as mod:
+        eng = Engine(cfg, mod, socket, shm)
+        try:
+            n = 0
+            while time.monotonic() < end:
+                for _ in range(8):
+                    n += 1
+                    eng.add_request(f"c{n}", [rng.randrange(10, 5000) for _ in range(5 * eng.block_size)], 1,
+                                    kv_transfer_params={"kvoffload_load": False})
+                for _ in range(200):
+                    if eng.idle():
+                        break
+                    eng.step()
+                if n == 8:
+                    print("storing", flush=True)  # the parent measures from here
+        finally:
+            eng.close()
+            for s in shms:
+                s.close()
+    return 0
+
+
 def main() -> int:
     import argparse
     import json
+    import subprocess
 
     import conftest
 
@@ -129,7 +202,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps of arrivals (3 requests each)")
+    ap.add_argument("--churn", action="store_true",
+                    help="meanwhile a second engine of the same model stores new prompts (the mirror's events)")
+    ap.add_argument("--churn-child", nargs=2, metavar=("SOCKET", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.churn_child:
+        return churn(args.churn_child[0], args.churn_child[1], 300.0)
     flags = ["--disk-dir", "{dir}/disk"] if args.disk else []
     d = conftest.Daemon(flags, cpu_bytes="4MiB" if args.disk else "64MiB", log_level="warn")
     shms: list = []
@@ -144,8 +223,19 @@ def main() -> int:
         with connector_module() as mod:
             for name, extra, load in (("off", {}, False), ("rpc", {"lookup_mirror": False}, True),
                                       ("mirror", {}, True)):
-                out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load,
-                                  model=f"steps-{name}-{args.seed}-{args.disk}")
+                model = f"steps-{name}-{args.seed}-{args.disk}"
+                child = None
+                if args.churn:
+                    child = subprocess.Popen([sys.executable, __file__, "--churn-child", d.socket, model],
+                                             stdout=subprocess.PIPE, text=True)
+                    assert child.stdout.readline().strip() == "storing", "the churning engine did not start"
+                try:
+                    out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load, model=model,
+                                      steps=args.steps)
+                finally:
+                    if child is not None:
+                        child.terminate()
+                        child.wait(30)
         print(json.dumps(out, indent=1))
     finally:
         for s in shms:
@@ -394,3 +484,105 @@ def test_requests_after_a_cache_reset_do_not_wait_for_the_new_identity(fresh_dae
             assert eng.counters["load_failures"] == 0, eng.counters
         finally:
             eng.close()
+
+
+def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemon, shm, fingerprint):
+    """On vLLM's loop the mirror answers a model without windowed groups by
+    probing each group's keys in place (SchedulerSide._mirror_lookup), not
+    through the daemon's lookup rounds and result objects. Two ranks, two
+    full-attention groups of different block sizes (group 1's keys every
+    second hash), holes in one rank or one group only, every start: the
+    probe finds what those rounds find, against the daemon and against the
+    mirror, and the call itself makes no lookup_many."""
+    from helpers import KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
+    from test_connector import Harness
+
+    from kvoffload.scheduler_side import _Lookup
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2, block_sizes=(4, 8), layers={0: ["a.0"], 1: ["b.0"]}, mirror=True)
+    try:
+        sched, m = h.sched, h.sched._mirror
+        assert sched._mirror_direct
+        reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 34))) for i in range(4)]  # 4 units of 8 tokens
+        for i, r in enumerate(reqs):
+            assert h.ask(r) == (0, False)
+            g0, g1 = [1 + 10 * i + j for j in range(9)], [1 + 5 * i + j for j in range(5)]
+            sched.update_state_after_alloc(r, KVCacheBlocks(g0, g1), 0)
+            h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData(r.request_id, (g0, g1))],
+                                   num_scheduled_tokens={r.request_id: r.num_tokens}))
+        assert h.run_until(h.idle)
+        c = d.client()
+        ns0, ns1 = (w.namespace_id for w in h.workers)
+        c.invalidate([ns0], [reqs[1].block_hashes[4]], group=0)  # unit 2, rank 0
+        c.invalidate([ns1], [reqs[2].block_hashes[3]], group=1)  # unit 1, rank 1, group 1
+        c.invalidate([ns0, ns1], [reqs[3].block_hashes[0]], group=0)  # unit 0
+        ns = tuple(sched.namespace_ids())
+
+        def answers(run) -> list:
+            out = []
+            for r in reqs:
+                for start in range(4):
+                    rec = _Lookup((start, 4, ns), list(r.block_hashes), True, 0.0)
+                    run(rec)
+                    out.append((rec.hit_units, rec.ready_before, [int(t) for t in rec.tiers],
+                                [int(t) for t in rec.prefix_tiers], rec.keys_asked, rec.error))
+            return out
+
+        rounds = answers(lambda rec: sched._batch_fn([rec])(c))
+        assert [a[0] for a in rounds[::4]] == [4, 2, 1, 0], rounds  # hits from 0: whole, short in each way
+        assert wait_for(lambda: m.live(ns) and answers(sched._mirror_lookup) == rounds)
+        assert answers(lambda rec: sched._batch_fn([rec])(m)) == rounds
+
+        def no_rounds(*a, **kw):
+            raise AssertionError("the mirror's answer went through lookup_many")
+
+        m.lookup_many = no_rounds
+        before = sched.mirror_answers
+        assert sched.get_num_new_matched_tokens(Request("q", reqs[0].prompt_token_ids + [5]), 0) == (32, True)
+        assert sched.mirror_answers == before + 1
+    finally:
+        h.close()
+
+
+def test_the_mirror_lets_the_gil_go_every_slice_of_events(fresh_daemon, shm, fingerprint):
+    """The mirror's thread applies a bounded slice of events between two
+    pauses in which it lets the GIL go (so that vLLM's scheduler thread
+    never waits on it for more than a slice, not the 5 ms switch interval):
+    ``catch_up_slice_events`` while a snapshot comes, ``slice_events`` once
+    it answers; what it holds is what the daemon holds."""
+    from helpers import Request, wait_for
+    from test_connector import Harness, prefill
+
+    from kvoffload import Client
+    from kvoffload.mirror import LookupMirror
+
+    d = fresh_daemon()
+    h = Harness(d, shm, fingerprint, tp=2)
+    m = LookupMirror(Client(d.socket), slice_events=5, catch_up_slice_events=7)
+    try:
+        reqs = [Request(f"s{i}", list(range(100 * i, 100 * i + 26))) for i in range(4)]  # 6 blocks each
+        for i, r in enumerate(reqs):
+            prefill(h, r, [1 + 7 * i + j for j in range(7)])
+        assert h.run_until(h.idle)
+        ns = h.sched.namespace_ids()
+        m.follow(ns)  # a snapshot: 4 x 6 blocks in each of 2 namespaces
+        assert wait_for(lambda: m.live(ns) and m.blocks() == 48)
+        assert m.events >= 48
+        assert 0 < m.max_run <= 7, m.max_run
+        assert m.pauses >= 48 // 7, (m.pauses, m.events)
+        # Live: 3 more requests' blocks (36 events), at most 5 between pauses.
+        m.max_run, pauses = 0, m.pauses
+        more = [Request(f"t{i}", list(range(5000 + 100 * i, 5000 + 100 * i + 26))) for i in range(3)]
+        for i, r in enumerate(more):
+            prefill(h, r, [1 + 7 * i + j for j in range(7)])
+        assert h.run_until(h.idle)
+        assert wait_for(lambda: m.blocks() == 84)
+        assert 0 < m.max_run <= 5, m.max_run
+        assert m.pauses >= pauses + 36 // 5, (m.pauses, pauses)
+        calls = [(ns, r.block_hashes, 0, 0, True) for r in reqs + more]
+        assert [x.ready for x in m.lookup_many(calls)] == [x.ready for x in d.client().lookup_many(calls)] == [6] * 7
+    finally:
+        m.close()
+        m._client.close()
+        h.close()
