@@ -1,0 +1,142 @@
+"""A connector worker and a daemon restart, through the real daemon.
+
+The daemon restarts (SIGTERM: it drains and exits; a new process starts on
+the same socket, its registration ids from 1 again). The worker watches the
+process its registration lives in and registers again with the new one
+before it sends that one any Load or Store: nothing the engine offloads
+after the restart fails or is lost because of the restart itself
+(docs/vllm.md, Failure handling)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import KVCacheBlocks, Request, SchedulerOutput, wait_for
+from test_connector import Harness, prefill
+
+import kvoffload as kv
+from kvoffload.plan import GroupJob
+
+DISK = ("--disk-dir", "{dir}/disk", "--write-through", "--disk-direct", "fallback")
+
+
+def on_disk(c: kv.Client, ns: int, hashes) -> bool:
+    """Every block of ``hashes`` is ready in ``ns`` and written to the disk
+    tier (so a restarted daemon recovers it)."""
+    r = c.lookup([ns], hashes)
+    return r.ready == len(hashes) and all(t in (kv.Tier.DISK, kv.Tier.CPU_AND_DISK) for t in r.tiers)
+
+
+def settle(h: Harness) -> None:
+    """Steps until no job is in flight, then once more for the workers'
+    acknowledgements to reach the scheduler."""
+    assert h.run_until(h.idle)
+    h.step()
+
+
+def offered(h: Harness, toks: list[int], rid: str, want: int) -> Request:
+    """A new request the scheduler offers ``want`` tokens of: after a restart
+    it answers from the new daemon once that one recovered them."""
+    n = [0]
+
+    def ask():
+        n[0] += 1
+        r = Request(f"{rid}.{n[0]}", toks)
+        got = h.ask(r, 0)
+        if got == (want, True):
+            return r
+        h.sched.request_finished(r)
+        return None
+
+    r = wait_for(ask)
+    assert r is not None, f"the scheduler never offered {want} tokens of {rid}"
+    return r
+
+
+def load_and_store(h: Harness, hit: Request, blocks: list[int], new: Request, new_blocks: list[int]):
+    """One step that loads ``hit``'s offered prefix into ``blocks`` and
+    computes and stores ``new`` (its whole prompt) in ``new_blocks``; the
+    load is sent first, as vLLM's worker does. Runs until both settled."""
+    from helpers import NewRequestData
+
+    assert h.ask(new) == (0, False)
+    h.sched.update_state_after_alloc(hit, KVCacheBlocks(blocks), 20)
+    h.sched.update_state_after_alloc(new, KVCacheBlocks(new_blocks), 0)
+    out = SchedulerOutput(scheduled_new_reqs=[NewRequestData(new.request_id, (list(new_blocks),))],
+                          num_scheduled_tokens={new.request_id: new.num_tokens})
+
+    def forward(e):
+        for i, b in enumerate(new_blocks[: len(new.block_hashes)]):
+            e.write(0, b, new.block_hashes[i])
+
+    plan = h.step(out, forward)
+    assert plan.loads and hit.request_id in plan.loads
+    assert plan.stores and new.request_id in plan.stores
+    new.num_computed_tokens = new.num_tokens
+    assert h.run_until(lambda: hit.request_id in h.recv[0])
+    settle(h)
+
+
+def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool):
+    """``rounds`` restarts; after each, one step loads a prefix stored before
+    it and stores a new prompt. Returns per restart (failed load blocks,
+    store blocks not acknowledged stored)."""
+    w = h.workers[0]
+    fp = h.fps[0]
+    out = []
+    for i in range(rounds):
+        base = 10_000 * (i + 1)
+        # (Registered with the daemon now serving, whatever the last round did.)
+        assert wait_for(lambda: w.registered() and w._regs[w.registration_id].daemon.pid == d.proc.pid)
+        a = Request(f"a{i}", list(range(base, base + 21)))
+        prefill(h, a, [1, 2, 3, 4, 5, 6])
+        settle(h)
+        c = c_holder[0]
+        (ns,) = c.resolve([fp])
+        assert wait_for(lambda: on_disk(c, ns, a.block_hashes[:5]))
+        w.stats.take()
+        if in_flight:
+            # Loads of the stored prefix go out and the daemon gets SIGTERM
+            # while they run: it drains them and reports them before it exits.
+            r = Request(f"f{i}", a.prompt_token_ids[:20] + [7] * 5)
+            assert h.ask(r, 0) == (20, True)
+            h.sched.update_state_after_alloc(r, KVCacheBlocks([20, 21, 22, 23, 24, 25, 26]), 20)
+            plan = h.step()
+            assert plan.loads
+        d.restart()
+        d.wait_recovered()
+        c_holder[0] = c = d.client()
+        flight = {}
+        if in_flight:
+            # The loads in flight settle: reported by the old daemon, or
+            # failed once it exited (a result it had not returned yet).
+            assert h.run_until(lambda: f"f{i}" in h.recv[0])
+            flight = (w.stats.take() or {}).get("failed_blocks", {})
+        # Idle across the restart (or settled): now the next step loads and stores.
+        hit = offered(h, a.prompt_token_ids[:20] + [9] * 5, f"b{i}", 20)
+        new = Request(f"n{i}", list(range(base + 500, base + 521)))
+        load_and_store(h, hit, [30, 31, 32, 33, 34, 35, 36], new, [14, 15, 16, 17, 18, 19])
+        st = w.stats.take() or {}
+        failed_loads = sum(n for k, n in st.get("failed_blocks", {}).items() if k.startswith("load:"))
+        stored = st.get("blocks_stored_total", 0)
+        (ns,) = c.resolve([fp])
+        held = c.lookup([ns], new.block_hashes[:5]).ready if ns else 0
+        out.append((failed_loads, 5 - min(stored, held), st.get("failed_blocks", {}), st.get("stores_skipped_total", 0),
+                    flight))
+        for r in [a, new]:
+            h.sched.request_finished(r)
+        h.step(SchedulerOutput(finished_req_ids={a.request_id, new.request_id}))
+    return out
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in-flight"])
+def test_a_worker_registers_with_a_restarted_daemon_before_it_sends_it_anything(fresh_daemon, shm, fingerprint,
+                                                                                in_flight):
+    d = fresh_daemon(*DISK)
+    h = Harness(d, shm, fingerprint)
+    try:
+        res = restarts(h, d, [d.client()], 3, in_flight=in_flight)
+        print("per restart (failed load blocks, store blocks lost, failures, skipped):", res)
+        assert [r[0] for r in res] == [0, 0, 0], f"loads failed after a restart: {res}"
+        assert [r[1] for r in res] == [0, 0, 0], f"stores lost after a restart: {res}"
+    finally:
+        h.close()
