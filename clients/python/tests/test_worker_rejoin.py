@@ -9,11 +9,16 @@ after the restart fails or is lost because of the restart itself
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import test_connector
 from helpers import KVCacheBlocks, Request, SchedulerOutput, wait_for
 from test_connector import Harness, prefill
+from test_reconnect import live_process  # noqa: F401 - a fixture
 
 import kvoffload as kv
+from kvoffload.connector import WorkerSide
 from kvoffload.plan import GroupJob
 
 DISK = ("--disk-dir", "{dir}/disk", "--write-through", "--disk-direct", "fallback")
@@ -76,7 +81,38 @@ def load_and_store(h: Harness, hit: Request, blocks: list[int], new: Request, ne
     settle(h)
 
 
-def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool):
+def registered_with(w, d) -> bool:
+    """The worker holds a registration in the daemon serving now."""
+    with w._cv:
+        reg = w._regs.get(w.registration_id) if w.registration_id is not None else None
+        return reg is not None and reg.daemon.serves(d.socket)
+
+
+def restart_with_a_gap(h: Harness, d, i: int) -> None:
+    """SIGTERM; while no daemon listens the engine runs a request (its
+    stores are dropped, as for a daemon that is down: nothing waits); then
+    a new daemon starts on the socket."""
+    import signal
+
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(timeout=30)
+    g = Request(f"g{i}", list(range(90_000 + 100 * i, 90_021 + 100 * i)))
+    w = h.workers[0]
+    w.stats.take()
+    prefill(h, g, [20, 21, 22, 23, 24, 25])
+    settle(h)
+    st = w.stats.take() or {}
+    lost = st.get("stores_skipped_total", 0) + sum(n for k, n in st.get("failed_blocks", {}).items()
+                                                  if k.startswith("store:"))
+    assert lost == 5 and not st.get("blocks_stored_total"), st
+    assert not w.registered()
+    h.sched.request_finished(g)
+    h.step(SchedulerOutput(finished_req_ids={g.request_id}))
+    d.restarts += 1
+    d._start()
+
+
+def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool, gap: bool = False):
     """``rounds`` restarts; after each, one step loads a prefix stored before
     it and stores a new prompt. Returns per restart (failed load blocks,
     store blocks not acknowledged stored)."""
@@ -86,7 +122,7 @@ def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool):
     for i in range(rounds):
         base = 10_000 * (i + 1)
         # (Registered with the daemon now serving, whatever the last round did.)
-        assert wait_for(lambda: w.registered() and w._regs[w.registration_id].daemon.pid == d.proc.pid)
+        assert wait_for(lambda: registered_with(w, d))
         a = Request(f"a{i}", list(range(base, base + 21)))
         prefill(h, a, [1, 2, 3, 4, 5, 6])
         settle(h)
@@ -102,7 +138,11 @@ def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool):
             h.sched.update_state_after_alloc(r, KVCacheBlocks([20, 21, 22, 23, 24, 25, 26]), 20)
             plan = h.step()
             assert plan.loads
-        d.restart()
+        if gap:
+            restart_with_a_gap(h, d, i)
+            w.stats.take()
+        else:
+            d.restart()
         d.wait_recovered()
         c_holder[0] = c = d.client()
         flight = {}
@@ -128,15 +168,97 @@ def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool):
     return out
 
 
-@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in-flight"])
+@pytest.mark.parametrize("mode", ["idle", "in-flight", "hidden-pid", "gap"])
 def test_a_worker_registers_with_a_restarted_daemon_before_it_sends_it_anything(fresh_daemon, shm, fingerprint,
-                                                                                in_flight):
+                                                                                mode, monkeypatch):
+    """The worker is idle across each restart (``in-flight``: a load runs
+    at the SIGTERM; ``hidden-pid``: the daemon's pid is not visible, its
+    life file tells the exit; ``gap``: the engine runs while no daemon
+    listens). The first step after it loads a prefix the new daemon
+    recovered from disk and stores a new prompt: no load fails, every store
+    is acknowledged and held by the new daemon."""
+    if mode == "hidden-pid":
+        monkeypatch.setattr(test_connector, "WorkerSide", functools.partial(WorkerSide, pid_probe=lambda path: None))
     d = fresh_daemon(*DISK)
     h = Harness(d, shm, fingerprint)
     try:
-        res = restarts(h, d, [d.client()], 3, in_flight=in_flight)
+        if mode == "hidden-pid":
+            w = h.workers[0]
+            assert w._regs[w.registration_id].daemon.pid is None
+        res = restarts(h, d, [d.client()], 3, in_flight=mode == "in-flight", gap=mode == "gap")
         print("per restart (failed load blocks, store blocks lost, failures, skipped):", res)
         assert [r[0] for r in res] == [0, 0, 0], f"loads failed after a restart: {res}"
         assert [r[1] for r in res] == [0, 0, 0], f"stores lost after a restart: {res}"
     finally:
         h.close()
+
+
+# -- the two paths a real restart rarely takes, driven directly ----------------
+
+def _stale_worker(live_process):
+    """A worker with registration 7 in ``live_process`` (standing in for the
+    daemon) and a load of it in flight; the process is then killed and
+    another pid answers on the socket."""
+    from test_reconnect import Clock, StubClient, worker
+
+    class Recording(StubClient):
+        def __init__(self):
+            super().__init__([])
+            self.calls = []
+
+        def store(self, registration_id, jobs, **kw):
+            self.calls.append(registration_id)
+            raise kv.NotFound(None, "unknown registration")
+
+    w, reg, jid = worker([], Clock(), live_process.pid, answering_pid=live_process.pid + 100000)
+    w._client = Recording()
+    w._kv = object()  # registered regions: the worker registers them again
+    live_process.kill()
+    live_process.wait()
+    return w, reg, jid
+
+
+def test_a_call_the_new_daemon_refused_waits_for_the_new_registration(live_process):
+    """A restart raced a Store: the new daemon refused it NOT_FOUND (it ran
+    nothing). Its jobs go back to the queue for the registration with the
+    new daemon, not reported failed; the old registration's load in flight
+    is failed (its daemon exited)."""
+    from kvoffload.types import Op
+    from kvoffload.worker_side import _Batch
+
+    w, reg, jid = _stale_worker(live_process)
+    with w._cv:
+        sid = w._new_job("req", Op.STORE, GroupJob(0, [b"\x03" * 32], [12]))
+        w._jobs[sid].reg = 7
+        reg.jobs.add(sid)
+        w._sending = (reg, {sid})
+    w._send(_Batch(Op.STORE, [sid]), reg, [(sid, w._jobs[sid])], False)
+    assert w._client.calls == [7]
+    assert sid in w._jobs and w._jobs[sid].reg == 0
+    assert [b.jids for b in w._queue] == [[sid]]
+    assert w.registration_id is None and w._rejoin and w._holding()
+    assert jid not in w._jobs and w._failed_blocks == {10, 11}
+
+
+def test_the_sender_never_calls_on_a_registration_whose_daemon_exited(live_process):
+    import threading
+
+    from kvoffload.types import Op
+    from kvoffload.worker_side import _Batch
+
+    w, reg, jid = _stale_worker(live_process)
+    with w._cv:
+        sid = w._new_job("req", Op.STORE, GroupJob(0, [b"\x03" * 32], [12]))
+        w._queue.append(_Batch(Op.STORE, [sid]))
+    t = threading.Thread(target=w._send_loop, daemon=True)
+    t.start()
+    try:
+        assert wait_for(lambda: w._rejoin, timeout=30)
+        with w._cv:
+            assert [b.jids for b in w._queue] == [[sid]] and sid in w._jobs
+    finally:
+        with w._cv:
+            w._stop = True
+            w._cv.notify_all()
+        t.join(10)
+    assert w._client.calls == []
