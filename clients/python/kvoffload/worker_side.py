@@ -489,12 +489,13 @@ class WorkerSide:
                 self._drain_dirty.add(j.rid)
         self._cv.notify_all()
 
-    def _lose_registration(self, reg: _Reg, why: str) -> None:
+    def _lose_registration(self, reg: _Reg, why: str, superseded: bool = False) -> None:
         """Nothing of this registration runs any more: settle its jobs (but
         those of the sender's call in progress: the sender settles them
         when it returns). When it was the current registration and its
-        daemon exited (a restart), the worker registers with the next one
-        before it sends anything (``_rejoin``)."""
+        daemon exited (a restart), or another one refused it with nothing of
+        it left in flight (``superseded``), the worker registers with the
+        next one before it sends anything (``_rejoin``)."""
         sending = self._sending[1] if self._sending is not None and self._sending[0] is reg else set()
         jobs = sorted(reg.jobs - sending)
         if jobs:
@@ -509,9 +510,10 @@ class WorkerSide:
             del self._regs[reg.id]
         if current:
             self.registration_id = None
-            if exited and self._kv is not None and self.refused is None and not self._stop:
-                log.info("kvoffload: the daemon that held registration %d (pid %s) exited: registering with the "
-                         "next one on the socket before sending it anything", reg.id, reg.daemon.pid)
+            if (exited or superseded) and self._kv is not None and self.refused is None and not self._stop:
+                log.info("kvoffload: the daemon that held registration %d (pid %s) %s: registering with the next "
+                         "one on the socket before sending it anything", reg.id, reg.daemon.pid,
+                         "exited" if exited else "no longer serves the socket")
                 self._rejoin = True
                 self._down_since = None  # that process is gone; whether another answers is probed anew
                 self._next_rereg = self._clock()
@@ -624,13 +626,16 @@ class WorkerSide:
         except NotFound as e:
             same = self._same_daemon(reg)  # a socket probe: not under the lock
             with self._cv:
-                if not same and reg.daemon.exited():
-                    # A restart raced the call: the new daemon refused it
-                    # whole (nothing ran) and the registration went with
-                    # the old process. The jobs wait for the registration
-                    # with the new one.
+                others = reg.jobs - {jid for jid, _ in jobs}
+                if not same and (reg.daemon.exited() or not others):
+                    # A restart raced the call, or overlaps it (the old
+                    # process still tears down, its connections closed, and
+                    # holds nothing of this registration in flight): the
+                    # daemon that answers refused the call whole (nothing
+                    # ran) and the registration is gone with the old one.
+                    # The jobs wait for the registration with the new one.
                     if self._regs.get(reg.id) is reg:
-                        self._lose_registration(reg, str(e))
+                        self._lose_registration(reg, str(e), superseded=True)
                     if self._rejoin:
                         self._requeue_locked(batch, reg, jobs)
                     else:

@@ -262,3 +262,32 @@ def test_the_sender_never_calls_on_a_registration_whose_daemon_exited(live_proce
             w._cv.notify_all()
         t.join(10)
     assert w._client.calls == []
+
+
+def test_a_call_refused_by_a_new_daemon_while_the_old_tears_down_waits_too(live_process):
+    """An overlapping restart: a new daemon serves the socket while the old
+    process still tears down (docs/operations.md, Signals), so no exit is
+    seen yet. Its NOT_FOUND ran nothing, and nothing of the registration is
+    in flight in the old one: the jobs wait for the new registration."""
+    from test_reconnect import Clock, StubClient, worker
+
+    from kvoffload.types import Op
+    from kvoffload.worker_side import _Batch
+
+    class Refusing(StubClient):
+        def store(self, registration_id, jobs, **kw):
+            raise kv.NotFound(None, "unknown registration")
+
+    w, reg, jid = worker([], Clock(), live_process.pid, answering_pid=live_process.pid + 100000)
+    w._client = Refusing([])
+    w._kv = object()
+    with w._cv:
+        w._settle(jid, failed_all=True)  # nothing of the old registration left in flight
+        sid = w._new_job("req", Op.STORE, GroupJob(0, [b"\x03" * 32], [12]))
+        w._jobs[sid].reg = 7
+        reg.jobs.add(sid)
+        w._sending = (reg, {sid})
+    w._send(_Batch(Op.STORE, [sid]), reg, [(sid, w._jobs[sid])], False)
+    assert sid in w._jobs and [b.jids for b in w._queue] == [[sid]]
+    assert w.registration_id is None and w._rejoin
+    assert live_process.poll() is None
