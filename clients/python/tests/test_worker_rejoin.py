@@ -168,19 +168,20 @@ def restarts(h: Harness, d, c_holder: list, rounds: int, *, in_flight: bool, gap
     return out
 
 
-@pytest.mark.parametrize("mode", ["idle", "in-flight", "hidden-pid", "gap"])
+@pytest.mark.parametrize("mode", ["idle", "in-flight", "hidden-pid", "gap", "mirror"])
 def test_a_worker_registers_with_a_restarted_daemon_before_it_sends_it_anything(fresh_daemon, shm, fingerprint,
                                                                                 mode, monkeypatch):
     """The worker is idle across each restart (``in-flight``: a load runs
     at the SIGTERM; ``hidden-pid``: the daemon's pid is not visible, its
     life file tells the exit; ``gap``: the engine runs while no daemon
-    listens). The first step after it loads a prefix the new daemon
+    listens; ``mirror``: the scheduler answers from its mirror of the
+    daemon's events, which follows the new daemon). The first step after it loads a prefix the new daemon
     recovered from disk and stores a new prompt: no load fails, every store
     is acknowledged and held by the new daemon."""
     if mode == "hidden-pid":
         monkeypatch.setattr(test_connector, "WorkerSide", functools.partial(WorkerSide, pid_probe=lambda path: None))
     d = fresh_daemon(*DISK)
-    h = Harness(d, shm, fingerprint)
+    h = Harness(d, shm, fingerprint, mirror=mode == "mirror")
     try:
         if mode == "hidden-pid":
             w = h.workers[0]
