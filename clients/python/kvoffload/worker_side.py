@@ -374,7 +374,7 @@ class WorkerSide:
         with self._cv:
             fingerprint = self.fingerprint
         life = None
-        for _ in range(3):
+        for attempt in range(3):
             if life is not None:
                 os.close(life)
             pid = self._pid_probe(self._socket)
@@ -403,9 +403,19 @@ class WorkerSide:
                 return False
             if self._pid_probe(self._socket) == pid and _same_life(life, self._socket):
                 break
-            # The daemon restarted between the probe and the call: the
-            # registration may belong to either; make another.
+            # The daemon restarted between the probe and the call (or the
+            # life file was the last daemon's: a new one listens before it
+            # replaces the file): the registration may belong to either.
+            # Let go of it (a new daemon's is this connection's only one
+            # there; the old one's went with it: NOT_FOUND) and make
+            # another.
+            if attempt == 2:
+                break  # (kept: the third time running, a daemon restarting that often)
             log.info("kvoffload: the daemon restarted during Register; registering again")
+            try:
+                self._client.unregister(reg.registration_id, timeout=self._register_timeout)
+            except KVOffloadError:
+                pass  # the old daemon's, gone with it
         with self._cv:
             if fingerprint != self.fingerprint:
                 # A cache reset moved the identity on during the call: this

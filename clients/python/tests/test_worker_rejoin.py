@@ -292,3 +292,37 @@ def test_a_call_refused_by_a_new_daemon_while_the_old_tears_down_waits_too(live_
     assert sid in w._jobs and [b.jids for b in w._queue] == [[sid]]
     assert w.registration_id is None and w._rejoin
     assert live_process.poll() is None
+
+
+def test_a_registration_made_across_a_restart_is_let_go_of_before_another_is_made():
+    """The daemon answering the socket changed during Register: the
+    registration may be either daemon's. It is unregistered (not left
+    mapping the engine's memory until the connection closes) and another
+    made."""
+    from types import SimpleNamespace
+
+    from kvoffload.types import Registration
+
+    class Registering:
+        def __init__(self):
+            self.calls = []
+
+        def register(self, *a, **kw):
+            self.calls.append(("register", kw.get("wait_for_ready")))
+            return Registration(len(self.calls), 3, False, "test", 1)
+
+        def unregister(self, rid, **kw):
+            self.calls.append(("unregister", rid))
+
+        def close(self):
+            pass
+
+    pids = iter([100, 200, 200, 200])
+    c = Registering()
+    w = WorkerSide("/nonexistent.sock", b"fp", 1, client=c, pid_probe=lambda path: next(pids))
+    w._kv = SimpleNamespace(layout=None, regions=[], device="cpu")
+    assert w._register(wait=True)
+    assert c.calls == [("register", True), ("unregister", 1), ("register", True)]
+    assert w.registration_id == 3 and set(w._regs) == {3}
+    for r in w._regs.values():
+        r.daemon.close()
