@@ -838,8 +838,13 @@ class WorkerSide:
         """Registers with the daemon that serves the socket after a restart,
         once one listens (the poller thread). While none does, the jobs
         queued meanwhile are dropped, as for a daemon that is down."""
+        listening = _socket_problem(self._socket) is None
         with self._cv:
             if self._stop or not self._rejoin:
+                return
+            if not listening:
+                self._drop_unsent_locked()
+                self._cv.wait(self._watch)
                 return
             if self._sending is not None:
                 # A call on the old registration is in progress (the
@@ -847,11 +852,6 @@ class WorkerSide:
                 # be the new registration's. It ends first.
                 self._cv.wait(self._watch)
                 return
-        if _socket_problem(self._socket) is not None:
-            with self._cv:
-                self._drop_unsent_locked()
-                self._cv.wait(self._watch)
-            return
         self._register(wait=True)
 
     def _poll_one(self, reg: _Reg, wait_ms: int) -> None:
