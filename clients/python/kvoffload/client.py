@@ -417,12 +417,14 @@ class Client:
 
     def register(
         self, fingerprint: bytes, layout: Layout, regions: Sequence[Region], client_name: str = "", *,
-        timeout: float | None = None, registration_key: bytes = b"",
+        timeout: float | None = None, registration_key: bytes = b"", wait_for_ready: bool | None = None,
     ) -> Registration:
         """Maps ``regions`` (one per layout segment, same order) and joins or
         creates the namespace named by ``fingerprint`` (1 to 256 bytes).
         ``registration_key`` (at most 256 bytes) lets peers find the
-        fingerprint with :meth:`find_registrations`."""
+        fingerprint with :meth:`find_registrations`. With ``wait_for_ready``
+        a call made while the connection is down (a daemon just restarted)
+        waits for it, up to the deadline, instead of failing unsent."""
         req = pb.RegisterRequest(
             fingerprint=bytes(fingerprint),
             layout=pb.Layout(
@@ -435,7 +437,7 @@ class Client:
             protocol_version=PROTOCOL_VERSION,
             client_version=__version__,
         )
-        r = self._call("Register", req, timeout=timeout)
+        r = self._call("Register", req, timeout=timeout, wait_for_ready=wait_for_ready)
         # The daemon refuses a protocol it does not speak; one older than the
         # numbers answers 0 and speaks protocol 1.
         proto = r.protocol_version or 1

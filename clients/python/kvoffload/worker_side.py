@@ -35,6 +35,19 @@ reused while a copy from or into it may still run, and no step waits on a
 store unless it reuses a block of it. Everything queued but
 not sent when the daemon stops answering is dropped (stores) or failed
 (loads, so vLLM recomputes), and nothing new is queued until it answers.
+
+A daemon restart (its process exits, a new one serves the socket, with
+registration ids from 1 again) is seen from the process itself: the poller
+watches the registration's daemon (a pidfd, or its life file) every
+``restart_watch_s`` even when nothing is in flight, and the sender looks
+before each call. Once it exited, nothing is sent on its registration
+again: the step's jobs wait in the queue while the worker registers its
+regions again, as at start, with the next daemon to listen on the socket
+(dropped, as for a daemon that is down, while none listens), and then go
+to the new registration. A call the new daemon refused with NOT_FOUND (it
+raced the exit) ran nothing: its jobs wait too. The registration is made
+only once no call on the old one is in progress: the old id may be the new
+one's.
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ._version import __version__
-from .client import Client
+from .client import Client, _socket_problem
 from .daemon_process import DaemonProcess, daemon_pid, open_life, same_life as _same_life
 from .errors import (
     Cancelled,
@@ -140,6 +153,9 @@ class WorkerSide:
         piggyback: read finished results from the replies of the Store and
             Load calls (False: from Completions only, as before the daemon
             returned them there).
+        restart_watch_s: how often the poller looks whether the
+            registration's daemon process exited (a pidfd poll, no call),
+            and, once it did, whether another listens on the socket yet.
     """
 
     def __init__(
@@ -165,6 +181,7 @@ class WorkerSide:
         pid_probe: Callable[[str], int | None] = daemon_pid,
         piggyback: bool = True,
         registration_key: bytes = b"",
+        restart_watch_s: float = 0.02,
     ):
         self.fingerprint = bytes(fingerprint)
         # Registrations under the first fingerprint carry this key, so that
@@ -186,6 +203,7 @@ class WorkerSide:
         self._suspect_after = suspect_after_s
         self._sync_queue_wait = sync_queue_wait_s
         self._rereg_after = reregister_after_s
+        self._watch = restart_watch_s
         self._unknown_grace = unknown_daemon_grace_s
         self._clock = clock
         self._pid_probe = pid_probe
@@ -231,6 +249,12 @@ class WorkerSide:
         self._retired: list[tuple[int, DaemonProcess]] = []
         self._retire_after = 0.0
         self._switching = False  # registering under a new identity: jobs wait in the queue, unsent
+        # The registration's daemon exited (a restart): the next one on the
+        # socket is registered with before anything is sent; jobs wait in
+        # the queue meanwhile, or are dropped while no daemon listens.
+        self._rejoin = False
+        # The sender's call in progress: its registration and job ids.
+        self._sending: tuple[_Reg, set[int]] | None = None
         self._calls = 0
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -284,12 +308,18 @@ class WorkerSide:
         log.info("kvoffload: cache reset: registering under the new identity (%d queued jobs dropped, %d loads in "
                  "flight will be reported failed)", n, stale)
 
+    def _holding(self) -> bool:
+        """Jobs wait in the queue for a registration being made."""
+        return self._switching or self._rejoin
+
     def _end_switch_locked(self, registered: bool) -> None:
-        """The registration under a new identity is made (the queued jobs
-        go), or failed (they are dropped, as with a daemon that is down)."""
-        if not self._switching:
+        """The registration under a new identity, or with a restarted
+        daemon, is made (the queued jobs go), or failed (they are dropped,
+        as with a daemon that is down)."""
+        if not self._holding():
             return
         self._switching = False
+        self._rejoin = False
         if not registered:
             self._drop_unsent_locked()
         self._cv.notify_all()
@@ -334,22 +364,26 @@ class WorkerSide:
             return pid is None or pid == proc.pid  # None: nobody answers (the call fails, kept)
         return proc.serves(self._socket) or not proc.known
 
-    def _register(self) -> bool:
+    def _register(self, wait: bool = False) -> bool:
+        """Registers the worker's regions under the current identity.
+        ``wait``: a call made while the connection is down waits for it (a
+        daemon that just started listening), up to the register timeout."""
         kv = self._kv
         if kv is None or self.refused is not None:
             return False
         with self._cv:
             fingerprint = self.fingerprint
         life = None
-        for _ in range(3):
+        for attempt in range(3):
             if life is not None:
                 os.close(life)
             pid = self._pid_probe(self._socket)
             life = open_life(self._socket)
             try:
                 key = self.registration_key if fingerprint == self._keyed_fingerprint else b""
+                kw: dict[str, Any] = {"wait_for_ready": True} if wait else {}
                 reg = self._client.register(fingerprint, kv.layout, kv.regions, self.client_name,
-                                            timeout=self._register_timeout, registration_key=key)
+                                            timeout=self._register_timeout, registration_key=key, **kw)
             except (InvalidArgument, FailedPrecondition, PermissionDenied) as e:
                 if life is not None:
                     os.close(life)
@@ -369,9 +403,19 @@ class WorkerSide:
                 return False
             if self._pid_probe(self._socket) == pid and _same_life(life, self._socket):
                 break
-            # The daemon restarted between the probe and the call: the
-            # registration may belong to either; make another.
+            # The daemon restarted between the probe and the call (or the
+            # life file was the last daemon's: a new one listens before it
+            # replaces the file): the registration may belong to either.
+            # Let go of it (a new daemon's is this connection's only one
+            # there; the old one's went with it: NOT_FOUND) and make
+            # another.
+            if attempt == 2:
+                break  # (kept: the third time running, a daemon restarting that often)
             log.info("kvoffload: the daemon restarted during Register; registering again")
+            try:
+                self._client.unregister(reg.registration_id, timeout=self._register_timeout)
+            except KVOffloadError:
+                pass  # the old daemon's, gone with it
         with self._cv:
             if fingerprint != self.fingerprint:
                 # A cache reset moved the identity on during the call: this
@@ -455,19 +499,44 @@ class WorkerSide:
                 self._drain_dirty.add(j.rid)
         self._cv.notify_all()
 
-    def _lose_registration(self, reg: _Reg, why: str) -> None:
-        """Nothing of this registration runs any more: settle its jobs."""
-        jobs = sorted(reg.jobs)
+    def _lose_registration(self, reg: _Reg, why: str, superseded: bool = False) -> None:
+        """Nothing of this registration runs any more: settle its jobs (but
+        those of the sender's call in progress: the sender settles them
+        when it returns). When it was the current registration and its
+        daemon exited (a restart), or another one refused it with nothing of
+        it left in flight (``superseded``), the worker registers with the
+        next one before it sends anything (``_rejoin``)."""
+        sending = self._sending[1] if self._sending is not None and self._sending[0] is reg else set()
+        jobs = sorted(reg.jobs - sending)
         if jobs:
             log.warning("kvoffload: registration %d is gone (%s); %d jobs in flight reported failed", reg.id, why,
                         len(jobs))
         for jid in jobs:
             self._settle(jid, failed_all=True)
+        exited = reg.daemon.exited()
         reg.daemon.close()
-        self._regs.pop(reg.id, None)
-        if self.registration_id == reg.id:
+        current = self.registration_id is not None and self._regs.get(self.registration_id) is reg
+        if self._regs.get(reg.id) is reg:
+            del self._regs[reg.id]
+        if current:
             self.registration_id = None
-            self._next_rereg = self._clock() + self._rereg_after
+            if (exited or superseded) and self._kv is not None and self.refused is None and not self._stop:
+                log.info("kvoffload: the daemon that held registration %d (pid %s) %s: registering with the next "
+                         "one on the socket before sending it anything", reg.id, reg.daemon.pid,
+                         "exited" if exited else "no longer serves the socket")
+                self._rejoin = True
+                self._down_since = None  # that process is gone; whether another answers is probed anew
+                self._next_rereg = self._clock()
+            else:
+                self._next_rereg = self._clock() + self._rereg_after
+        self._cv.notify_all()
+
+    def _watch_exits_locked(self) -> None:
+        """Loses the registrations whose daemon process exited (a pidfd
+        poll or a lock try each, no call)."""
+        for r in list(self._regs.values()):
+            if self._regs.get(r.id) is r and r.daemon.exited():
+                self._lose_registration(r, "the daemon process exited")
 
     def _suspect(self) -> bool:
         """The daemon is not answering: a call failed, or has run too long."""
@@ -500,12 +569,19 @@ class WorkerSide:
     def _send_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and (not self._queue or self._switching):
+                while not self._stop and (not self._queue or self._holding()):
                     self._cv.wait()
                 if self._stop:
                     return
                 batch = self._queue.popleft()
                 reg = self._regs.get(self.registration_id) if self.registration_id is not None else None
+                if reg is not None and reg.daemon.exited():
+                    # A restart: never a call on the old registration (its
+                    # id may name another in the new daemon). The batch
+                    # waits for the registration with the next one.
+                    self._queue.appendleft(batch)
+                    self._lose_registration(reg, "the daemon process exited")
+                    continue
                 jobs = [(jid, self._jobs[jid]) for jid in batch.jids if jid in self._jobs]
                 if reg is None or self._down_since is not None:
                     for jid, _ in jobs:
@@ -517,6 +593,7 @@ class WorkerSide:
                     if j.op == Op.LOAD:
                         reg.loads += 1
                 self._send_started = self._clock()
+                self._sending = (reg, {jid for jid, _ in jobs})
                 # Its reply reads the results: the poller leaves them to it
                 # unless the call takes longer than poll_wait_ms.
                 reg.read_at = self._send_started
@@ -525,6 +602,7 @@ class WorkerSide:
                 self._send(batch, reg, jobs, use_leases)
             with self._cv:
                 self._send_started = None
+                self._sending = None
                 self._cv.notify_all()
 
     def _send(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]], use_leases: bool) -> None:
@@ -558,12 +636,27 @@ class WorkerSide:
         except NotFound as e:
             same = self._same_daemon(reg)  # a socket probe: not under the lock
             with self._cv:
-                for jid, _ in jobs:
-                    self._settle(jid, failed_all=True)
-                # The same process drained it, or its process is gone (a
-                # restart while nothing was in flight: no poll saw it).
-                if reg.id in self._regs and (same or reg.daemon.exited()):
-                    self._lose_registration(reg, str(e))
+                others = reg.jobs - {jid for jid, _ in jobs}
+                if not same and (reg.daemon.exited() or not others):
+                    # A restart raced the call, or overlaps it (the old
+                    # process still tears down, its connections closed, and
+                    # holds nothing of this registration in flight): the
+                    # daemon that answers refused the call whole (nothing
+                    # ran) and the registration is gone with the old one.
+                    # The jobs wait for the registration with the new one.
+                    if self._regs.get(reg.id) is reg:
+                        self._lose_registration(reg, str(e), superseded=True)
+                    if self._rejoin:
+                        self._requeue_locked(batch, reg, jobs)
+                    else:
+                        for jid, _ in jobs:
+                            self._settle(jid, failed_all=True)
+                else:
+                    for jid, _ in jobs:
+                        self._settle(jid, failed_all=True)
+                    # The same process drained it.
+                    if self._regs.get(reg.id) is reg and same:
+                        self._lose_registration(reg, str(e))
         except _REFUSED as e:
             log.error("kvoffload: %s of %d jobs refused (%s); their blocks are reported failed",
                       batch.op.name.title(), len(jobs), e)
@@ -577,15 +670,41 @@ class WorkerSide:
                 log.warning("kvoffload: %s of %d jobs: no answer (%s); waiting for the daemon to settle them",
                             batch.op.name.title(), len(jobs), e)
             with self._cv:
-                if self._down_since is None:
-                    self._down_since = self._clock()
-                self._drop_unsent_locked()
+                if self._regs.get(reg.id) is reg and not reg.daemon.exited():
+                    if self._down_since is None:
+                        self._down_since = self._clock()
+                    self._drop_unsent_locked()
         finally:
             with self._cv:
                 now = self._clock()
                 for jid, j in jobs:
                     j.sent_at = now
                 reg.quiet = 0
+                if self._regs.get(reg.id) is reg and reg.daemon.exited():
+                    self._lose_registration(reg, "the daemon process exited")
+                if self._regs.get(reg.id) is not reg:
+                    # Lost while the call ran (its daemon exited, or drained
+                    # it): nothing runs this call's jobs any more.
+                    for jid, j in jobs:
+                        if self._jobs.get(jid) is j and j.reg == reg.id:
+                            self._settle(jid, failed_all=True)
+
+    def _requeue_locked(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]]) -> None:
+        """Puts a call's jobs back at the head of the queue: the daemon
+        refused the call whole, so none of them ran."""
+        jids = []
+        for jid, j in jobs:
+            if self._jobs.get(jid) is not j:
+                continue
+            if jid in reg.jobs:
+                reg.jobs.discard(jid)
+                if j.op == Op.LOAD:
+                    reg.loads -= 1
+            j.reg = 0
+            jids.append(jid)
+        if jids:
+            self._queue.appendleft(_Batch(batch.op, jids, batch.ready_event))
+            self._cv.notify_all()
 
     def _take_reply(self, reg: _Reg, sent: int, c: Any) -> None:
         """Settles the finished jobs a Store or Load reply carried (the
@@ -654,6 +773,7 @@ class WorkerSide:
             with self._cv:
                 if self._stop:
                     return
+                self._watch_exits_locked()
                 for r in [r for r in self._regs.values()
                           if not r.jobs and r.id != self.registration_id and not r.retired]:
                     r.daemon.close()  # an old registration with nothing left in flight
@@ -681,8 +801,15 @@ class WorkerSide:
                         # Results are left to the sender's next call for
                         # a while; then Completions reads them.
                         timeout = max(0.001, wake) if timeout is None else min(timeout, max(0.001, wake))
+                    if self._regs:
+                        # Watch for a daemon that exits (a restart) while
+                        # nothing is in flight.
+                        timeout = self._watch if timeout is None else min(timeout, self._watch)
                     self._cv.wait(timeout if timeout is not None else 1.0)
                     continue
+            if need_reg and self._rejoin:
+                self._rejoin_step()
+                continue
             if need_reg:
                 if not self._register():
                     with self._cv:
@@ -706,6 +833,26 @@ class WorkerSide:
                 continue
             for reg in regs:
                 self._poll_one(reg, self._poll_wait_ms if len(regs) == 1 and not reg.more else 0)
+
+    def _rejoin_step(self) -> None:
+        """Registers with the daemon that serves the socket after a restart,
+        once one listens (the poller thread). While none does, the jobs
+        queued meanwhile are dropped, as for a daemon that is down."""
+        listening = _socket_problem(self._socket) is None
+        with self._cv:
+            if self._stop or not self._rejoin:
+                return
+            if not listening:
+                self._drop_unsent_locked()
+                self._cv.wait(self._watch)
+                return
+            if self._sending is not None:
+                # A call on the old registration is in progress (the
+                # daemon that answers it refuses it NOT_FOUND): its id may
+                # be the new registration's. It ends first.
+                self._cv.wait(self._watch)
+                return
+        self._register(wait=True)
 
     def _poll_one(self, reg: _Reg, wait_ms: int) -> None:
         with self._cv:
@@ -873,7 +1020,7 @@ class WorkerSide:
                 jids.extend(self._new_job(rid, Op.LOAD, gj) for gj in real)
             if not jids:
                 return []
-            if (self.registration_id is None and not self._switching) or self._suspect():
+            if (self.registration_id is None and not self._holding()) or self._suspect():
                 for jid in jids:
                     self._settle(jid, dropped=True)
                 return []
@@ -891,7 +1038,7 @@ class WorkerSide:
             jids = [self._new_job(rid, Op.STORE, gj, plan.seq) for rid, gjobs in plan.stores.items() for gj in gjobs]
             for rid in plan.stores:
                 self._store_seen[rid] = max(self._store_seen.get(rid, 0), plan.seq)
-            if (self.registration_id is None and not self._switching) or self._suspect():
+            if (self.registration_id is None and not self._holding()) or self._suspect():
                 for jid in jids:
                     self._settle(jid, dropped=True)
                 return []
