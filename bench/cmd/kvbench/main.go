@@ -31,6 +31,7 @@ func main() {
 	// kvbench starts itself as the same-segment copy baseline's helper
 	// process (baseline.ProcessCopier).
 	baseline.ServeIfHelper()
+	serveSnapshotReader()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if _, err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {

@@ -6,8 +6,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -308,7 +310,7 @@ const (
 // its own connection; b.o.scaleSnaps times, a window of idle Lookups (as
 // long as the last snapshot took, at least a second), then a router reads
 // a WatchEvents snapshot of every namespace to its CAUGHT_UP on another
-// connection, as fast as it can. Idle and snapshot windows alternate, so
+// connection, as fast as it can, in a process of its own. Idle and snapshot windows alternate, so
 // the machine's load weighs on both alike. The daemon's anonymous RSS is
 // read every 20 ms throughout (from /proc: it costs the daemon nothing).
 func (b *bench) scaleSnapshot(ctx context.Context, d *daemon.Daemon, fingerprint []byte, row *report.Scale) error {
@@ -327,11 +329,6 @@ func (b *bench) scaleSnapshot(ctx context.Context, d *daemon.Daemon, fingerprint
 	if err != nil {
 		return err
 	}
-	router, err := client.Dial(d.Socket)
-	if err != nil {
-		return err
-	}
-	defer router.Close()
 
 	var window atomic.Int32 // snapGap, snapIdle or snapDuring
 	var lat [3][]time.Duration
@@ -407,10 +404,9 @@ func (b *bench) scaleSnapshot(ctx context.Context, d *daemon.Daemon, fingerprint
 			errs = append(errs, err)
 			break
 		}
-		window.Store(snapDuring)
-		t0 := time.Now()
-		blocks, err := readSnapshot(ctx, router)
-		took := time.Since(t0)
+		var blocks int
+		var took time.Duration
+		err := routerProcess(ctx, d.Socket, func() { window.Store(snapDuring) }, &blocks, &took)
 		window.Store(snapGap)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("snapshot: %w", err))
@@ -449,6 +445,84 @@ func (b *bench) scaleSnapshot(ctx context.Context, d *daemon.Daemon, fingerprint
 		row.SnapshotRSSBytesPerBlock = (peak[snapDuring] - peak[snapIdle]) / float64(n)
 	}
 	return errors.Join(errs...)
+}
+
+// snapshotReaderArg makes kvbench the router of the scale scenario's
+// snapshot phase (serveSnapshotReader): a process of its own, as a router
+// is, whose decoding does not share the engine's Go runtime.
+const snapshotReaderArg = "-kvbench-snapshot-reader"
+
+// routerProcess starts kvbench as a router of the daemon at sock; once it
+// has connected, calls start and has it read a snapshot of every block to
+// its CAUGHT_UP; blocks is what it held, took the time from asking to its
+// end.
+func routerProcess(ctx context.Context, sock string, start func(), blocks *int, took *time.Duration) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, exe, snapshotReaderArg, sock)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	out := bufio.NewScanner(stdout)
+	var t0 time.Time
+	if out.Scan() && out.Text() == "connected" {
+		start()
+		t0 = time.Now()
+		_, err = io.WriteString(stdin, "go\n")
+		if err == nil && out.Scan() {
+			*took = time.Since(t0)
+			_, err = fmt.Sscan(out.Text(), blocks)
+		}
+	}
+	stdin.Close()
+	if werr := cmd.Wait(); werr != nil || t0.IsZero() {
+		return fmt.Errorf("the router process: %v %v: %s", err, werr, stderr.String())
+	}
+	return err
+}
+
+// serveSnapshotReader is the router process of routerProcess: it connects
+// to the socket named after snapshotReaderArg, says "connected", and on a
+// line from stdin reads a snapshot, prints its blocks and exits.
+func serveSnapshotReader() {
+	if len(os.Args) < 3 || os.Args[1] != snapshotReaderArg {
+		return
+	}
+	c, err := client.Dial(os.Args[2])
+	if err == nil {
+		defer c.Close()
+		// One round trip first: the connection is up before the clock
+		// starts.
+		_, err = c.Healthy(context.Background())
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println("connected")
+	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+		os.Exit(1)
+	}
+	n, err := readSnapshot(context.Background(), c)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println(n)
+	c.Close()
+	os.Exit(0)
 }
 
 // readSnapshot reads a WatchEvents stream of every namespace up to its
