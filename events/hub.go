@@ -547,8 +547,12 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 	out = out[:0]
 	room := max(cap(out), 8)
 	if s.snapping {
-		if err := s.pace(ctx, stop); err != nil {
+		busy, err := s.pace(ctx, stop)
+		if err != nil {
 			return nil, err
+		}
+		if busy {
+			room = min(room, snapBusyReply)
 		}
 	}
 	for {
@@ -627,17 +631,22 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 // caller): the snapshot then works at most 1/(1+snapPace) of the time, and
 // leaves the rest of the CPU to the Lookups. snapPauseMax bounds one pause
 // (a reply that took long waited on its reader, not on the CPU).
+// While busy, a reply holds at most snapBusyReply events: the CPU a
+// reply takes at once (encoding it here, decoding it at the router) is
+// what a Lookup that comes meanwhile may wait for.
 const (
-	snapPace     = 3
-	snapPauseMax = 20 * time.Millisecond
+	snapPace      = 3
+	snapPauseMax  = 20 * time.Millisecond
+	snapBusyReply = 256
 )
 
 // pace starts the next reply of a snapshot: if a Lookup was served since
-// the last one began, it first pauses snapPace times as long as that reply
-// took. Idle, a snapshot runs at full speed.
-func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) error {
+// the last one began (busy), it first pauses snapPace times as long as that
+// reply took. Idle, a snapshot runs at full speed.
+func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) (busy bool, _ error) {
 	now, d := time.Now(), s.h.demand.Load()
-	if !s.replyAt.IsZero() && d != s.demand {
+	busy = d != s.demand
+	if !s.replyAt.IsZero() && busy {
 		wait := min(now.Sub(s.replyAt)*snapPace, snapPauseMax)
 		if s.timer == nil {
 			s.timer = time.NewTimer(wait)
@@ -648,16 +657,16 @@ func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) error {
 		case <-s.timer.C:
 		case <-ctx.Done():
 			s.timer.Stop()
-			return ctx.Err()
+			return busy, ctx.Err()
 		case <-stop:
 			s.timer.Stop()
-			return ErrStopped
+			return busy, ErrStopped
 		}
 		s.h.paused.Add(int64(wait))
 		now, d = time.Now(), s.h.demand.Load()
 	}
 	s.replyAt, s.demand = now, d
-	return nil
+	return busy, nil
 }
 
 // take is scan's callback, under the shard's lock: it adds a followed
