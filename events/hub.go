@@ -540,9 +540,11 @@ func (s *Sub) Close() {
 // ErrStopped is returned by Next once stop is closed.
 var ErrStopped = errors.New("event stream stopped")
 
-// Next appends to out (up to cap(out), at least 8) the next events of the
+// Next appends to out (up to cap(out), at least 8; at most snapBusyReply
+// during a snapshot while Lookups are served) the next events of the
 // subscription, waiting for a change when there is none, until ctx ends or
-// stop is closed.
+// stop is closed. During a snapshot, it first pauses while Lookups are
+// served (pace).
 func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Event, error) {
 	out = out[:0]
 	room := max(cap(out), 8)
@@ -625,15 +627,15 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 	}
 }
 
-// snapPace is how long a snapshot pauses after each reply while Lookups
-// are served, per unit of the time that reply took (from its first scan to
-// the next reply's start: the scan, and the encoding and sending of the
-// caller): the snapshot then works at most 1/(1+snapPace) of the time, and
-// leaves the rest of the CPU to the Lookups. snapPauseMax bounds one pause
-// (a reply that took long waited on its reader, not on the CPU).
-// While busy, a reply holds at most snapBusyReply events: the CPU a
-// reply takes at once (encoding it here, decoding it at the router) is
-// what a Lookup that comes meanwhile may wait for.
+// While Lookups are served (busy), a snapshot paces itself: before each
+// reply it pauses snapPace times as long as the previous reply took (from
+// its first scan to the next reply's start: the scan, and the caller's
+// encoding and sending), so it works at most 1/(1+snapPace) of the time
+// and leaves the rest of the CPU to the Lookups; snapPauseMax bounds one
+// pause (a reply that took long waited on its reader, not on the CPU). A
+// busy reply holds at most snapBusyReply events: the CPU one reply takes
+// at once (encoding it here, decoding it at a router on the same host) is
+// what a Lookup coming meanwhile may wait for.
 const (
 	snapPace      = 3
 	snapPauseMax  = 20 * time.Millisecond
