@@ -12,7 +12,7 @@ import (
 
 // TestSnapshotMemoryPerBlock: reading a snapshot of many blocks allocates
 // next to nothing per block (the subscription reuses one chunk's buffer):
-// its memory does not grow with the index. Sending a chunk's events moved
+// its memory does not grow with the index; and each reply is full. Sending a chunk's events moved
 // the buffer's start, and every next chunk allocated a new one (111 B a
 // block).
 func TestSnapshotMemoryPerBlock(t *testing.T) {
@@ -31,8 +31,8 @@ func TestSnapshotMemoryPerBlock(t *testing.T) {
 	buf := make([]Event, 0, 1024)
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	stored := 0
-	for done := false; !done; {
+	stored, replies := 0, 0
+	for done := false; !done; replies++ {
 		evs, err := sub.Next(context.Background(), nil, buf)
 		if err != nil {
 			t.Fatal(err)
@@ -53,6 +53,11 @@ func TestSnapshotMemoryPerBlock(t *testing.T) {
 	}
 	if per := float64(after.TotalAlloc-before.TotalAlloc) / n; per > 4 {
 		t.Fatalf("%.1f bytes allocated per block of the snapshot, want next to none", per)
+	}
+	// Full replies, chunk after chunk (and the Cleared before them): a
+	// reply per 64-record chunk cost a message and a wakeup each.
+	if want := n/cap(buf) + 3; replies > want {
+		t.Fatalf("the snapshot took %d replies of up to %d events, want at most %d", replies, cap(buf), want)
 	}
 }
 
