@@ -384,6 +384,8 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 			func() float64 { return float64(s.ev.Subscribers()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_events_lost_total", Help: "Times an event subscriber fell behind the buffer and started over from a snapshot."},
 			func() float64 { return float64(s.ev.Lost()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_event_snapshot_paused_seconds_total", Help: "Time event snapshots paused to leave the CPU to Lookups (docs/events.md)."},
+			func() float64 { return s.ev.Paused().Seconds() }),
 	)
 }
 
@@ -741,6 +743,7 @@ const (
 // Lookup counts the leading keys ready in every namespace. With a lease it
 // also pins that prefix until the lease ends; the lease is owner's.
 func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.Duration, peek bool) (LookupResult, error) {
+	s.ev.Demand() // a snapshot streamed meanwhile leaves it the CPU
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
 		return LookupResult{}, err
