@@ -102,6 +102,19 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 		}
 	}
 	s.marksMu.Unlock()
+	// A chunk serves one slot size, so one class, whatever namespaces its
+	// blocks belong to. Its Forget count before the blocks are filed
+	// tells, after Learn, whether one of them may have gone meanwhile.
+	c, err := s.disk.Class(disk.SlotBytes(blocks[0].PayloadLen))
+	if err != nil { // cannot happen: the tier adopted the chunk into it
+		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
+	} else {
+		defer c.Drop() // the blocks' slots keep the class alive
+	}
+	var forgets uint64
+	if c != nil {
+		forgets = c.Forgets()
+	}
 	var cleaned []int
 	kept := 0
 	s.ix.MutateBatch(keys, func(i int, e *index.Entry, found bool) bool {
@@ -131,15 +144,16 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 			s.noteClean(ns.classes[keys[i].Group], keys[i])
 		}
 	}
-	if kept == 0 {
+	if kept == 0 || c == nil {
 		return verdicts
 	}
 	// Under the policy only now, with the entries in the index (its
 	// Evict must find them). An entry that went meanwhile (invalidated,
-	// a failed read) was forgotten by whoever dropped it, maybe before
-	// Learn: forget it again so the policy counts no slot that is free.
-	// A chunk serves one slot size, so one class, whatever namespaces its
-	// blocks belong to.
+	// a failed read) was forgotten by whoever dropped it, after it left
+	// the index and maybe before Learn: forget it again so the policy
+	// counts no slot that is free. Without a Forget of the class since
+	// the count above, none went before Learn, and the second look at
+	// the index is spared (a Forget that comes later comes after Learn).
 	ks := make([]index.Key, 0, kept)
 	at := make([]int, 0, kept)
 	for i, v := range verdicts {
@@ -147,13 +161,10 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 			ks, at = append(ks, keys[i]), append(at, i)
 		}
 	}
-	c, err := s.disk.Class(disk.SlotBytes(blocks[at[0]].PayloadLen))
-	if err != nil { // cannot happen: the tier adopted the chunk into it
-		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
+	c.Learn(ks)
+	if c.Forgets() == forgets {
 		return verdicts
 	}
-	defer c.Drop() // the blocks' slots keep the class alive
-	c.Learn(ks)
 	var gone []int
 	s.ix.MutateBatch(ks, func(j int, e *index.Entry, found bool) bool {
 		if !found || e.Disk != blocks[at[j]].Slot {

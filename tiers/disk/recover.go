@@ -292,7 +292,7 @@ func (t *Tier) recoverFile(f *file, buf, mem []byte, r Recoverer) {
 	// The blocks a chunk's scan found, reused chunk after chunk: with small
 	// blocks (thousands a chunk) growing it anew was a fifth of recovery's
 	// CPU (issue 34, item 6).
-	var got []found
+	var got []Recovered
 	var sc adoptScratch
 	for !stopped {
 		i := int(f.scan.next.Add(1) - 1)
@@ -385,12 +385,6 @@ func (t *Tier) Recovery() RecoveryStats {
 	return st
 }
 
-// found is one intact slot seen by the scan.
-type found struct {
-	id    Recovered
-	write uint64 // epoch<<32 | seq
-}
-
 // windowSlots is how many slots of a chunk like e one recovery read
 // takes: whole slots, at least recoveryWindow bytes, at most the chunk.
 func (t *Tier) windowSlots(e chunkEntry) uint64 {
@@ -400,7 +394,7 @@ func (t *Tier) windowSlots(e chunkEntry) uint64 {
 // scanChunk reads chunk ci of f (slots of e.slotBytes) window by window
 // into buf, verifies every slot and appends the blocks found to out.
 // false: recovery stopped first.
-func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte, out []found) ([]found, bool) {
+func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte, out []Recovered) ([]Recovered, bool) {
 	sb := e.slotBytes
 	per := t.chunkBytes / sb
 	win := t.windowSlots(e)
@@ -458,34 +452,30 @@ func (t *Tier) slotBad(f *file, s slots.SlotID, why error) {
 // chunk of e.slotBytes slots, and says why it is not a recoverable block
 // (slot.ErrEmpty: never written). It checks what a Read checks, except
 // that the write recorded for the slot is the header's own.
-func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (found, error) {
+func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (Recovered, error) {
 	h, err := slot.Decode(img[:slot.HeaderSize])
 	if err != nil {
-		return found{}, err
+		return Recovered{}, err
 	}
 	switch {
 	case h.Slot != uint64(s):
-		return found{}, fmt.Errorf("%w: written for slot %d", slot.ErrMisplaced, h.Slot)
+		return Recovered{}, fmt.Errorf("%w: written for slot %d", slot.ErrMisplaced, h.Slot)
 	case SlotBytes(h.PayloadLen) != e.slotBytes:
-		return found{}, fmt.Errorf("%w: a %d-byte payload in a chunk of %d-byte slots", slot.ErrLength, h.PayloadLen, e.slotBytes)
+		return Recovered{}, fmt.Errorf("%w: a %d-byte payload in a chunk of %d-byte slots", slot.ErrLength, h.PayloadLen, e.slotBytes)
 	case h.Epoch < e.minEpoch:
-		return found{}, fmt.Errorf("%w: written in epoch %d, before the chunk took this slot size in epoch %d", slot.ErrStale, h.Epoch, e.minEpoch)
+		return Recovered{}, fmt.Errorf("%w: written in epoch %d, before the chunk took this slot size in epoch %d", slot.ErrStale, h.Epoch, e.minEpoch)
 	case h.Seq == 0 || h.Seq > maxSeq:
-		return found{}, fmt.Errorf("%w: sequence number %d out of range", slot.ErrMalformed, h.Seq)
+		return Recovered{}, fmt.Errorf("%w: sequence number %d out of range", slot.ErrMalformed, h.Seq)
 	}
 	if err := slot.VerifyPayload(h, img[slot.HeaderSize:slot.HeaderSize+h.PayloadLen]); err != nil {
-		return found{}, err
+		return Recovered{}, err
 	}
-	return found{
-		id:    Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen, Write: uint64(h.Epoch)<<32 | h.Seq},
-		write: uint64(h.Epoch)<<32 | h.Seq,
-	}, nil
+	return Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen, Write: uint64(h.Epoch)<<32 | h.Seq}, nil
 }
 
 // adoptScratch is adoptChunk's per-chunk slices, kept by a reader from one
 // chunk to the next.
 type adoptScratch struct {
-	recs   []Recovered
 	keys   []index.Key
 	writes []uint64
 	used   []slots.SlotID
@@ -493,21 +483,26 @@ type adoptScratch struct {
 
 // adoptChunk gives chunk ci of f back to service: to the class of its
 // intact blocks, which come online through r.File, or to the free chunks
-// when nothing there is kept.
-func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recoverer, sc *adoptScratch) {
+// when nothing there is kept. found is the scan's, and adoptChunk keeps in
+// place the blocks r.Key names.
+func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []Recovered, r Recoverer, sc *adoptScratch) {
 	ch := uint32(f.idx*t.fileChunks + ci)
 	// Reused from chunk to chunk (r.File does not keep them): with
 	// thousands of small blocks a chunk, growing them anew costs.
-	recs, keys, writes, used := sc.recs[:0], sc.keys[:0], sc.writes[:0], sc.used[:0]
-	defer func() { sc.recs, sc.keys, sc.writes, sc.used = recs, keys, writes, used }()
-	for _, c := range found {
-		k, ok := r.Key(c.id)
+	keys, writes, used := sc.keys[:0], sc.writes[:0], sc.used[:0]
+	defer func() { sc.keys, sc.writes, sc.used = keys, writes, used }()
+	recs := found[:0]
+	for i := range found {
+		k, ok := r.Key(found[i])
 		if !ok {
 			t.rec.dropped.Add(1)
 			continue
 		}
-		recs, keys, writes = append(recs, c.id), append(keys, k), append(writes, c.write)
-		used = append(used, c.id.Slot)
+		if len(recs) < i {
+			found[len(recs)] = found[i]
+		}
+		recs = recs[:len(recs)+1]
+		keys, writes, used = append(keys, k), append(writes, found[i].Write), append(used, found[i].Slot)
 	}
 	unhold := func(why error) {
 		if why != nil {
