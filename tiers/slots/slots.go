@@ -188,6 +188,8 @@ type Class struct {
 	// the admissions before it whose stores have not taken their slots
 	// yet included.
 	amu sync.Mutex
+	// forgets counts Forget calls (Forgets).
+	forgets atomic.Uint64
 
 	// guarded by t.mu
 	free    []SlotID
@@ -510,12 +512,19 @@ func (c *Class) Admit(keys []index.Key) {
 // Forget removes k from the policy after its owner dropped it for a reason
 // of its own (failure, invalidation). Call it without holding any index lock.
 func (c *Class) Forget(k *index.Key) {
+	c.forgets.Add(1)
 	c.pmu.RLock()
 	defer c.pmu.RUnlock()
 	if !c.retired.Load() {
 		c.policy.forget(c.t.PolicyKey(k))
 	}
 }
+
+// Forgets counts the Forget calls so far, each counted before it reaches
+// the policy: an owner that files keys and then Learns them, and reads the
+// same count before filing and after Learn, knows that no Forget of them
+// came before the Learn (recovery, offload/recover.go).
+func (c *Class) Forgets() uint64 { return c.forgets.Load() }
 
 // Holds reports whether the policy counts k among the blocks it keeps. It
 // records no access; it is for invariant checks.
