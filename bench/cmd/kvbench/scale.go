@@ -33,7 +33,8 @@ import (
 //     block are read before and after.
 //   - A CPU tier of N/8 blocks (16 to 64 MiB) over a disk tier with room for N: the same stores,
 //     faster than the disk takes them; no block reported stored may be
-//     dropped (kvoffload_disk_demotions_total{result="dropped"}). Then a
+//     dropped (kvoffload_disk_demotions_total{result="dropped"}); the
+//     daemon's Go heap per block once the disk took them. Then a
 //     kill -9, a restart on the same files, the background recovery timed
 //     against a raw O_DIRECT sequential read of the same slot file, and the
 //     daemon's CPU time per recovered block.
@@ -384,6 +385,11 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		return err
 	}
 	row.DiskBytes = total
+	before, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
 	fingerprint := fmt.Appendf(nil, "kvbench/scale-disk/%d/pid=%d/%d", n, os.Getpid(), time.Now().UnixNano())
 	ok, noSpace, took, err := b.scaleStores(ctx, d, fingerprint, b.o.seed+1, n, b.o.scaleRanks, true)
 	if err != nil {
@@ -429,6 +435,12 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		d.Kill()
 		return err
 	}
+	after, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
+	row.DiskHeapBytesPerBlock = (after.heap - before.heap) / float64(n)
 	m, err := d.Metrics(ctx)
 	if err != nil {
 		d.Kill()
