@@ -57,16 +57,17 @@ func (p *tinyLFU) learn(keys []index.Key, hs []uint64) { p.add(keys, hs) }
 // wanted of a sample of the blocks held, each such block evicted until
 // there is room.
 func (p *tinyLFU) add(keys []index.Key, hs []uint64) {
-	var evicted, rejected []uint64
+	var evicted []uint64
+	var rejected []index.Key
 	p.mu.Lock()
 	sample := make([]uint64, 0, lfuSample)
-	for _, h := range hs {
+	for i, h := range hs {
 		if _, ok := p.recs.lookup(h); ok {
 			continue
 		}
 		capacity := p.capacity.Load()
 		if capacity < 1 {
-			rejected = append(rejected, h)
+			rejected = append(rejected, keys[i])
 			continue
 		}
 		in := p.estimate(h)
@@ -92,7 +93,7 @@ func (p *tinyLFU) add(keys []index.Key, hs []uint64) {
 			sample = sample[:len(sample)-1]
 		}
 		if !admitted {
-			rejected = append(rejected, h)
+			rejected = append(rejected, keys[i])
 			continue
 		}
 		p.recs.add(h)
@@ -102,7 +103,7 @@ func (p *tinyLFU) add(keys []index.Key, hs []uint64) {
 		p.cb.evict(evicted)
 	}
 	if len(rejected) > 0 {
-		p.cb.reject(declined(keys, hs, rejected))
+		p.cb.reject(rejected)
 	}
 }
 
