@@ -2,9 +2,9 @@
 // into chunks, each chunk serving one slot size (a chunk moves to another
 // size when that size has none), pins that keep a slot alive while a copy
 // uses it, and the admission and eviction policy (a segmented LRU, or
-// TinyLFU after ristretto's; policy.go, tinylfu.go) that decides which blocks to keep. It
-// never decides what is cached: that is the index's job. It tells its
-// owner, through callbacks, which keys the policy wants gone.
+// TinyLFU after ristretto's; policy.go, tinylfu.go) that decides which
+// blocks to keep. It never decides what is cached: that is the index's job.
+// It tells its owner, through callbacks, which keys the policy wants gone.
 //
 // Everything a client can make it hold is bounded by the space: slot sizes
 // (classes) by the number of chunks, each class's policy by a share of a
