@@ -307,6 +307,7 @@ func New(cfg Config) (*Service, error) {
 		cc.Staging = 1.0 / 32
 	}
 	cc.Evict = s.onPolicyEvict
+	cc.Keys = s.ix.KeysOf
 	cc.Reject = s.onPolicyReject
 	cc.EvictRange = s.onEvictRange
 	t, err := newCPUTier(cc, cfg.CPUArenaDir)
@@ -1099,7 +1100,8 @@ func (s *Service) nsByID(id uint32) *Namespace {
 	return s.mu.byID[id]
 }
 
-// onPolicyEvict runs on the CPU policy's goroutine for each key it evicted.
+// onPolicyEvict runs on the goroutine of the CPU policy's Admit or Learn for
+// each key it evicted.
 // Without a disk tier the block goes. With one (write-back) a ready block
 // that is not on disk yet is queued for the disk and stays readable from its
 // CPU slot until the write lands.

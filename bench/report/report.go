@@ -534,6 +534,7 @@ type Scale struct {
 	DiskOnDisk            int     `json:"disk_on_disk"`
 	DiskDropped           int     `json:"disk_dropped"`
 	DiskLost              int     `json:"disk_lost"`
+	DiskHeapBytesPerBlock float64 `json:"disk_heap_bytes_per_block"`
 	RestartToServingMs    float64 `json:"restart_to_serving_ms"`
 	RecoverySeconds       float64 `json:"recovery_seconds"`
 	RecoveredBlocks       int     `json:"recovered_blocks"`
@@ -708,15 +709,15 @@ func (r *Report) Print(w io.Writer) {
 	if len(r.Scale) > 0 {
 		fmt.Fprintf(w, "\nscale (%d-byte blocks, %d ranks storing at once; CPU tier with room for 2N, then a CPU tier of N/8 blocks (16-64 MiB) over a disk tier with room for N, kill -9, recovery):\n", r.Scale[0].BlockBytes, r.Scale[0].Ranks)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
+		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\theap B/block (<=150)\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
 		for _, sc := range r.Scale {
 			fmt.Fprintf(tw, "%d\t%d\t%d\t%.2f/%.2f\t%.0f\t%.0f\t", sc.Blocks, sc.CPUStoredOK, sc.CPULostWhileRoom, sc.StatsP50Ms, sc.StatsMaxMs, sc.HeapBytesPerBlock, sc.RSSBytesPerBlock)
 			if sc.DiskSkipped != "" {
 				fmt.Fprintf(tw, "skipped: %s\t\n", sc.DiskSkipped)
 				continue
 			}
-			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,
-				sc.RestartToServingMs, sc.RecoveredBlocks, sc.BadSlots, sc.RecoverySeconds, sc.RecoveryGBps, sc.RawSeqReadGBps, sc.RecoveryVsRaw, sc.RecoveryCPUusPerBlock)
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,
+				sc.DiskHeapBytesPerBlock, sc.RestartToServingMs, sc.RecoveredBlocks, sc.BadSlots, sc.RecoverySeconds, sc.RecoveryGBps, sc.RawSeqReadGBps, sc.RecoveryVsRaw, sc.RecoveryCPUusPerBlock)
 		}
 		tw.Flush()
 		if len(r.Scale[0].SnapshotSeconds) > 0 {

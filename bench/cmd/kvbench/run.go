@@ -1072,6 +1072,7 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		}
 		if sc.DiskSkipped == "" {
 			goal("scale_"+n+"_disk_dropped_or_lost", "== 0", report.F(float64(sc.DiskDropped+sc.DiskLost)), func(v float64) bool { return v == 0 })
+			goal("scale_"+n+"_disk_heap_bytes_per_block", "<= 150", report.F(sc.DiskHeapBytesPerBlock), func(v float64) bool { return v <= 150 })
 			goal("scale_"+n+"_recovery_vs_raw_seq_read", ">= 0.5", report.F(sc.RecoveryVsRaw), func(v float64) bool { return v >= 0.5 })
 		}
 	}

@@ -37,7 +37,8 @@ import (
 //     block are read before and after.
 //   - A CPU tier of N/8 blocks (16 to 64 MiB) over a disk tier with room for N: the same stores,
 //     faster than the disk takes them; no block reported stored may be
-//     dropped (kvoffload_disk_demotions_total{result="dropped"}). Then a
+//     dropped (kvoffload_disk_demotions_total{result="dropped"}); the
+//     daemon's Go heap per block once the disk took them. Then a
 //     kill -9, a restart on the same files, the background recovery timed
 //     against a raw O_DIRECT sequential read of the same slot file, and the
 //     daemon's CPU time per recovered block.
@@ -244,7 +245,7 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers})
+	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: []string{"--debug-checks"}})
 	if err != nil {
 		return err
 	}
@@ -586,13 +587,18 @@ func anonOutsideArena(pid int, arenaBytes uint64) (float64, error) {
 	return float64(ps["RssAnon"]) - float64(arena), nil
 }
 
-// scaleMem reads the daemon's Go heap in use, the least of five reads
-// 200 ms apart (the heap holds garbage until the next GC: the least is the
-// closest to what is live), and its anonymous RSS (the arena, locked at the
-// start, and the heap; not the engines' shared regions it maps) outside
-// its arena of arenaBytes.
+// scaleMem reads the daemon's Go heap in use after a garbage collection
+// (POST /debug/gc: without it the heap holds the garbage of the stores
+// until the next cycle, up to as much again as what is live, and a read
+// said more of when the last cycle ran than of the blocks), the least of
+// five reads 200 ms apart, and its anonymous RSS (the arena, locked at the
+// start, and the heap; not the engines' shared regions it maps) outside its
+// arena of arenaBytes.
 func (b *bench) scaleMem(ctx context.Context, d *daemon.Daemon, arenaBytes uint64) (scaleMemory, error) {
 	var sm scaleMemory
+	if err := d.GC(ctx); err != nil {
+		return sm, err
+	}
 	for i := range 5 {
 		if i > 0 {
 			select {
@@ -645,7 +651,7 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 	// disk, evicted faster than the disk takes them.
 	cpu := min(max(uint64(n)*4096/8, 16<<20), 64<<20) / (16 << 20) * (16 << 20)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}}
+		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}}
 	first := opts
 	first.Extra = append(slices.Clip(opts.Extra), "--disk-reset")
 	d, err := daemon.Start(ctx, first)
@@ -653,6 +659,11 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		return err
 	}
 	row.DiskBytes = total
+	before, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
 	fingerprint := fmt.Appendf(nil, "kvbench/scale-disk/%d/pid=%d/%d", n, os.Getpid(), time.Now().UnixNano())
 	ok, noSpace, took, err := b.scaleStores(ctx, d, fingerprint, b.o.seed+1, n, b.o.scaleRanks, true)
 	if err != nil {
@@ -698,6 +709,12 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		d.Kill()
 		return err
 	}
+	after, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
+	row.DiskHeapBytesPerBlock = (after.heap - before.heap) / float64(n)
 	m, err := d.Metrics(ctx)
 	if err != nil {
 		d.Kill()
