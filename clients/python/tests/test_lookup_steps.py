@@ -514,7 +514,6 @@ def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemo
     h = Harness(d, shm, fingerprint, tp=2, block_sizes=(4, 8), layers={0: ["a.0"], 1: ["b.0"]}, mirror=True)
     try:
         sched, m = h.sched, h.sched._mirror
-        assert sched._mirror_direct
         reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 34))) for i in range(4)]  # 4 units of 8 tokens
         for i, r in enumerate(reqs):
             assert h.ask(r) == (0, False)
