@@ -162,9 +162,8 @@ class LookupMirror:
         """The tier of each leading block of ``group`` in [first, stop) that
         every namespace holds, block ``i`` keyed by ``hashes[(i + 1) *
         factor - 1]`` (KeyMapper.keys) without building the keys: the
-        scheduler's lookup of a model without windowed groups, on vLLM's
-        loop (a few dict probes a block, nothing else allocated but the
-        answer)."""
+        scheduler's lookup of the full-attention groups, on vLLM's loop (a
+        few dict probes a block, nothing else allocated but the answer)."""
         maps = self._maps
         ms = []
         for n in namespace_ids:

@@ -11,7 +11,7 @@ lookups off (``kvoffload_load: false``: the connector answers at once, as
 without one) is the baseline. The assertion is on steps, never on time.
 
     KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50] \
-        [--model full|swa|mamba]
+        [--model full|swa]
 
 prints the figures of docs/vllm.md (Lookups in the step they are asked). Each
 call is timed beside an empty call made at the same place just before it
@@ -40,7 +40,6 @@ STEPS = 50
 MODELS = {
     "full": [Group("full", 4, 2)],
     "swa": [Group("full", 4, 2), Group("swa", 4, 2, window=8)],  # gemma-style: a 2-block sliding window
-    "mamba": [Group("full", 4, 2), Group("mamba", 4, 2)],  # a Mamba hybrid: one state block a unit
 }
 
 
@@ -61,7 +60,8 @@ def settle_verified(eng) -> None:
 def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str, steps: int = STEPS,
           groups: list | None = None) -> dict:
     """One run; returns per-request and per-call figures."""
-    cfg = Config(groups=groups or MODELS["full"], model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
+    cfg = Config(groups=groups or MODELS["full"], model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768,
+                 max_batched_tokens=2048,
                  max_seqs=64, extra={"lookup_deadline_ms": 2000, **extra})
     eng = Engine(cfg, mod, socket, shm)
     calls: list[float] = []  # each get_num_new_matched_tokens call's time
@@ -215,7 +215,8 @@ def main() -> int:
     ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps of arrivals (3 requests each)")
     ap.add_argument("--model", choices=sorted(MODELS), default="full",
-                    help="the KV cache groups: full attention, beside a sliding window (swa) or Mamba state")
+                    help="the KV cache groups: full attention, or beside a sliding window (swa; a Mamba hybrid "
+                         "needs vLLM's prefix cache, which this workload turns off)")
     ap.add_argument("--churn", action="store_true",
                     help="meanwhile a second engine of the same model stores new prompts (the mirror's events)")
     ap.add_argument("--churn-child", nargs=2, metavar=("SOCKET", "MODEL"), help=argparse.SUPPRESS)

@@ -199,7 +199,8 @@ def mirror_case(rng: random.Random):
             if rng.random() < 0.3:  # an evicted (or never stored) early stretch
                 cut = rng.randint(0, nblocks)
                 holds[:cut] = [False] * cut
-            byg[g] = {k: rng.choice([1, 2, 3, 4, 5, 6, 7]) for k, h in zip(m.keys(hashes, g, range(nblocks)), holds) if h}
+            keys = m.keys(hashes, g, range(nblocks))
+            byg[g] = {k: rng.choice([1, 2, 3, 4, 5, 6, 7]) for k, h in zip(keys, holds) if h}
     start = rng.choice([0, rng.randint(0, units - 1), rng.randint(0, units - 1)])
     end = rng.randint(start + 1, units)
     return m, sizes, windows, scratch, hashes, maps, ns, start, end
