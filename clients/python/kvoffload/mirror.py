@@ -162,9 +162,8 @@ class LookupMirror:
         """The tier of each leading block of ``group`` in [first, stop) that
         every namespace holds, block ``i`` keyed by ``hashes[(i + 1) *
         factor - 1]`` (KeyMapper.keys) without building the keys: the
-        scheduler's lookup of a model without windowed groups, on vLLM's
-        loop (a few dict probes a block, nothing else allocated but the
-        answer)."""
+        scheduler's lookup of the full-attention groups, on vLLM's loop (a
+        few dict probes a block, nothing else allocated but the answer)."""
         maps = self._maps
         ms = []
         for n in namespace_ids:
@@ -202,6 +201,38 @@ class LookupMirror:
                     worst = t
             tiers.append(worst)
         return tiers
+
+    def tail(self, namespace_ids: Sequence[int], group: int, hashes: Sequence[bytes], factor: int, first: int,
+             stop: int, tiers: list | None = None) -> int:
+        """How many of the last blocks of ``group`` in [first, stop) every
+        namespace holds, counted from ``stop - 1`` down (a windowed group's
+        window, whose keys the daemon's rounds ask last first: its ``ready``),
+        block ``i`` keyed as in :meth:`held`. With ``tiers``, the slowest
+        tier of each of those blocks is appended to it, in that order."""
+        maps = self._maps
+        ms = []
+        for n in namespace_ids:
+            byg = maps.get(n)
+            m = byg.get(group) if byg is not None else None
+            if m is None:
+                return 0
+            ms.append(m)
+        got = 0
+        for i in range(stop - 1, first - 1, -1):
+            h = hashes[(i + 1) * factor - 1]
+            worst = None
+            for m in ms:
+                b = m.get(h)
+                if not b:
+                    return got
+                if tiers is not None:
+                    t = _TIER[b]
+                    if worst is None or _RANK[t] > _RANK[worst]:
+                        worst = t
+            if tiers is not None:
+                tiers.append(worst)
+            got += 1
+        return got
 
     def lookup_many(self, calls: Sequence[tuple], timeout: float | None = None) -> list[LookupResult]:
         """As Client.lookup_many, from memory: per ``(namespace_ids, hashes,

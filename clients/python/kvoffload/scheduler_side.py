@@ -212,11 +212,9 @@ class SchedulerSide:
         self._window_rounds = max(1, int(window_rounds))
         self._window_probes = max(0, int(window_probes))
         # The group whose blocks say where a hit's tokens come from: the
-        # first full-attention group (its blocks cover the whole hit).
-        self._tier_group = self.keys.full_groups[0] if self.keys.full_groups else 0
-        # Every group full attention: the mirror's lookup is one probe of
-        # each group's keys (_mirror_lookup), not the daemon's rounds.
-        self._mirror_direct = not self.keys.windowed_groups and not self.keys.scratch_groups
+        # first full-attention group (its blocks cover the whole hit), else
+        # the first windowed one (a scratch group has no blocks to say it).
+        self._tier_group = (self.keys.full_groups or self.keys.windowed_groups)[0]
         # EAGLE/MTP draft groups: while a request decodes, the KV of its last
         # block is the draft's and is computed again (vLLM's offloading
         # connector leaves it out too): the last unit is not stored yet.
@@ -712,11 +710,7 @@ class SchedulerSide:
         bpu = keys.blocks_per_unit
         rounds = self._window_rounds
         tier_group = self._tier_group
-        probes = 0
-        if windowed and all(keys.windows[g] <= bpu[g] for g in windowed):
-            # Each probe is a Lookup per windowed group: at most
-            # _PROBE_CALLS of them per request a round.
-            probes = min(self._window_probes, max(1, _PROBE_CALLS // len(windowed)))
+        probes = self._probes()
 
         def lookup(client: Client, calls: list) -> list:
             try:
@@ -767,7 +761,9 @@ class SchedulerSide:
                 rec.leases = {g: rs[i].lease_id for i, g in enumerate(full) if rs[i].lease_id}
                 if full:
                     rec.tiers = list(rs[full.index(tier_group)].tiers)
-                rec.ready_before = min([start] + [r.ready // keys.stored_per_unit(g) for g, r in enumerate(rs[nf:])])
+                # (A scratch group stores nothing: it holds no prefix back.)
+                rec.ready_before = min([start] + [r.ready // keys.stored_per_unit(g) for g, r in enumerate(rs[nf:])
+                                                  if g not in keys.scratch_groups])
                 rec.hit_units = f - start
                 if windowed and f > start:
                     cand[n] = f
@@ -866,6 +862,16 @@ class SchedulerSide:
                 raise down
 
         return run
+
+    def _probes(self) -> int:
+        """Probes a lookup round after the first makes below its candidate
+        (``window_probes``): none unless every window fits in one unit."""
+        keys, windowed = self.keys, self.keys.windowed_groups
+        if windowed and all(keys.windows[g] <= keys.blocks_per_unit[g] for g in windowed):
+            # Each probe is a Lookup per windowed group: at most
+            # _PROBE_CALLS of them per request a round.
+            return min(self._window_probes, max(1, _PROBE_CALLS // len(windowed)))
+        return 0
 
     @staticmethod
     def _window_tiers(tiers: Sequence[Any], blocks: int) -> list:
@@ -1089,19 +1095,15 @@ class SchedulerSide:
         return None, False
 
     def _from_mirror(self, rid: str, key: tuple, hashes: Sequence[bytes], now: float) -> tuple[int, bool] | None:
-        """The lookup of ``key`` run against the mirror, on vLLM's loop (a
-        probe of each group's keys, :meth:`_mirror_lookup`, or with windowed
-        groups the daemon's rounds, from memory): the answer in this very
-        step. None where the daemon must be asked: a hit short of the asked
+        """The lookup of ``key`` run against the mirror, on vLLM's loop (the
+        daemon's rounds, probed in place: :meth:`_mirror_lookup`): the answer
+        in this very step. None where the daemon must be asked: a hit short of the asked
         range once the daemon has shown a remote tier (other nodes' blocks
         are not all mirrored). The daemon still sees the lookup (its
         admission policy counts the keys as accessed): the same lookup goes
         with the step's batch, and its answer is compared, not used."""
         rec = _Lookup(key, list(hashes), True, now)
-        if self._mirror_direct:
-            self._mirror_lookup(rec)
-        else:
-            self._batch_fn([rec])(self._mirror)
+        self._mirror_lookup(rec)
         if rec.error is not None:
             return None
         if rec.hit_units < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
@@ -1121,13 +1123,14 @@ class SchedulerSide:
         return self._answer(rid, rec, rec, record_later=True)
 
     def _mirror_lookup(self, rec: _Lookup) -> None:
-        """What ``_batch_fn([rec])`` finds in the mirror, for a model whose
-        groups all use full attention (no window rounds), probed in place:
-        each group's keys of [start, end), and the local prefix's stored
-        blocks when there is one. No key list, request or result object is
+        """What ``_batch_fn([rec])`` finds in the mirror (no lease: the
+        mirror runs only without one), probed in place: each full-attention
+        group's keys of [start, end), the local prefix's stored blocks when
+        there is one, then the windowed groups' rounds
+        (:meth:`_mirror_windows`). No key list, request or result object is
         built per group: this runs on vLLM's loop."""
         t0 = time.monotonic()
-        keys, held = self.keys, self._mirror.held
+        keys, held, tail = self.keys, self._mirror.held, self._mirror.tail
         start, end, ns = rec.key
         hashes = rec.hashes
         if hashes and type(hashes[0]) is not bytes:
@@ -1150,11 +1153,88 @@ class SchedulerSide:
                 before = min(before, len(tiers) // k)
                 if g == self._tier_group:
                     rec.prefix_tiers = tiers
+            for g in keys.windowed_groups:
+                # The leading units whose stored blocks (the last
+                # stored_per_unit of each) are all there.
+                k, n, fa = bpu[g], keys.stored_per_unit(g), factors[g]
+                for u in range(before):
+                    if tail(ns, g, hashes, fa, (u + 1) * k - n, (u + 1) * k) < n:
+                        before = u
+                        break
             rec.ready_before = before
         rec.keys_asked = asked
         rec.hit_units = f - start
+        if keys.windowed_groups and f > start:
+            self._mirror_windows(rec, hashes, f)
         rec.took = time.monotonic() - t0
         rec.done = True
+
+    def _mirror_windows(self, rec: _Lookup, hashes: Sequence[bytes], f: int) -> None:
+        """The windowed groups' rounds of :meth:`_batch_fn` for one lookup
+        without a lease, probed in the mirror: per round the candidate
+        ``f``'s windows (and from the second round the probes below it no
+        block known missing rules out), each window's trailing run; the
+        block below a short run is missing; the next candidate is the
+        longest one none rules out, settled when its windows were all
+        there. Sets the hit, keys asked and those outside the hit's windows
+        exactly as the rounds do."""
+        keys, tail = self.keys, self._mirror.tail
+        windowed, windows, bpu, factors = keys.windowed_groups, keys.windows, keys.blocks_per_unit, keys.factors
+        nw = len(windowed)
+        start, _, ns = rec.key
+        probes = self._probes()
+        no_full = not keys.full_groups
+        tj = windowed.index(self._tier_group) if no_full else -1
+
+        def window(j: int, c: int) -> tuple[int, int]:  # _batch_fn's window_of
+            g = windowed[j]
+            stop = c * bpu[g]
+            return max(stop - windows[g], start * bpu[g]), stop
+
+        def ruled_out(c: int) -> bool:
+            for j in range(nw):
+                if missing[j]:
+                    lo, hi = window(j, c)
+                    for b in missing[j]:
+                        if lo <= b < hi:
+                            return True
+            return False
+
+        missing: list[set[int]] = [set() for _ in windowed]
+        spans: list[list[tuple[int, int]]] = [[] for _ in windowed]  # the windows asked
+        for round_no in range(self._window_rounds):
+            cs = [f]
+            if probes and round_no > 0:
+                cs += [c for c in range(f - 1, max(start, f - 1 - probes), -1)
+                       if not ruled_out(c)][:_PROBE_BATCH_CALLS // nw]
+            whole: dict[int, list] = {}  # candidate -> the tier group's window tiers (no full groups), all there
+            for c in cs:
+                ok, tiers = True, ([] if no_full else None)
+                for j, g in enumerate(windowed):
+                    lo, hi = window(j, c)
+                    spans[j].append((lo, hi))
+                    rec.keys_asked += hi - lo
+                    got = tail(ns, g, hashes, factors[g], lo, hi, tiers if j == tj else None)
+                    if got < hi - lo:
+                        missing[j].add(hi - 1 - got)
+                        ok = False
+                if ok:
+                    whole[c] = tiers
+            nf = next((c for c in range(f, start, -1) if not ruled_out(c)), start)
+            if nf in whole:
+                rec.hit_units = nf - start
+                if no_full:
+                    rec.tiers = self._window_tiers(whole[nf], nf * bpu[self._tier_group])
+                out = 0
+                for j in range(nw):
+                    ilo, ihi = window(j, nf)
+                    out += sum(hi - lo - max(0, min(hi, ihi) - max(lo, ilo)) for lo, hi in spans[j])
+                rec.keys_outside = out
+                return
+            if nf <= start:
+                break
+            f = nf
+        rec.hit_units = 0  # a miss, or not settled within the rounds
 
     def _stored_since_reset(self, hashes: Sequence[bytes], start: int, end: int) -> bool:
         """Whether a block of units [start, end) is one this engine planned

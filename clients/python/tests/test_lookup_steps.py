@@ -10,7 +10,8 @@ time of each ``get_num_new_matched_tokens`` call; the same workload with
 lookups off (``kvoffload_load: false``: the connector answers at once, as
 without one) is the baseline. The assertion is on steps, never on time.
 
-    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50]
+    KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50] \
+        [--model full|swa]
 
 prints the figures of docs/vllm.md (Lookups in the step they are asked). Each
 call is timed beside an empty call made at the same place just before it
@@ -24,15 +25,22 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from standin_engine import Config, Engine, quantile  # noqa: E402
+from standin_engine import Config, Engine, Group, quantile  # noqa: E402
 from standin_run import connector_module  # noqa: E402
 
 ARRIVALS = 3  # new requests a step
 STEPS = 50
+# The models main() serves (--model): their KV cache groups.
+MODELS = {
+    "full": [Group("full", 4, 2)],
+    "swa": [Group("full", 4, 2), Group("swa", 4, 2, window=8)],  # gemma-style: a 2-block sliding window
+}
 
 
 def _noop(request, num_computed_tokens):
@@ -49,9 +57,11 @@ def settle_verified(eng) -> None:
     raise AssertionError("requests never finished")
 
 
-def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str, steps: int = STEPS) -> dict:
+def serve(mod, socket: str, shm, *, seed: int, extra: dict, load: bool = True, model: str, steps: int = STEPS,
+          groups: list | None = None) -> dict:
     """One run; returns per-request and per-call figures."""
-    cfg = Config(model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768, max_batched_tokens=2048,
+    cfg = Config(groups=groups or MODELS["full"], model=model, prefix_caching=False, gpu_s=0.010, num_blocks=768,
+                 max_batched_tokens=2048,
                  max_seqs=64, extra={"lookup_deadline_ms": 2000, **extra})
     eng = Engine(cfg, mod, socket, shm)
     calls: list[float] = []  # each get_num_new_matched_tokens call's time
@@ -164,7 +174,8 @@ def churn(socket: str, model: str, seconds: float) -> int:
         shms.append(s)
         return s
 
-    cfg = Config(model=model, prefix_caching=False, gpu_s=0.0, num_blocks=768, max_batched_tokens=2048,
+    groups = MODELS.get(model.rsplit("-", 1)[-1], MODELS["full"])  # main()'s model names end with --model
+    cfg = Config(groups=groups, model=model, prefix_caching=False, gpu_s=0.0, num_blocks=768, max_batched_tokens=2048,
                  max_seqs=64, extra={"lookup_deadline_ms": 2000})
     rng = random.Random(99)
     end = time.monotonic() + seconds
@@ -203,6 +214,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--disk", action="store_true", help="a disk tier (4 MiB of CPU tier)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps of arrivals (3 requests each)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="full",
+                    help="the KV cache groups: full attention, or beside a sliding window (swa; a Mamba hybrid "
+                         "needs vLLM's prefix cache, which this workload turns off)")
     ap.add_argument("--churn", action="store_true",
                     help="meanwhile a second engine of the same model stores new prompts (the mirror's events)")
     ap.add_argument("--churn-child", nargs=2, metavar=("SOCKET", "MODEL"), help=argparse.SUPPRESS)
@@ -223,7 +237,7 @@ def main() -> int:
         with connector_module() as mod:
             for name, extra, load in (("off", {}, False), ("rpc", {"lookup_mirror": False}, True),
                                       ("mirror", {}, True)):
-                model = f"steps-{name}-{args.seed}-{args.disk}"
+                model = f"steps-{name}-{args.seed}-{args.disk}-{args.model}"
                 child = None
                 if args.churn:
                     child = subprocess.Popen([sys.executable, __file__, "--churn-child", d.socket, model],
@@ -231,7 +245,7 @@ def main() -> int:
                     assert child.stdout.readline().strip() == "storing", "the churning engine did not start"
                 try:
                     out[name] = serve(mod, d.socket, shm, seed=args.seed, extra=extra, load=load, model=model,
-                                      steps=args.steps)
+                                      steps=args.steps, groups=MODELS[args.model])
                 finally:
                     if child is not None:
                         child.terminate()
@@ -514,7 +528,6 @@ def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemo
     h = Harness(d, shm, fingerprint, tp=2, block_sizes=(4, 8), layers={0: ["a.0"], 1: ["b.0"]}, mirror=True)
     try:
         sched, m = h.sched, h.sched._mirror
-        assert sched._mirror_direct
         reqs = [Request(f"p{i}", list(range(1000 * i, 1000 * i + 34))) for i in range(4)]  # 4 units of 8 tokens
         for i, r in enumerate(reqs):
             assert h.ask(r) == (0, False)
@@ -553,6 +566,99 @@ def test_the_mirrors_probe_finds_what_the_daemons_lookup_rounds_find(fresh_daemo
         assert sched.get_num_new_matched_tokens(Request("q", reqs[0].prompt_token_ids + [5]), 0) == (32, True)
         assert sched.mirror_answers == before + 1
     finally:
+        h.close()
+
+
+@pytest.mark.parametrize("name,sizes,windows,scratch", [
+    ("swa", (4, 4), (None, 3), (False, False)),  # a sliding window of 3 blocks, one block a unit: no probes
+    ("mamba", (4, 8), (None, 1), (False, False)),  # one state block a unit: rounds with probes
+    ("swa-scratch", (4, 8, 4), (None, 2, None), (False, False, True)),  # a window over 2 units, a scratch group
+])
+def test_the_mirrors_probe_finds_what_the_rounds_find_for_hybrid_models(fresh_daemon, shm, fingerprint, name, sizes,
+                                                                         windows, scratch):
+    """Hybrid models: the windowed groups' rounds (windows, candidates moved
+    down below a missing block, probes, every rank's namespace, the slowest
+    tier) probed in the mirror in place (SchedulerSide._mirror_windows) find
+    what _batch_fn's rounds find against the real daemon and against the
+    mirror: hit, local prefix, tiers, keys asked and those outside the hit's
+    windows, from every start, after blocks of each group are removed from
+    one rank or both. Two ranks stored every block of every group (a
+    scheduler without windows); the lookups are a windowed model's."""
+    from helpers import KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
+    from test_connector import Harness
+
+    from kvoffload.scheduler_side import SchedulerSide, _Lookup
+
+    d = fresh_daemon()
+    layers = {g: [f"l{g}.0"] for g in range(len(sizes))}
+    h = Harness(d, shm, fingerprint, tp=2, block_sizes=sizes, layers=layers)
+    sched = SchedulerSide(d.socket, 2, 4, sizes, 32, group_windows=windows, scratch_groups=scratch,
+                          namespace_retry_s=0, lookup_wait_s=5.0)
+    try:
+        sched.set_worker_fingerprints({(r,): f for r, f in enumerate(h.fps)})
+        m, keys = sched._mirror, sched.keys
+        units = 10
+        tokens = units * keys.unit_tokens + 2
+        reqs = [Request(f"{name}{i}", list(range(1000 * i, 1000 * i + tokens))) for i in range(8)]
+        for r in reqs:  # one at a time: each reuses the engine blocks of the one before
+            assert h.ask(r) == (0, False)
+            ids = [list(range(1, 1 + -(-tokens // bs))) for bs in sizes]
+            h.sched.update_state_after_alloc(r, KVCacheBlocks(*ids), 0)
+            h.step(SchedulerOutput(scheduled_new_reqs=[NewRequestData(r.request_id, tuple(ids))],
+                                   num_scheduled_tokens={r.request_id: r.num_tokens}))
+            assert h.run_until(h.idle)
+        c = d.client()
+        ranks = [w.namespace_id for w in h.workers]
+        wg = keys.windowed_groups[0]
+
+        def drop(r, g: int, i: int, rs) -> None:  # block i of group g, from the ranks rs
+            c.invalidate([ranks[k] for k in rs], [r.block_hashes[(i + 1) * keys.factors[g] - 1]], group=g)
+
+        last = units * keys.blocks_per_unit[wg] - 1
+        drop(reqs[1], wg, last, [0])  # the last window short in rank 0: the candidate moves down
+        drop(reqs[2], wg, last - 1, [1])
+        drop(reqs[2], wg, last - 3, [0, 1])
+        drop(reqs[3], 0, 6 * keys.blocks_per_unit[0], [1])  # full attention short at unit 6
+        drop(reqs[3], wg, 4 * keys.blocks_per_unit[wg] - 1, [0])
+        drop(reqs[4], wg, 1, [0, 1])  # early: the local prefix
+        rng = random.Random(name)
+        groups = [g for g in range(len(sizes)) if not scratch[g]]
+        for r in reqs[5:]:
+            for _ in range(rng.randint(1, 4)):
+                g = rng.choice(groups)
+                drop(r, g, rng.randrange(units * keys.blocks_per_unit[g]), rng.choice([[0], [1], [0, 1]]))
+        ns = tuple(wait_for(sched.namespace_ids))
+
+        def answers(run) -> list:
+            out = []
+            for r in reqs:
+                for start in range(units):
+                    rec = _Lookup((start, units, ns), list(r.block_hashes), True, 0.0)
+                    run(rec)
+                    out.append((rec.hit_units, rec.ready_before, [int(t) for t in rec.tiers],
+                                [int(t) for t in rec.prefix_tiers], rec.keys_asked,
+                                rec.keys_outside if rec.hit_units > 0 else 0, rec.error))
+            return out
+
+        rounds = answers(lambda rec: sched._batch_fn([rec])(c))
+        assert rounds[0][0] == units and rounds[units][0] < units, rounds  # whole, and short from the last window
+        assert any(a[5] > 0 for a in rounds), rounds  # candidates moved down: keys outside the hit's windows
+        assert any(a[0] > 0 and a[1] < units for a in rounds[units:])
+        assert wait_for(lambda: m.live(ns) and answers(sched._mirror_lookup) == rounds)
+        assert answers(lambda rec: sched._batch_fn([rec])(m)) == rounds
+
+        def no_rounds(*a, **kw):
+            raise AssertionError("the mirror's answer went through lookup_many")
+
+        m.lookup_many = no_rounds
+        for i, r in enumerate(reqs):
+            before = sched.mirror_answers
+            got = sched.get_num_new_matched_tokens(Request(f"q{i}", r.prompt_token_ids), 0)
+            hit = rounds[i * units][0] * keys.unit_tokens
+            assert got == ((hit, True) if hit else (0, False)), (i, got)
+            assert sched.mirror_answers == before + 1
+    finally:
+        sched.close()
         h.close()
 
 

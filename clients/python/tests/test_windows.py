@@ -170,6 +170,91 @@ def test_lookup_rule_matches_brute_force_model():
     print(f"seed={seed}: {settled_first} hits settled in the first round, {cut} cases cut to 0 by the 4-round bound")
 
 
+def mirror_case(rng: random.Random):
+    """A random model (full, windowed, Mamba-like one-block windows and
+    scratch groups), 1-3 ranks, each rank's namespace holding its own random
+    part of each group's blocks in random tiers: (mapper, windows, scratch,
+    hashes, the mirror's maps, namespace ids, start, end)."""
+    hb = rng.choice([2, 4])
+    G = rng.randint(1, 4)
+    sizes = [hb * rng.choice([1, 2, 4]) for _ in range(G)]
+    windows = [None if rng.random() < 0.35 else rng.choice([1, 1, 2, rng.randint(1, 7)]) for _ in range(G)]
+    scratch = [rng.random() < 0.2 for _ in range(G)]
+    if all(scratch):
+        scratch[rng.randrange(G)] = False
+    m = KeyMapper(hb, sizes, windows, scratch)
+    units = rng.randint(1, 12)
+    hashes = hashes_for(units * m.unit_tokens // hb, rng.randrange(256))
+    ranks = rng.randint(1, 3)
+    ns = tuple(range(7, 7 + ranks))
+    density = rng.choice([0.5, 0.8, 0.95, 1.0])
+    maps: dict[int, dict[int, dict[bytes, int]]] = {}
+    for n in ns:
+        byg = maps[n] = {}
+        for g in range(G):
+            if rng.random() < 0.05:
+                continue  # nothing of this group in this namespace
+            nblocks = units * m.blocks_per_unit[g]
+            holds = [rng.random() < density for _ in range(nblocks)]
+            if rng.random() < 0.3:  # an evicted (or never stored) early stretch
+                cut = rng.randint(0, nblocks)
+                holds[:cut] = [False] * cut
+            keys = m.keys(hashes, g, range(nblocks))
+            byg[g] = {k: rng.choice([1, 2, 3, 4, 5, 6, 7]) for k, h in zip(keys, holds) if h}
+    start = rng.choice([0, rng.randint(0, units - 1), rng.randint(0, units - 1)])
+    end = rng.randint(start + 1, units)
+    return m, sizes, windows, scratch, hashes, maps, ns, start, end
+
+
+def lookup_fields(rec: _Lookup) -> tuple:
+    return (rec.hit_units, rec.ready_before, [int(t) for t in rec.tiers], [int(t) for t in rec.prefix_tiers],
+            rec.keys_asked, rec.keys_outside if rec.hit_units > 0 else 0, rec.error, rec.done)
+
+
+def test_the_mirrors_probe_answers_as_the_lookup_rounds_on_random_hybrid_models():
+    """SchedulerSide._mirror_lookup, the windowed groups' rounds probed in
+    the mirror in place, against _batch_fn's rounds run over the same
+    mirror (LookupMirror.lookup_many): the same hit, local prefix, tiers,
+    keys asked and keys outside the hit's windows, for random models of
+    full, sliding-window, Mamba-like and scratch groups, several ranks each
+    holding its own holes in its own tiers, any start and end, rounds and
+    probes (the real daemon's side: test_lookup_steps.py)."""
+    from kvoffload.mirror import LookupMirror
+
+    seed = int(os.environ.get("KVO_WINDOW_SEED", random.randrange(1 << 30)))
+    print(f"seed={seed} (KVO_WINDOW_SEED={seed} repeats it)")
+    rng = random.Random(seed)
+    mirror = LookupMirror(SimpleNamespace(close=lambda: None))
+    hits = windowed_hits = outside = 0
+    try:
+        for case in range(3000):
+            m, sizes, windows, scratch, hashes, maps, ns, start, end = mirror_case(rng)
+            rounds, probes = rng.choice([1, 2, 4, 4, 1000]), rng.choice([0, 2, 8])
+            mirror._maps = maps
+            sched = SchedulerSide("/nonexistent.sock", len(ns), m.hash_block_size, sizes, HB,
+                                  client=PresenceDaemon({}), group_windows=windows, scratch_groups=scratch,
+                                  window_rounds=rounds, window_probes=probes)
+            sched._mirror = mirror
+            try:
+                a = _Lookup((start, end, ns), hashes, True, 0.0)
+                sched._batch_fn([a])(mirror)
+                b = _Lookup((start, end, ns), hashes, True, 0.0)
+                sched._mirror_lookup(b)
+            finally:
+                sched._mirror = None
+                sched.close()
+            ctx = f"seed={seed} case={case} sizes={sizes} windows={windows} scratch={scratch} ranks={len(ns)} " \
+                  f"start={start} end={end} rounds={rounds} probes={probes}"
+            assert lookup_fields(b) == lookup_fields(a), ctx
+            hits += a.hit_units > 0
+            windowed_hits += a.hit_units > 0 and bool(m.windowed_groups)
+            outside += a.hit_units > 0 and a.keys_outside > 0
+    finally:
+        mirror.close()
+    print(f"{hits} hits, {windowed_hits} with windowed groups, {outside} with keys outside the windows")
+    assert windowed_hits > 400 and outside > 15, (hits, windowed_hits, outside)
+
+
 @pytest.mark.parametrize("lease_ms", [0, 100])
 def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
     """Mamba in align mode (a one-block window per unit) beside full
