@@ -9,6 +9,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
 // budget bounds the bytes of requests the daemon receives and handles at
@@ -129,7 +131,11 @@ func (s *Server) guardUnary(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
 	out.Methods = make([]grpc.MethodDesc, len(desc.Methods))
 	for i, md := range desc.Methods {
 		h := md.Handler
+		refusedLate := desc.ServiceName == pb.KVOffload_ServiceDesc.ServiceName && !resultsOnlyMethods[md.MethodName]
 		md.Handler = func(srv any, ctx context.Context, dec func(any) error, ic grpc.UnaryServerInterceptor) (any, error) {
+			if refusedLate && s.resultsOnly.Load() {
+				return nil, status.Error(codes.Unavailable, "daemon is shutting down: only Completions is answered while clients read their results")
+			}
 			var held int64
 			var uid uint32
 			defer func() { s.budget.release(uid, held) }()

@@ -11,6 +11,7 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -135,7 +136,17 @@ type Server struct {
 
 	stopping     chan struct{} // closed by SetNotServing: waits for budget end
 	stoppingOnce sync.Once
+
+	lis atomic.Pointer[listener] // what Serve accepts on (StopAccepting)
+	// resultsOnly: the daemon is stopping and its connections stay open
+	// only for their clients to read the results of the jobs it drained
+	// (StopAccepting).
+	resultsOnly atomic.Bool
 }
+
+// resultsOnlyMethods are the calls a stopping daemon still answers while
+// clients read their results: those and letting go of a registration.
+var resultsOnlyMethods = map[string]bool{"Completions": true, "Unregister": true, "Stats": true}
 
 var _ pb.KVOffloadServer = (*Server)(nil)
 
@@ -183,7 +194,22 @@ func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
 // admitted within the connection bounds and known by the peer the kernel
 // recorded for it.
 func (s *Server) Serve(lis net.Listener) error {
-	return s.grpc.Serve(&listener{Listener: lis, t: s.conns})
+	l := &listener{Listener: lis, t: s.conns}
+	s.lis.Store(l)
+	return s.grpc.Serve(l)
+}
+
+// StopAccepting closes the listener (with the daemon's socket: a successor
+// may take the path) and keeps the connections open, but answers only
+// Completions, Unregister, Stats and health from then on: a stopping
+// daemon's clients read the results of the jobs it drained on the
+// connections they have. Serve returns the listener's error. Stop ends
+// the connections.
+func (s *Server) StopAccepting() {
+	s.resultsOnly.Store(true)
+	if l := s.lis.Load(); l != nil {
+		l.Close()
+	}
 }
 
 // MaxRequestBytes is the largest request this server reads.
