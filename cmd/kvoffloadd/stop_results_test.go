@@ -1,0 +1,133 @@
+package main
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
+	"github.com/kvoffloadd/kvoffloadd/rpc/client"
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+)
+
+// TestStopSendsTheResultsItFinished: a client that has not read the result
+// of a job when the daemon gets SIGTERM reads it on its open connection
+// after the daemon removed its socket (a successor may serve the path by
+// then); meanwhile only Completions (and Unregister, Stats, health) is
+// answered there, and the daemon exits 0 once the result was sent
+// (docs/operations.md, Shutdown and signals).
+func TestStopSendsTheResultsItFinished(t *testing.T) {
+	bin := buildDaemon(t)
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	logs := &syncBuffer{}
+	proc := exec.Command(bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "16MiB", "--shutdown-timeout", "30s")
+	proc.Stderr = logs
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	var exitErr error
+	go func() { exitErr = proc.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		proc.Process.Kill()
+		<-exited
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", logs.String())
+		}
+	})
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitHealthy(t, c, proc, exited, logs)
+
+	ctx := context.Background()
+	m := testenv.Model{Layers: 2, SegBytes: 64 << 10, Blocks: 4}
+	r := testenv.NewRegion(t, m.RegionBytes())
+	reg, err := c.Register(ctx, []byte("stop-results"), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := m.Hashes(1, 2)
+	for i, h := range hs {
+		m.Fill(r, i, h)
+	}
+	// Submitted without reading its result: the reply carries none yet, or
+	// it is read (and the test has nothing to show) — then it submits again.
+	var jobID uint64
+	for id := uint64(1); jobID == 0; id++ {
+		if id > 20 {
+			t.Fatal("every store's result came back on its own reply")
+		}
+		resp, err := c.Submit(ctx, pb.Op_OP_STORE, reg.RegistrationId, []*pb.Job{testenv.Job(id, hs, []uint32{0, 1})})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.GetResults()) == 0 || resp.GetResults()[len(resp.GetResults())-1].GetJobId() != id {
+			jobID = id
+		}
+	}
+	if err := proc.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	// The daemon drained, removed its socket and waits for the result to
+	// be read (or, before it did, has exited with it unread).
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		select {
+		case <-exited:
+		default:
+			if !strings.Contains(logs.String(), "waiting for clients to read the results") {
+				if time.Now().After(deadline) {
+					t.Fatal("the daemon neither exited nor waited for its results 60s after SIGTERM")
+				}
+				time.Sleep(5 * time.Millisecond)
+				continue
+			}
+		}
+		break
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatalf("the socket is still there while the daemon waits for results to be read: %v", err)
+	}
+	if _, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, testenv.Keys(hs...), 0); status.Code(err) != codes.Unavailable {
+		t.Errorf("a Lookup while the daemon waits for its results to be read: %v, want UNAVAILABLE", err)
+	}
+	var got *pb.JobResult
+	for got == nil {
+		cr, err := c.Completions(ctx, reg.RegistrationId, 1000)
+		if err != nil {
+			t.Fatalf("Completions on the open connection after SIGTERM: %v", err)
+		}
+		for _, res := range cr.GetResults() {
+			if res.GetJobId() == jobID {
+				got = res
+			}
+		}
+		if got == nil && cr.GetPending() == 0 && len(cr.GetResults()) == 0 {
+			t.Fatalf("the daemon holds no result of job %d", jobID)
+		}
+	}
+	if !got.GetOk() {
+		t.Fatalf("store finished before the stop: %+v", got)
+	}
+	select {
+	case <-exited:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the daemon did not exit after its result was read")
+	}
+	if exitErr != nil {
+		t.Fatalf("daemon exit: %v", exitErr)
+	}
+	if !strings.Contains(logs.String(), "every result was sent") {
+		t.Fatalf("the daemon did not log that its results were read:\n%s", logs.String())
+	}
+}
