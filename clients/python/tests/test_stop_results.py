@@ -1,7 +1,8 @@
 """A daemon that stops (SIGTERM) with a worker's loads and stores in flight,
 through the real daemon: the jobs it finishes while it drains are reported
 to the engine as done, not failed, though the worker had not read their
-results when the daemon stopped taking work. The daemon removes its socket
+results when the daemon stopped taking work; a load sent after the SIGTERM
+is refused and failed, as before. The daemon removes its socket
 once the jobs have drained and then keeps the connections it has answering
 Completions until every finished result was sent (``--shutdown-results-wait``,
 docs/operations.md, Shutdown and signals); the worker reads them on its old
@@ -42,6 +43,7 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
         d.wait_recovered()
         assert wait_for(lambda: registered_with(w, d))
         hit = offered(h, a.prompt_token_ids[:20] + [9] * 5, "b", 20)
+        late = offered(h, a.prompt_token_ids[:20] + [8] * 5, "late", 20)  # its load goes out after the SIGTERM
         w.stats.take()
 
         # The worker reads no Completions from here until the daemon has
@@ -87,19 +89,34 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
         assert wait_for(lambda: old.poll() is not None or "waiting for clients to read the results" in d.log(),
                         timeout=60), d.log()
         assert not os.path.exists(d.socket) or old.poll() is not None
+        # A load sent now is refused whole (nothing runs): failed as before.
+        # (Only while the old daemon waits: one that exited is not asked.)
+        late_to = [9, 10, 11, 12, 13, 14, 26]
+        waiting = old.poll() is None
+        if waiting:
+            h.sched.update_state_after_alloc(late, KVCacheBlocks(late_to), 20)
+            assert late.request_id in h.step().loads
+
+            def answered():
+                with w._cv:
+                    return not w._queue and w._sending is None and all(j.sent_at > 0 for j in w._jobs.values())
+
+            assert wait_for(answered), "the late Load was not sent"
         gate.set()
         assert old.wait(timeout=60) == 0, d.log()
         log = d.log()
         assert "stopped" in log and "did not read the results" not in log, log
 
         # The worker settles everything now: the loads and the stores the
-        # old daemon finished are done, none failed.
-        assert h.run_until(lambda: hit.request_id in h.recv[0] and h.idle(), timeout=60)
+        # old daemon finished are done, none failed; the late load failed.
+        want = {hit.request_id, late.request_id} if waiting else {hit.request_id}
+        assert h.run_until(lambda: want <= h.recv[0] and h.idle(), timeout=60)
         st = w.stats.take() or {}
         failed = st.get("failed_blocks", {})
-        assert not failed and not h.failed[0], f"jobs the daemon finished were reported failed: {st}"
-        assert st.get("blocks_stored_total") == 5, st
-        assert hit.request_id not in h.failed_reqs[0]
+        assert h.failed[0] == (set(late_to[:5]) if waiting else set()), \
+            f"jobs the daemon finished were reported failed: {st}"
+        assert failed == ({"load:CALL_FAILED": 5} if waiting else {}), st
+        assert st.get("blocks_stored_total") == 5 and st.get("blocks_loaded_total") == 5, st
         for i, b in enumerate(load_to[:5]):
             h.engines[0].clear(0, 39)
             h.engines[0].write(0, 39, a.block_hashes[i])
