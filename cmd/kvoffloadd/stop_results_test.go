@@ -2,10 +2,13 @@ package main
 
 import (
 	"context"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -13,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
@@ -129,5 +133,125 @@ func TestStopSendsTheResultsItFinished(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "every result was sent") {
 		t.Fatalf("the daemon did not log that its results were read:\n%s", logs.String())
+	}
+}
+
+// heldCopier holds the batches submitted while holding, until release.
+type heldCopier struct {
+	dma.Engine
+	arrived chan struct{}
+	mu      sync.Mutex
+	holding bool
+	held    []*dma.Batch
+}
+
+func (c *heldCopier) Submit(b *dma.Batch) {
+	c.mu.Lock()
+	if c.holding {
+		c.held = append(c.held, b)
+		c.mu.Unlock()
+		c.arrived <- struct{}{}
+		return
+	}
+	c.mu.Unlock()
+	c.Engine.Submit(b)
+}
+
+func (c *heldCopier) release() {
+	c.mu.Lock()
+	c.holding = false
+	held := c.held
+	c.held = nil
+	c.mu.Unlock()
+	for _, b := range held {
+		c.Engine.Submit(b)
+	}
+}
+
+// TestStoppingLongPollWaitsForPendingJobs: once the daemon is stopping, a
+// Completions long poll of a registration with a job still running waits
+// for its result (the drain finishes it) instead of returning at once with
+// nothing, which sent a connector round a busy loop for the whole drain.
+func TestStoppingLongPollWaitsForPendingJobs(t *testing.T) {
+	hc := &heldCopier{arrived: make(chan struct{}, 16)}
+	wrapCopier = func(e dma.Engine) dma.Engine {
+		hc.Engine = e
+		return hc
+	}
+	t.Cleanup(func() { wrapCopier = nil })
+	sock := filepath.Join(t.TempDir(), "kv.sock")
+	metrics := freePort(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	exited := make(chan error, 1)
+	go func() {
+		exited <- run(ctx, []string{"--socket", sock, "--metrics-addr", metrics, "--cpu-bytes", "16MiB", "--shutdown-timeout", "1m"}, io.Discard, io.Discard)
+	}()
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitServing(t, c, true, exited)
+	t.Cleanup(hc.release) // a failed test must not leave the daemon's drain waiting
+
+	m := testenv.Model{Layers: 2, Blocks: 4, SegBytes: 4096}
+	r := testenv.NewRegion(t, m.RegionBytes())
+	rctx, rcancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer rcancel()
+	reg, err := c.Register(rctx, []byte(t.Name()), m.Layout(), m.Regions(r), t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := m.Hash(1, 0)
+	m.Fill(r, 0, h)
+	hc.mu.Lock()
+	hc.holding = true
+	hc.mu.Unlock()
+	if _, err := c.Submit(rctx, pb.Op_OP_STORE, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}); err != nil {
+		t.Fatal(err)
+	}
+	<-hc.arrived
+	cancel() // SIGTERM
+	waitServing(t, c, false, exited)
+
+	type polled struct {
+		r   *pb.CompletionsResponse
+		err error
+	}
+	done := make(chan polled, 1)
+	go func() {
+		r, err := c.Completions(rctx, reg.RegistrationId, 10000)
+		done <- polled{r, err}
+	}()
+	// The poll is in the daemon (its request bytes are booked until its
+	// handler returns); only then is the copy let go.
+	inflight := regexp.MustCompile(`(?m)^kvoffload_inflight_request_bytes ([1-9][0-9]*)$`)
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		select {
+		case p := <-done:
+			t.Fatalf("a long poll during the drain returned before the job finished: %+v %v", p.r, p.err)
+		default:
+		}
+		if inflight.MatchString(scrape(t, metrics)) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the long poll never reached the daemon")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	hc.release()
+	p := <-done
+	if p.err != nil || len(p.r.GetResults()) != 1 || !p.r.GetResults()[0].GetOk() {
+		t.Fatalf("the long poll during the drain: %+v %v, want the store's result", p.r, p.err)
+	}
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("the daemon did not exit")
 	}
 }
