@@ -290,10 +290,11 @@ var errAbandoned = errors.New("shutdown timeout passed: exited with work still r
 // result has been sent: a client learns the outcome of each job the drain
 // finished instead of taking it as failed. Then every connection is
 // closed and the service torn down in the rest. If work is still running
-// at the end, it returns errAbandoned without waiting: a copy cut short is never reported done,
-// so the engine recomputes its blocks, and a disk write cut short leaves a
-// slot the next start's checksums refuse, exactly as after kill -9. The
-// teardown goroutine is then left to the process's exit.
+// at the end, it returns errAbandoned without waiting: a copy cut short is
+// never reported done, so the engine recomputes its blocks, and a disk
+// write cut short leaves a slot the next start's checksums refuse, exactly
+// as after kill -9. The teardown goroutine is then left to the process's
+// exit.
 func shutdown(log *slog.Logger, timeout, resultsWait time.Duration, srv *server.Server, svc *offload.Service, closeAll func() error) error {
 	start := time.Now()
 	end := start.Add(timeout)
