@@ -31,7 +31,8 @@ kvbench-restart: build
 	./bin/kvbench --scenarios restart --redis-server none
 
 # Issue 34's scale scenario: 4 KiB blocks at each SCALE_BLOCKS count,
-# concurrent Stores, a kill -9 and recovery (docs/benchmarks.md). 10^6
+# concurrent Stores, Lookups during WatchEvents snapshots, a kill -9 and
+# recovery (docs/benchmarks.md). 10^6
 # blocks take an 8 GiB CPU tier and a 9 GB disk tier. The bounded checks of
 # items 1 and 2 run in `make test` (e2e/scale_test.go).
 SCALE_BLOCKS ?= 10000,100000,1000000

@@ -18,6 +18,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 )
@@ -114,6 +115,11 @@ type Hub struct {
 	nsMu sync.Mutex
 	// lost counts the times a subscriber fell behind the ring.
 	lost atomic.Uint64
+	// demand counts the requests served that wait on the daemon's CPU
+	// (Lookups): a snapshot paces itself while it moves (Sub.pace).
+	demand atomic.Uint64
+	// paused is the time snapshots paused for Lookups, in nanoseconds.
+	paused atomic.Int64
 
 	// next is the Seq the next change takes (the first is 1). A change
 	// of a key reserves its Seq under the key's shard lock, so one key's
@@ -215,6 +221,14 @@ func (h *Hub) SetHashLen(ns uint32, n int) {
 	}
 	h.ns.Store(&m)
 }
+
+// Demand tells the hub a request that waits on the daemon (a Lookup) is
+// being served: a snapshot streamed meanwhile takes at most a share of
+// the CPU (snapPace). One atomic add.
+func (h *Hub) Demand() { h.demand.Add(1) }
+
+// Paused is how long snapshots paused in all, leaving the CPU to Lookups.
+func (h *Hub) Paused() time.Duration { return time.Duration(h.paused.Load()) }
 
 // Seq is the Seq of the last change recorded (0 before the first).
 func (h *Hub) Seq() uint64 { return h.next.Load() - 1 }
@@ -481,6 +495,10 @@ type Sub struct {
 	snapBuf  []Event // snap's array, from its start: reused chunk after chunk
 	snapAt   uint64  // the Seq the chunk was scanned at (the next change's)
 	sent     bool    // events were sent since the last CaughtUp
+	// Pacing the snapshot (pace).
+	replyAt time.Time   // when the current snapshot reply began
+	demand  uint64      // the hub's demand then
+	timer   *time.Timer // the pause's, reused
 }
 
 func (s *Sub) follows(ns uint32) bool {
@@ -522,12 +540,23 @@ func (s *Sub) Close() {
 // ErrStopped is returned by Next once stop is closed.
 var ErrStopped = errors.New("event stream stopped")
 
-// Next appends to out (up to cap(out), at least 8) the next events of the
+// Next appends to out (up to cap(out), at least 8; at most snapBusyReply
+// during a snapshot while Lookups are served) the next events of the
 // subscription, waiting for a change when there is none, until ctx ends or
-// stop is closed.
+// stop is closed. During a snapshot, it first pauses while Lookups are
+// served (pace).
 func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Event, error) {
 	out = out[:0]
 	room := max(cap(out), 8)
+	if s.snapping {
+		busy, err := s.pace(ctx, stop)
+		if err != nil {
+			return nil, err
+		}
+		if busy {
+			room = min(room, snapBusyReply)
+		}
+	}
 	for {
 		if s.startOver() {
 			at := s.cursor() - 1
@@ -537,7 +566,7 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 			}
 			out = append(out, Event{Seq: at, Kind: Cleared})
 			s.snapping, s.shard, s.pos, s.final, s.loaded, s.snap = true, 0, 0, false, false, s.snap[:0]
-			s.sent = true
+			s.sent, s.replyAt = true, time.Time{}
 			return out, nil
 		}
 		if s.snapping {
@@ -549,23 +578,26 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 			if out, behind, ok = s.read(out, room, s.snapAt); !ok {
 				continue
 			}
-			if len(out) > 0 {
-				return out, nil
-			}
 			if behind {
+				if len(out) >= room {
+					return out, nil
+				}
 				continue
 			}
-			n := min(len(s.snap), room)
+			n := min(len(s.snap), room-len(out))
 			out = append(out, s.snap[:n]...)
 			s.snap = s.snap[n:]
 			if len(s.snap) == 0 {
 				s.loaded = false
 				if s.final {
 					s.snapping = false
-					out = append(out, s.caughtUp(s.snapAt-1))
+					return append(out, s.caughtUp(s.snapAt-1)), nil
 				}
 			}
-			if len(out) > 0 {
+			// Chunk after chunk into one reply, until it is full: a
+			// reply per chunk (64 records) cost the daemon and its
+			// reader a message, a write and a wakeup per 64 blocks.
+			if len(out) >= room {
 				return out, nil
 			}
 			continue
@@ -594,6 +626,71 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 		}
 	}
 }
+
+// While Lookups are served (busy), a snapshot paces itself: before each
+// reply it pauses snapPace times as long as the previous reply took (from
+// its first scan to the next reply's start: the scan, and the caller's
+// encoding and sending), so it works at most 1/(1+snapPace) of the time
+// and leaves the rest of the CPU to the Lookups; snapPauseMax bounds one
+// pause (a reply that took long waited on its reader, not on the CPU). A
+// busy reply holds at most snapBusyReply events: the CPU one reply takes
+// at once (encoding it here, decoding it at a router on the same host) is
+// what a Lookup coming meanwhile may wait for.
+const (
+	snapPace      = 3
+	snapPauseMax  = 20 * time.Millisecond
+	snapBusyReply = 256
+)
+
+// pace starts the next reply of a snapshot: if a Lookup was served since
+// the last one began (busy), it first pauses snapPace times as long as that
+// reply took. Idle, a snapshot runs at full speed.
+func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) (busy bool, _ error) {
+	now, d := time.Now(), s.h.demand.Load()
+	busy = d != s.demand
+	if !s.replyAt.IsZero() && busy {
+		wait := min(now.Sub(s.replyAt)*snapPace, snapPauseMax)
+		if s.timer == nil {
+			s.timer = time.NewTimer(wait)
+		} else {
+			s.timer.Reset(wait)
+		}
+		select {
+		case <-s.timer.C:
+		case <-ctx.Done():
+			s.timer.Stop()
+			return busy, ctx.Err()
+		case <-stop:
+			s.timer.Stop()
+			return busy, ErrStopped
+		}
+		s.h.paused.Add(int64(wait))
+		now, d = time.Now(), s.h.demand.Load()
+	}
+	s.replyAt, s.demand = now, d
+	return busy, nil
+}
+
+// take is scan's callback, under the shard's lock: it adds a followed
+// block's Stored events to the chunk.
+func (s *Sub) take(k *index.Key, t index.Tiers) {
+	if !s.follows(k.NS) {
+		return
+	}
+	var hl uint8
+	if st := (*s.h.ns.Load())[k.NS]; st != nil {
+		hl = uint8(st.hashLen.Load())
+	}
+	for _, tier := range [...]index.Tiers{index.InCPU, index.InDisk} {
+		if t&tier != 0 {
+			s.snap = append(s.snap, Event{Kind: Stored, Tier: tier, HashLen: hl, Key: *k})
+		}
+	}
+}
+
+// taken ends a chunk's scan, under the shard's lock: the next change is
+// not in it.
+func (s *Sub) taken() { s.snapAt = s.h.next.Load() }
 
 func (s *Sub) caughtUp(at uint64) Event {
 	s.sent = false
@@ -666,24 +763,8 @@ const snapChunk = 64
 // last word is its state (index.ScanChunk visits every key that stays
 // put; one that changes is told by its changes).
 func (s *Sub) scan() {
-	nss := *s.h.ns.Load()
 	s.snap = s.snapBuf[:0]
-	next, more := s.h.ix.ScanChunk(s.shard, s.pos, snapChunk, func(k *index.Key, t index.Tiers) {
-		if !s.follows(k.NS) {
-			return
-		}
-		for _, tier := range [...]index.Tiers{index.InCPU, index.InDisk} {
-			if t&tier != 0 {
-				var hl uint8
-				if st := nss[k.NS]; st != nil {
-					hl = uint8(st.hashLen.Load())
-				}
-				s.snap = append(s.snap, Event{Kind: Stored, Tier: tier, HashLen: hl, Key: *k})
-			}
-		}
-	}, func() {
-		s.snapAt = s.h.next.Load()
-	})
+	next, more := s.h.ix.ScanChunk(s.shard, s.pos, snapChunk, s.take, s.taken)
 	s.snapBuf = s.snap[:0] // sending moves snap's start: keep the array's
 	if s.pos = next; !more {
 		s.shard, s.pos = s.shard+1, 0

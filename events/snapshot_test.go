@@ -2,7 +2,9 @@ package events
 
 import (
 	"context"
+	"math/rand/v2"
 	"runtime"
+	"sync"
 	"testing"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -10,7 +12,7 @@ import (
 
 // TestSnapshotMemoryPerBlock: reading a snapshot of many blocks allocates
 // next to nothing per block (the subscription reuses one chunk's buffer):
-// its memory does not grow with the index. Sending a chunk's events moved
+// its memory does not grow with the index; and each reply is full. Sending a chunk's events moved
 // the buffer's start, and every next chunk allocated a new one (111 B a
 // block).
 func TestSnapshotMemoryPerBlock(t *testing.T) {
@@ -29,8 +31,8 @@ func TestSnapshotMemoryPerBlock(t *testing.T) {
 	buf := make([]Event, 0, 1024)
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	stored := 0
-	for done := false; !done; {
+	stored, replies := 0, 0
+	for done := false; !done; replies++ {
 		evs, err := sub.Next(context.Background(), nil, buf)
 		if err != nil {
 			t.Fatal(err)
@@ -52,4 +54,90 @@ func TestSnapshotMemoryPerBlock(t *testing.T) {
 	if per := float64(after.TotalAlloc-before.TotalAlloc) / n; per > 4 {
 		t.Fatalf("%.1f bytes allocated per block of the snapshot, want next to none", per)
 	}
+	// Full replies, chunk after chunk (and the Cleared before them): a
+	// reply per 64-record chunk cost a message and a wakeup each.
+	if want := n/cap(buf) + 3; replies > want {
+		t.Fatalf("the snapshot took %d replies of up to %d events, want at most %d", replies, cap(buf), want)
+	}
+}
+
+// TestSnapshotDuringLookupsAndStores reads a snapshot of many blocks, as
+// the WatchEvents handler does, while Lookups come (Demand, and reads of
+// the index) and writers store, demote and remove blocks: the snapshot
+// pauses for the Lookups (Paused grows), every block no writer touched is
+// in it when its CaughtUp comes, and once the writers stop the view is
+// the index's.
+func TestSnapshotDuringLookupsAndStores(t *testing.T) {
+	ix := index.New()
+	h := New(ix, Config{})
+	h.SetHashLen(1, 16)
+	const n, touched = 1 << 17, 1 << 14 // writers change keys [0, touched)
+	for i := uint64(0); i < n; i++ {
+		set(ix, key(1, i), index.InCPU)
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(w), 34))
+			// Bounded: at most 200,000 changes each, far fewer than the
+			// ring holds between two replies.
+			for range 200000 {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				set(ix, key(1, uint64(r.IntN(touched))), index.Tiers(r.IntN(4)))
+				if r.IntN(8) == 0 {
+					runtime.Gosched()
+				}
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		r := rand.New(rand.NewPCG(9, 34))
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			h.Demand()
+			for range 16 {
+				k := key(1, uint64(r.IntN(n)))
+				ix.Get(&k)
+			}
+			runtime.Gosched()
+		}
+	}()
+	defer func() {
+		close(stop)
+		wg.Wait()
+	}()
+	sub, err := h.Subscribe([]uint32{1}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	v := newView()
+	v.until(t, sub, 0)
+	for i := uint64(touched); i < n; i++ {
+		if v.held[key(1, i)] != index.InCPU {
+			t.Fatalf("block %d, untouched, is %b in the snapshot", i, v.held[key(1, i)])
+		}
+	}
+	if h.Paused() == 0 {
+		t.Fatal("the snapshot never paused for the Lookups")
+	}
+	close(stop)
+	wg.Wait()
+	stop = make(chan struct{}) // for the deferred close
+	v.until(t, sub, h.LastSeq(1))
+	v.check(t, ix, 1)
+	t.Logf("%d blocks held, %d resets, %d losses; the snapshot paused %v", len(v.held), v.cleared, v.lost, h.Paused())
 }

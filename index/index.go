@@ -312,6 +312,54 @@ func (ix *Index) Mutate(k *Key, fn func(e *Entry, found bool) (keep bool)) {
 	s := ix.shardOf(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	ix.mutateLocked(s, k, h, fn)
+}
+
+// MutateBatch is Mutate for each of keys, taking each shard's lock once
+// for all the keys that fall in it (recovery files thousands of keys a
+// chunk). fn gets the key's position in keys; the keys of one shard are
+// visited in the order they come in keys, the shards in no particular
+// order. A key given twice is visited twice. fn must not call back into the
+// index.
+func (ix *Index) MutateBatch(keys []Key, fn func(i int, e *Entry, found bool) (keep bool)) {
+	if len(keys) == 0 {
+		return
+	}
+	// Counting sort of the key positions by shard.
+	type hashed struct {
+		h uint64
+		i int
+	}
+	var start [numShards + 1]int
+	hs := make([]uint64, len(keys))
+	for i := range keys {
+		hs[i] = hashKey(&keys[i])
+		start[hs[i]>>58+1]++
+	}
+	for j := 1; j <= numShards; j++ {
+		start[j] += start[j-1]
+	}
+	order := make([]hashed, len(keys))
+	next := start
+	for i, h := range hs {
+		order[next[h>>58]] = hashed{h, i}
+		next[h>>58]++
+	}
+	for j := range numShards {
+		if start[j] == start[j+1] {
+			continue
+		}
+		s := &ix.shards[j]
+		s.mu.Lock()
+		for _, o := range order[start[j]:start[j+1]] {
+			ix.mutateLocked(s, &keys[o.i], o.h, func(e *Entry, found bool) bool { return fn(o.i, e, found) })
+		}
+		s.mu.Unlock()
+	}
+}
+
+// mutateLocked is Mutate with k's shard s locked and h = hashKey(k).
+func (ix *Index) mutateLocked(s *shard, k *Key, h uint64, fn func(e *Entry, found bool) (keep bool)) {
 	pos, ok := s.find(k, h)
 	if ok {
 		r := s.rec(s.table[pos] - 1)

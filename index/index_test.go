@@ -436,3 +436,88 @@ func BenchmarkReadyPerNS(b *testing.B) {
 		})
 	}
 }
+
+// TestMutateBatch checks MutateBatch against Mutate one key at a time in
+// the keys' order: random batches (keys repeated within a batch, inserts,
+// changes, deletes, declined inserts) applied both ways leave the same
+// entries, counts and observed tiers, and fn runs once per position with
+// the entry as the earlier positions left it.
+func TestMutateBatch(t *testing.T) {
+	one, batch := New(), New()
+	rpOne, rpBatch := &replay{t: t, held: map[Key]Tiers{}}, &replay{t: t, held: map[Key]Tiers{}}
+	one.Observe(rpOne)
+	batch.Observe(rpBatch)
+	r := rand.New(rand.NewPCG(5, 6))
+	type plan struct {
+		e    Entry
+		keep bool
+	}
+	for round := 0; round < 300; round++ {
+		n := r.IntN(600)
+		keys := make([]Key, n)
+		plans := make([]plan, n)
+		for i := range keys {
+			keys[i] = key(uint32(r.IntN(3)), uint32(r.IntN(2)), uint64(r.IntN(3000)))
+			p := plan{e: Entry{CPU: NoSlot, Disk: NoSlot, State: State(1 + r.IntN(2))}, keep: r.IntN(6) != 0}
+			if r.IntN(2) == 0 {
+				p.e.CPU = r.Uint32() >> 1
+			}
+			if r.IntN(2) == 0 {
+				p.e.Disk = r.Uint32() >> 1
+			}
+			plans[i] = p
+		}
+		// What each position saw, both ways.
+		sawOne := make([]Entry, n)
+		foundOne := make([]bool, n)
+		for i := range keys {
+			one.Mutate(&keys[i], func(e *Entry, found bool) bool {
+				sawOne[i], foundOne[i] = *e, found
+				*e = plans[i].e
+				return plans[i].keep
+			})
+		}
+		calls := make([]int, n)
+		batch.MutateBatch(keys, func(i int, e *Entry, found bool) bool {
+			calls[i]++
+			if *e != sawOne[i] || found != foundOne[i] {
+				t.Fatalf("round %d, position %d: batch saw %+v found=%v, one by one %+v found=%v", round, i, *e, found, sawOne[i], foundOne[i])
+			}
+			*e = plans[i].e
+			return plans[i].keep
+		})
+		for i, c := range calls {
+			if c != 1 {
+				t.Fatalf("round %d: fn ran %d times for position %d", round, c, i)
+			}
+		}
+		if round%50 != 0 {
+			continue
+		}
+		if one.Len() != batch.Len() {
+			t.Fatalf("round %d: Len %d one by one, %d batched", round, one.Len(), batch.Len())
+		}
+		one.Range(func(k *Key, e *Entry) bool {
+			if got, ok := batch.Get(k); !ok || got != *e {
+				t.Fatalf("round %d: key %x: batched %+v %v, one by one %+v", round, k.Hash[:8], got, ok, *e)
+			}
+			return true
+		})
+		for ns := uint32(0); ns < 3; ns++ {
+			if a, b := one.CountNS(ns), batch.CountNS(ns); a != b {
+				t.Fatalf("round %d: CountNS(%d) %d one by one, %d batched", round, ns, a, b)
+			}
+		}
+		c1, d1 := one.Copies()
+		c2, d2 := batch.Copies()
+		if c1 != c2 || d1 != d2 {
+			t.Fatalf("round %d: Copies %d/%d one by one, %d/%d batched", round, c1, d1, c2, d2)
+		}
+		if a, b := fmt.Sprint(one.ReadyPerNS()), fmt.Sprint(batch.ReadyPerNS()); a != b {
+			t.Fatalf("round %d: ReadyPerNS %s one by one, %s batched", round, a, b)
+		}
+		if a, b := fmt.Sprint(rpOne.held), fmt.Sprint(rpBatch.held); a != b {
+			t.Fatal("the observer learnt other tiers from the batches")
+		}
+	}
+}

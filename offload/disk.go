@@ -203,6 +203,7 @@ func (s *Service) openDisk(cfg disk.Config, writeThrough bool, reg prometheus.Re
 	cfg.Logger = s.log
 	cfg.Registerer = reg
 	cfg.Evict = s.onDiskEvict
+	cfg.Keys = s.ix.KeysOf
 	cfg.Reject = s.onDiskReject
 	cfg.EvictRange = s.onDiskEvictRange
 	t, err := disk.Open(cfg)
@@ -505,7 +506,8 @@ func (s *Service) releaseWritten(d *demotion, dslot slots.SlotID, err error) {
 	}
 }
 
-// onDiskEvict runs on the disk policy's goroutine for each key it evicted.
+// onDiskEvict runs on the goroutine of the disk policy's Admit or Learn for
+// each key it evicted.
 func (s *Service) onDiskEvict(k index.Key) {
 	dropped := false
 	s.ix.Mutate(&k, func(e *index.Entry, found bool) bool {

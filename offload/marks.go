@@ -230,17 +230,6 @@ func (s *Service) markInvalidated(nss []*Namespace, keys map[index.Key]struct{},
 	return nil
 }
 
-// invalidatedOnDisk reports whether a block recovery found, written at
-// write, is of a key invalidated since (ns's marks).
-func (s *Service) invalidatedOnDisk(ns *Namespace, k *index.Key, write uint64) bool {
-	if ns == nil {
-		return false
-	}
-	s.marksMu.Lock()
-	defer s.marksMu.Unlock()
-	return ns.marks.covers(k, write)
-}
-
 // pruneMarks drops the marks of runs before epoch (the write clock's epoch
 // when this run's recovery started): that recovery looked at every chunk
 // and erased what they cover.

@@ -78,71 +78,95 @@ func (s *Service) recoveredKey(r disk.Recovered) (index.Key, bool) {
 // fileRecovered files the blocks recovery verified in one chunk: each
 // enters the index Ready on disk, attaches to an entry that has no disk
 // copy, is erased if its key was invalidated since the start, or is
-// declined. The ones kept are then put under the disk policy.
+// declined. The ones kept are then put under the disk policy. A chunk of
+// small blocks holds thousands, so the work is done per chunk: one look at
+// the marks, one index batch (each shard's lock once), one Learn, one
+// index batch to check the kept ones are still there (issue 34, item 6).
 func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []disk.Verdict {
 	verdicts := make([]disk.Verdict, len(blocks))
-	var kept, cleaned []int
+	// Invalidated in an earlier run, or in this one before now: its mark
+	// in the catalog (marks.go). An Invalidate running now is ordered by
+	// the tombstone, checked below under the key's lock.
+	marked := make([]bool, len(blocks))
+	s.marksMu.Lock()
 	for i := range blocks {
-		k, slot := &keys[i], blocks[i].Slot
-		v := disk.Decline
-		// Invalidated in an earlier run, or in this one before now: its
-		// mark in the catalog (marks.go). The tombstone is checked under
-		// the key's lock, which orders it with an Invalidate running now.
-		marked := s.invalidatedOnDisk(s.rec.byDigest[blocks[i].NS], k, blocks[i].Write)
-		s.ix.Mutate(k, func(e *index.Entry, found bool) bool {
-			switch {
-			case marked, s.rec.tombs.Has(k):
-				v = disk.Erase
-			case !found:
-				e.State, e.Disk, e.CPU = index.Ready, slot, index.NoSlot
-				v = disk.Keep
-				return true
-			case e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
-				// Stored again before recovery got here (or its CPU
-				// copy came back from the arena): this is its disk copy,
-				// no demotion needed, and the CPU copy is clean.
-				e.Disk = slot
-				v = disk.Keep
-				if e.CPU != index.NoSlot {
-					cleaned = append(cleaned, i)
-				}
-			}
-			return found
-		})
-		verdicts[i] = v
-		if v == disk.Keep {
-			kept = append(kept, i)
+		if ns := s.rec.byDigest[blocks[i].NS]; ns != nil {
+			marked[i] = ns.marks.covers(&keys[i], blocks[i].Write)
 		}
 	}
+	s.marksMu.Unlock()
+	// A chunk serves one slot size, so one class, whatever namespaces its
+	// blocks belong to. Its Forget count before the blocks are filed
+	// tells, after Learn, whether one of them may have gone meanwhile.
+	c, err := s.disk.Class(disk.SlotBytes(blocks[0].PayloadLen))
+	if err != nil { // cannot happen: the tier adopted the chunk into it
+		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
+	} else {
+		defer c.Drop() // the blocks' slots keep the class alive
+	}
+	var forgets uint64
+	if c != nil {
+		forgets = c.Forgets()
+	}
+	var cleaned []int
+	kept := 0
+	s.ix.MutateBatch(keys, func(i int, e *index.Entry, found bool) bool {
+		switch {
+		case marked[i], s.rec.tombs.Has(&keys[i]):
+			verdicts[i] = disk.Erase
+		case !found:
+			e.State, e.Disk, e.CPU = index.Ready, blocks[i].Slot, index.NoSlot
+			verdicts[i] = disk.Keep
+			kept++
+			return true
+		case e.State == index.Ready && e.Disk == index.NoSlot && e.Flags&index.DiskWriting == 0:
+			// Stored again before recovery got here (or its CPU copy
+			// came back from the arena): this is its disk copy, no
+			// demotion needed, and the CPU copy is clean.
+			e.Disk = blocks[i].Slot
+			verdicts[i] = disk.Keep
+			kept++
+			if e.CPU != index.NoSlot {
+				cleaned = append(cleaned, i)
+			}
+		}
+		return found
+	})
 	for _, i := range cleaned {
 		if ns := s.rec.byDigest[blocks[i].NS]; ns != nil {
 			s.noteClean(ns.classes[keys[i].Group], keys[i])
 		}
 	}
-	if len(kept) == 0 {
+	if kept == 0 || c == nil {
 		return verdicts
 	}
 	// Under the policy only now, with the entries in the index (its
 	// Evict must find them). An entry that went meanwhile (invalidated,
-	// a failed read) was forgotten by whoever dropped it, maybe before
-	// Learn: forget it again so the policy counts no slot that is free.
-	// A chunk serves one slot size, so one class, whatever namespaces its
-	// blocks belong to.
-	c, err := s.disk.Class(disk.SlotBytes(blocks[kept[0]].PayloadLen))
-	if err != nil { // cannot happen: the tier adopted the chunk into it
-		s.log.Error("disk tier: recovered blocks left out of the disk policy", "err", err)
-		return verdicts
-	}
-	defer c.Drop() // the blocks' slots keep the class alive
-	ks := make([]index.Key, len(kept))
-	for j, i := range kept {
-		ks[j] = keys[i]
+	// a failed read) was forgotten by whoever dropped it, after it left
+	// the index and maybe before Learn: forget it again so the policy
+	// counts no slot that is free. Without a Forget of the class since
+	// the count above, none went before Learn, and the second look at
+	// the index is spared (a Forget that comes later comes after Learn).
+	ks := make([]index.Key, 0, kept)
+	at := make([]int, 0, kept)
+	for i, v := range verdicts {
+		if v == disk.Keep {
+			ks, at = append(ks, keys[i]), append(at, i)
+		}
 	}
 	c.Learn(ks)
-	for _, i := range kept {
-		if e, ok := s.ix.Get(&keys[i]); !ok || e.Disk != blocks[i].Slot {
-			s.forgetDisk(c, &keys[i])
+	if c.Forgets() == forgets {
+		return verdicts
+	}
+	var gone []int
+	s.ix.MutateBatch(ks, func(j int, e *index.Entry, found bool) bool {
+		if !found || e.Disk != blocks[at[j]].Slot {
+			gone = append(gone, j)
 		}
+		return found
+	})
+	for _, j := range gone {
+		s.forgetDisk(c, &ks[j])
 	}
 	return verdicts
 }

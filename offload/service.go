@@ -311,6 +311,7 @@ func New(cfg Config) (*Service, error) {
 		cc.Staging = 1.0 / 32
 	}
 	cc.Evict = s.onPolicyEvict
+	cc.Keys = s.ix.KeysOf
 	cc.Reject = s.onPolicyReject
 	cc.EvictRange = s.onEvictRange
 	t, err := newCPUTier(cc, cfg.CPUArenaDir)
@@ -388,6 +389,8 @@ func (s *Service) registerGauges(reg prometheus.Registerer) {
 			func() float64 { return float64(s.ev.Subscribers()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_events_lost_total", Help: "Times an event subscriber fell behind the buffer and started over from a snapshot."},
 			func() float64 { return float64(s.ev.Lost()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvoffload_event_snapshot_paused_seconds_total", Help: "Time event snapshots paused to leave the CPU to Lookups (docs/events.md)."},
+			func() float64 { return s.ev.Paused().Seconds() }),
 	)
 }
 
@@ -745,6 +748,7 @@ const (
 // Lookup counts the leading keys ready in every namespace. With a lease it
 // also pins that prefix until the lease ends; the lease is owner's.
 func (s *Service) Lookup(owner Owner, nsIDs []uint32, keys Keys, leaseFor time.Duration, peek bool) (LookupResult, error) {
+	s.ev.Demand() // a snapshot streamed meanwhile leaves it the CPU
 	nss, err := s.namespaces(nsIDs)
 	if err != nil {
 		return LookupResult{}, err
@@ -1100,7 +1104,8 @@ func (s *Service) nsByID(id uint32) *Namespace {
 	return s.mu.byID[id]
 }
 
-// onPolicyEvict runs on the CPU policy's goroutine for each key it evicted.
+// onPolicyEvict runs on the goroutine of the CPU policy's Admit or Learn for
+// each key it evicted.
 // Without a disk tier the block goes. With one (write-back) a ready block
 // that is not on disk yet is queued for the disk and stays readable from its
 // CPU slot until the write lands.

@@ -248,6 +248,25 @@ func (d *Daemon) LogTail() string {
 	return strings.TrimSpace(string(b))
 }
 
+// GC has a daemon started with --debug-checks run a garbage collection
+// (POST /debug/gc): its heap metrics then say what is live.
+func (d *Daemon) GC(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+d.MetricsAddr+"/debug/gc", nil)
+	if err != nil {
+		return err
+	}
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("debug/gc: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("debug/gc: %s (the daemon needs --debug-checks)", resp.Status)
+	}
+	return nil
+}
+
 // Metrics scrapes the daemon's /metrics: sample name with its labels as
 // printed ("kvoffload_blocks_total{op=\"load\",status=\"ok\"}") to value.
 func (d *Daemon) Metrics(ctx context.Context) (map[string]float64, error) {

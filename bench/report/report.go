@@ -512,6 +512,18 @@ type Scale struct {
 	StatsMaxMs        float64 `json:"stats_max_ms"`
 	HeapBytesPerBlock float64 `json:"heap_bytes_per_block"`
 	RSSBytesPerBlock  float64 `json:"rss_bytes_per_block"`
+	// Lookups of 16 blocks idle and while a WatchEvents snapshot of every
+	// block is read (issue 34, item 3), pooled over the snapshots.
+	SnapshotBlocks           int       `json:"snapshot_blocks,omitempty"`
+	SnapshotSeconds          []float64 `json:"snapshot_seconds,omitempty"`
+	LookupsIdle              int       `json:"lookups_idle,omitempty"`
+	LookupsDuring            int       `json:"lookups_during,omitempty"`
+	LookupIdleP50Ms          float64   `json:"lookup_idle_p50_ms,omitempty"`
+	LookupIdleP99Ms          float64   `json:"lookup_idle_p99_ms,omitempty"`
+	LookupSnapP50Ms          float64   `json:"lookup_snapshot_p50_ms,omitempty"`
+	LookupSnapP99Ms          float64   `json:"lookup_snapshot_p99_ms,omitempty"`
+	LookupSnapP99Ratio       float64   `json:"lookup_snapshot_p99_ratio,omitempty"`
+	SnapshotRSSBytesPerBlock float64   `json:"snapshot_rss_bytes_per_block"`
 	// Over a disk tier; DiskSkipped says why not.
 	DiskSkipped           string  `json:"disk_skipped,omitempty"`
 	DiskBytes             uint64  `json:"disk_bytes"`
@@ -522,6 +534,7 @@ type Scale struct {
 	DiskOnDisk            int     `json:"disk_on_disk"`
 	DiskDropped           int     `json:"disk_dropped"`
 	DiskLost              int     `json:"disk_lost"`
+	DiskHeapBytesPerBlock float64 `json:"disk_heap_bytes_per_block"`
 	RestartToServingMs    float64 `json:"restart_to_serving_ms"`
 	RecoverySeconds       float64 `json:"recovery_seconds"`
 	RecoveredBlocks       int     `json:"recovered_blocks"`
@@ -530,6 +543,18 @@ type Scale struct {
 	RawSeqReadGBps        float64 `json:"raw_seq_read_gbps"`
 	RecoveryVsRaw         float64 `json:"recovery_vs_raw"`
 	RecoveryCPUusPerBlock float64 `json:"recovery_cpu_us_per_block"`
+}
+
+// fmtSeconds writes durations in seconds, slash-separated.
+func fmtSeconds(s []float64) string {
+	var b strings.Builder
+	for i, v := range s {
+		if i > 0 {
+			b.WriteByte('/')
+		}
+		fmt.Fprintf(&b, "%.2f", v)
+	}
+	return b.String()
 }
 
 // F returns a pointer to v, for the optional fields.
@@ -684,17 +709,27 @@ func (r *Report) Print(w io.Writer) {
 	if len(r.Scale) > 0 {
 		fmt.Fprintf(w, "\nscale (%d-byte blocks, %d ranks storing at once; CPU tier with room for 2N, then a CPU tier of N/8 blocks (16-64 MiB) over a disk tier with room for N, kill -9, recovery):\n", r.Scale[0].BlockBytes, r.Scale[0].Ranks)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
+		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\theap B/block (<=150)\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
 		for _, sc := range r.Scale {
 			fmt.Fprintf(tw, "%d\t%d\t%d\t%.2f/%.2f\t%.0f\t%.0f\t", sc.Blocks, sc.CPUStoredOK, sc.CPULostWhileRoom, sc.StatsP50Ms, sc.StatsMaxMs, sc.HeapBytesPerBlock, sc.RSSBytesPerBlock)
 			if sc.DiskSkipped != "" {
 				fmt.Fprintf(tw, "skipped: %s\t\n", sc.DiskSkipped)
 				continue
 			}
-			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,
-				sc.RestartToServingMs, sc.RecoveredBlocks, sc.BadSlots, sc.RecoverySeconds, sc.RecoveryGBps, sc.RawSeqReadGBps, sc.RecoveryVsRaw, sc.RecoveryCPUusPerBlock)
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,
+				sc.DiskHeapBytesPerBlock, sc.RestartToServingMs, sc.RecoveredBlocks, sc.BadSlots, sc.RecoverySeconds, sc.RecoveryGBps, sc.RawSeqReadGBps, sc.RecoveryVsRaw, sc.RecoveryCPUusPerBlock)
 		}
 		tw.Flush()
+		if len(r.Scale[0].SnapshotSeconds) > 0 {
+			fmt.Fprintf(w, "\nscale: an engine's Lookups of 16 blocks, idle and while a router reads a WatchEvents snapshot of every block (CPU tier):\n")
+			tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "N\tsnapshot blocks\tsnapshot s\tLookups idle/during\tidle p50/p99 ms\tduring p50/p99 ms\tp99 during/idle (<=3)\tRSS growth B/block\t")
+			for _, sc := range r.Scale {
+				fmt.Fprintf(tw, "%d\t%d\t%s\t%d/%d\t%.2f/%.2f\t%.2f/%.2f\t%.2f\t%.0f\t\n", sc.Blocks, sc.SnapshotBlocks, fmtSeconds(sc.SnapshotSeconds), sc.LookupsIdle, sc.LookupsDuring,
+					sc.LookupIdleP50Ms, sc.LookupIdleP99Ms, sc.LookupSnapP50Ms, sc.LookupSnapP99Ms, sc.LookupSnapP99Ratio, sc.SnapshotRSSBytesPerBlock)
+			}
+			tw.Flush()
+		}
 	}
 	if rc := r.Recovery; rc != nil {
 		fmt.Fprintf(w, "\nrestart (disk tier %s, %d blocks of %s on it):\n", sizeString(int(rc.DiskBytes)), rc.Blocks, sizeString(rc.BlockBytes))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"sync"
@@ -24,6 +25,10 @@ import (
 //	                   index): 200 "ok", or 500 with what disagrees.
 //	/debug/goroutines  every goroutine's stack (runtime/pprof, debug=1), to
 //	                   name a leak.
+//	/debug/gc          POST runs a garbage collection and returns once it
+//	                   is done: the Go heap metrics then say what is live,
+//	                   not what garbage the last cycle left (kvbench's
+//	                   scale scenario reads the heap per block so).
 //	/debug/cpu-recovery  with --debug-hold-cpu-recovery, POST ?chunks=N lets
 //	                   the CPU arena's recovery verify and file N more
 //	                   chunks, ?chunks=all lets it run to its end (a test
@@ -66,6 +71,14 @@ func mountDebug(mux *http.ServeMux, svc *offload.Service, gate *recoveryGate) {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/debug/gc", func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			http.Error(w, "POST runs a garbage collection", http.StatusMethodNotAllowed)
+			return
+		}
+		runtime.GC()
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("/debug/goroutines", func(w http.ResponseWriter, r *http.Request) {

@@ -17,11 +17,13 @@ import (
 // tier, then evict older ones) and invalidating some between replies, so the index changes all
 // along the snapshot, which the daemon walks a chunk of records at a time
 // with the shard's lock released between chunks. The view (snapshot, then
-// live changes) must equal a Lookup of every key ever stored.
+// live changes) must equal a Lookup of every key ever stored. Lookups
+// between replies make the snapshot pause (pace) along the way.
 func TestWatchSnapshotRacingStores(t *testing.T) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
-	_, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "64MiB", "--cpu-chunk-bytes", "4MiB")
+	metrics := freePort(t)
+	_, c, _ := startDaemon(t, bin, "--socket", sock, "--metrics-addr", metrics, "--cpu-bytes", "64MiB", "--cpu-chunk-bytes", "4MiB")
 	m := testenv.Model{Layers: 1, SegBytes: 4096, Blocks: 256, HashBytes: 16}
 	region := testenv.NewRegion(t, m.RegionBytes())
 	ctx := context.Background()
@@ -98,6 +100,10 @@ func TestWatchSnapshotRacingStores(t *testing.T) {
 		}
 		caughtUp = recv()
 		hs := store(4)
+		// An engine's Lookup: the snapshot paces itself meanwhile.
+		if _, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, testenv.Keys(hs...), 0); err != nil {
+			t.Fatal(err)
+		}
 		if rounds%2 == 0 {
 			// Invalidate a block stored just now and an older one.
 			old := all[(rounds*37)%len(all)]
@@ -109,6 +115,9 @@ func TestWatchSnapshotRacingStores(t *testing.T) {
 	}
 	if rounds < 100 {
 		t.Fatalf("the snapshot took %d replies: too few for stores to race it", rounds)
+	}
+	if p := metric(t, scrape(t, metrics), "kvoffload_event_snapshot_paused_seconds_total"); p <= 0 {
+		t.Fatalf("kvoffload_event_snapshot_paused_seconds_total %v: the snapshot never paused for the Lookups", p)
 	}
 	// Live: a store's events come once it is done, after every earlier
 	// change's; read up to a sentinel block's, then to the CAUGHT_UP after

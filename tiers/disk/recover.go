@@ -6,6 +6,9 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/layout"
@@ -79,7 +82,8 @@ type Recoverer struct {
 	// File gets the blocks of one chunk that Key named, with their keys.
 	// Their slots are taken (in use, no pins) and Read serves them. File
 	// files each block in the index or not, and returns a Verdict per
-	// block.
+	// block. blocks and keys are reused for the next chunk once File
+	// returns: File must not keep them.
 	File func(blocks []Recovered, keys []index.Key) []Verdict
 	// Done, if set, runs once when recovery ends, finished or stopped,
 	// with the final progress.
@@ -214,8 +218,8 @@ func (t *Tier) Recover(r Recoverer) error {
 	// One buffer per reader, outside the Go heap, aligned for O_DIRECT,
 	// that holds the largest window of the file.
 	type reader struct {
-		f   *file
-		buf []byte
+		f        *file
+		buf, mem []byte
 	}
 	var readers []reader
 	for _, f := range t.files {
@@ -228,15 +232,15 @@ func (t *Tier) Recover(r Recoverer) error {
 		}
 		f.scan.start = time.Now()
 		for range min(recoveryReaders, len(f.scan.chunks)) {
-			buf, err := vfs.AlignedBuffer(int(size))
+			buf, mem, err := recoveryBuffer(int(size))
 			if err != nil {
 				for _, rd := range readers {
-					vfs.FreeBuffer(rd.buf)
+					vfs.FreeBuffer(rd.mem)
 				}
 				t.finishRecovery(r, RecoveryStopped)
 				return fmt.Errorf("disk tier: recovery buffer: %w", err)
 			}
-			readers = append(readers, reader{f, buf})
+			readers = append(readers, reader{f, buf, mem})
 			f.scan.active.Add(1)
 		}
 	}
@@ -250,22 +254,46 @@ func (t *Tier) Recover(r Recoverer) error {
 	t.rec.active.Store(int32(len(readers)))
 	for _, rd := range readers {
 		t.rec.wg.Add(1)
-		go t.recoverFile(rd.f, rd.buf, r)
+		go t.recoverFile(rd.f, rd.buf, rd.mem, r)
 	}
 	return nil
+}
+
+// hugePage is the size of a transparent huge page on amd64 and arm64 (4
+// KiB base pages).
+const hugePage = 2 << 20
+
+// recoveryBuffer maps n bytes for a reader's windows on a huge page
+// boundary and asks for transparent huge pages: each O_DIRECT read then
+// pins two pages instead of 1,024 per 4 MiB window, and the verification's
+// first touch of each slot's header does not miss the TLB (issue 34, item
+// 6: with small blocks both showed in recovery's CPU profile). Where the
+// kernel gives none (THP off) it works the same, on base pages. mem is
+// the mapping, for vfs.FreeBuffer.
+func recoveryBuffer(n int) (buf, mem []byte, err error) {
+	mem, err = vfs.AlignedBuffer(n + hugePage)
+	if err != nil {
+		return nil, nil, err
+	}
+	off := (hugePage - int(uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%hugePage)) % hugePage
+	buf = mem[off : off+n : off+n]
+	// Advice only: the kernel may decline it.
+	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
+	return buf, mem, nil
 }
 
 // recoverFile is one reader of f: it scans f's next chunk until none is
 // left or recovery stops. The last reader to finish ends the file's part,
 // and the last of all ends recovery.
-func (t *Tier) recoverFile(f *file, buf []byte, r Recoverer) {
+func (t *Tier) recoverFile(f *file, buf, mem []byte, r Recoverer) {
 	defer t.rec.wg.Done()
-	defer vfs.FreeBuffer(buf)
+	defer vfs.FreeBuffer(mem)
 	stopped := false
 	// The blocks a chunk's scan found, reused chunk after chunk: with small
 	// blocks (thousands a chunk) growing it anew was a fifth of recovery's
 	// CPU (issue 34, item 6).
-	var got []found
+	var got []Recovered
+	var sc adoptScratch
 	for !stopped {
 		i := int(f.scan.next.Add(1) - 1)
 		if i >= len(f.scan.chunks) {
@@ -277,7 +305,7 @@ func (t *Tier) recoverFile(f *file, buf []byte, r Recoverer) {
 			stopped = true
 			break
 		}
-		t.adoptChunk(f, f.scan.chunks[i], f.scan.entries[i], got, r)
+		t.adoptChunk(f, f.scan.chunks[i], f.scan.entries[i], got, r, &sc)
 	}
 	if f.scan.active.Add(-1) == 0 && !t.stopping() {
 		took := time.Since(f.scan.start)
@@ -357,12 +385,6 @@ func (t *Tier) Recovery() RecoveryStats {
 	return st
 }
 
-// found is one intact slot seen by the scan.
-type found struct {
-	id    Recovered
-	write uint64 // epoch<<32 | seq
-}
-
 // windowSlots is how many slots of a chunk like e one recovery read
 // takes: whole slots, at least recoveryWindow bytes, at most the chunk.
 func (t *Tier) windowSlots(e chunkEntry) uint64 {
@@ -372,7 +394,7 @@ func (t *Tier) windowSlots(e chunkEntry) uint64 {
 // scanChunk reads chunk ci of f (slots of e.slotBytes) window by window
 // into buf, verifies every slot and appends the blocks found to out.
 // false: recovery stopped first.
-func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte, out []found) ([]found, bool) {
+func (t *Tier) scanChunk(f *file, ci int, e chunkEntry, buf []byte, out []Recovered) ([]Recovered, bool) {
 	sb := e.slotBytes
 	per := t.chunkBytes / sb
 	win := t.windowSlots(e)
@@ -430,45 +452,57 @@ func (t *Tier) slotBad(f *file, s slots.SlotID, why error) {
 // chunk of e.slotBytes slots, and says why it is not a recoverable block
 // (slot.ErrEmpty: never written). It checks what a Read checks, except
 // that the write recorded for the slot is the header's own.
-func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (found, error) {
+func (t *Tier) verifySlot(img []byte, s slots.SlotID, e chunkEntry) (Recovered, error) {
 	h, err := slot.Decode(img[:slot.HeaderSize])
 	if err != nil {
-		return found{}, err
+		return Recovered{}, err
 	}
 	switch {
 	case h.Slot != uint64(s):
-		return found{}, fmt.Errorf("%w: written for slot %d", slot.ErrMisplaced, h.Slot)
+		return Recovered{}, fmt.Errorf("%w: written for slot %d", slot.ErrMisplaced, h.Slot)
 	case SlotBytes(h.PayloadLen) != e.slotBytes:
-		return found{}, fmt.Errorf("%w: a %d-byte payload in a chunk of %d-byte slots", slot.ErrLength, h.PayloadLen, e.slotBytes)
+		return Recovered{}, fmt.Errorf("%w: a %d-byte payload in a chunk of %d-byte slots", slot.ErrLength, h.PayloadLen, e.slotBytes)
 	case h.Epoch < e.minEpoch:
-		return found{}, fmt.Errorf("%w: written in epoch %d, before the chunk took this slot size in epoch %d", slot.ErrStale, h.Epoch, e.minEpoch)
+		return Recovered{}, fmt.Errorf("%w: written in epoch %d, before the chunk took this slot size in epoch %d", slot.ErrStale, h.Epoch, e.minEpoch)
 	case h.Seq == 0 || h.Seq > maxSeq:
-		return found{}, fmt.Errorf("%w: sequence number %d out of range", slot.ErrMalformed, h.Seq)
+		return Recovered{}, fmt.Errorf("%w: sequence number %d out of range", slot.ErrMalformed, h.Seq)
 	}
 	if err := slot.VerifyPayload(h, img[slot.HeaderSize:slot.HeaderSize+h.PayloadLen]); err != nil {
-		return found{}, err
+		return Recovered{}, err
 	}
-	return found{
-		id:    Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen, Write: uint64(h.Epoch)<<32 | h.Seq},
-		write: uint64(h.Epoch)<<32 | h.Seq,
-	}, nil
+	return Recovered{NS: h.Namespace, Group: h.Group, Hash: h.Hash, HashLen: int(h.HashLen), Slot: s, PayloadLen: h.PayloadLen, Write: uint64(h.Epoch)<<32 | h.Seq}, nil
+}
+
+// adoptScratch is adoptChunk's per-chunk slices, kept by a reader from one
+// chunk to the next.
+type adoptScratch struct {
+	keys   []index.Key
+	writes []uint64
+	used   []slots.SlotID
 }
 
 // adoptChunk gives chunk ci of f back to service: to the class of its
 // intact blocks, which come online through r.File, or to the free chunks
-// when nothing there is kept.
-func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recoverer) {
+// when nothing there is kept. found is the scan's, and adoptChunk keeps in
+// place the blocks r.Key names.
+func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []Recovered, r Recoverer, sc *adoptScratch) {
 	ch := uint32(f.idx*t.fileChunks + ci)
-	recs := make([]Recovered, 0, len(found))
-	keys := make([]index.Key, 0, len(found))
-	writes := make([]uint64, 0, len(found))
-	for _, c := range found {
-		k, ok := r.Key(c.id)
+	// Reused from chunk to chunk (r.File does not keep them): with
+	// thousands of small blocks a chunk, growing them anew costs.
+	keys, writes, used := sc.keys[:0], sc.writes[:0], sc.used[:0]
+	defer func() { sc.keys, sc.writes, sc.used = keys, writes, used }()
+	recs := found[:0]
+	for i := range found {
+		k, ok := r.Key(found[i])
 		if !ok {
 			t.rec.dropped.Add(1)
 			continue
 		}
-		recs, keys, writes = append(recs, c.id), append(keys, k), append(writes, c.write)
+		if len(recs) < i {
+			found[len(recs)] = found[i]
+		}
+		recs = recs[:len(recs)+1]
+		keys, writes, used = append(keys, k), append(writes, found[i].Write), append(used, found[i].Slot)
 	}
 	unhold := func(why error) {
 		if why != nil {
@@ -491,18 +525,12 @@ func (t *Tier) adoptChunk(f *file, ci int, e chunkEntry, found []found, r Recove
 	// The adopted slots keep the class alive; the owner's namespaces hold
 	// their own references.
 	defer cls.Drop()
-	used := make([]slots.SlotID, len(recs))
-	for i := range recs {
-		used[i] = recs[i].Slot
-	}
 	if err := cls.Adopt(ch, used); err != nil {
 		unhold(err)
 		return
 	}
 	// Readable from here: the owner may index them as soon as File runs.
-	for i, s := range used {
-		t.seqs.set(s, e.slotBytes, writes[i])
-	}
+	t.seqs.setMany(used, e.slotBytes, writes)
 	verdicts := r.File(recs, keys)
 	kept := 0
 	var erasing sync.WaitGroup

@@ -45,12 +45,16 @@ func (st *seqTable) ordinal(s slots.SlotID, slotBytes uint64) (ch, ord uint64, o
 
 // set records w for slot s, a slot of a chunk of slotBytes slots.
 func (st *seqTable) set(s slots.SlotID, slotBytes, w uint64) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.setLocked(s, slotBytes, w)
+}
+
+func (st *seqTable) setLocked(s slots.SlotID, slotBytes, w uint64) {
 	ch, ord, ok := st.ordinal(s, slotBytes)
 	if !ok {
 		return
 	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
 	c := &st.chunks[ch]
 	if c.slotBytes != slotBytes {
 		if w == 0 {
@@ -59,6 +63,16 @@ func (st *seqTable) set(s slots.SlotID, slotBytes, w uint64) {
 		*c = seqChunk{slotBytes: slotBytes, w: make([]uint64, st.chunkBytes/slotBytes)}
 	}
 	c.w[ord] = w
+}
+
+// setMany is set for each of ss with ws, under one lock (recovery sets a
+// chunk's worth at once).
+func (st *seqTable) setMany(ss []slots.SlotID, slotBytes uint64, ws []uint64) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for i, s := range ss {
+		st.setLocked(s, slotBytes, ws[i])
+	}
 }
 
 // get returns what set recorded for s at slotBytes, 0 if nothing.

@@ -48,9 +48,10 @@ type Config struct {
 	Logger  *slog.Logger
 	// Registerer receives the tier's metrics; nil registers none.
 	Registerer prometheus.Registerer
-	// Evict, Reject and EvictRange are the disk tier's policy callbacks;
-	// see slots.Config.
+	// Evict, Reject, Keys and EvictRange are the disk tier's policy
+	// callbacks; see slots.Config.
 	Evict, Reject func(index.Key)
+	Keys          func(h uint64, into []index.Key) []index.Key
 	EvictRange    func(lo, hi slots.SlotID)
 }
 
@@ -211,7 +212,7 @@ func Open(cfg Config) (*Tier, error) {
 		Reserve: cfg.Reserve, Logger: cfg.Logger,
 		// TinyLFU: a demotion the policy declines is a write not made.
 		Policy: slots.TinyLFU,
-		Evict:  cfg.Evict, Reject: cfg.Reject, EvictRange: cfg.EvictRange,
+		Evict:  cfg.Evict, Reject: cfg.Reject, Keys: cfg.Keys, EvictRange: cfg.EvictRange,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("disk tier: %w", err)

@@ -160,7 +160,7 @@ func TestLearnGrowsForTheReserve(t *testing.T) {
 	bothPolicies(t, func(t *testing.T) {
 		const chunk = 1 << 20
 		o := &owner{slot: map[index.Key]SlotID{}}
-		sp, err := New(Config{Name: "test", Bytes: 4 * chunk, ChunkBytes: chunk, Policy: testPolicy, Reserve: 1.0 / 8,
+		sp, err := New(Config{Name: "test", Bytes: 4 * chunk, ChunkBytes: chunk, Policy: testPolicy, Reserve: 1.0 / 8, Keys: keysOf,
 			Evict: func(k index.Key) {
 				o.mu.Lock()
 				defer o.mu.Unlock()

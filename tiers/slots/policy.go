@@ -1,12 +1,10 @@
 package slots
 
 import (
-	"container/list"
 	"fmt"
 	"sync"
 	"sync/atomic"
 
-	"github.com/dgraph-io/ristretto/v2"
 	"github.com/kvoffloadd/kvoffloadd/index"
 )
 
@@ -14,9 +12,10 @@ import (
 type Policy string
 
 const (
-	// TinyLFU is ristretto's: a new block is admitted only if the
-	// frequency sketch says it is wanted more than the block it would
-	// evict, and evictions take the least frequent of a sample. Accesses
+	// TinyLFU is ristretto's policy (tinylfu.go): a new block is
+	// admitted only if the frequency sketch says it is wanted more than
+	// the block it would evict, and evictions take the least frequent of
+	// a sample. Accesses
 	// to blocks not held (a Lookup's misses) count, so a prefix many
 	// requests want earns its place before its first store. It saves
 	// writes where admission costs I/O (the disk tier).
@@ -63,128 +62,137 @@ type policy interface {
 	close()
 }
 
-// callbacks are the class's guarded Evict and Reject.
+// callbacks are the class's guarded Evict and Reject. A policy keeps only
+// the policy keys of the blocks it holds: evict gets those, and the class
+// finds their keys in the owner's index (Config.Keys). reject gets the
+// keys of the admit that was declined, which the policy has at hand.
 type callbacks struct {
-	evict, reject func(index.Key)
+	evict  func(hs []uint64)
+	reject func(keys []index.Key)
 }
 
-// tinyLFU is ristretto's cache used as a policy only (its values are the
-// keys, every cost 1). Its callbacks run on ristretto's goroutine while
-// admit waits for them.
-type tinyLFU struct {
-	c  *ristretto.Cache[uint64, index.Key]
-	cb callbacks
-}
-
-func newTinyLFU(counters int64, cb callbacks) (*tinyLFU, error) {
-	p := &tinyLFU{cb: cb}
-	c, err := ristretto.NewCache(&ristretto.Config[uint64, index.Key]{
-		// TinyLFU's frequency window: about ten times the blocks the
-		// class can hold, and never so small that a burst of one-off
-		// keys ages the hot set away.
-		NumCounters: counters,
-		// ristretto refuses a zero capacity; the first grow sets the
-		// real one.
-		MaxCost: 1,
-		// ristretto gathers accesses in pooled buffers of this many
-		// before they reach its sketch; access pads each batch to whole
-		// buffers so a block looked up just before its store does not
-		// look colder than the blocks looked up before it. The frequency
-		// stays an estimate: ristretto drops a buffer when its policy
-		// goroutine lags.
-		BufferItems:        touchBuffer,
-		IgnoreInternalCost: true,
-		OnEvict:            func(it *ristretto.Item[index.Key]) { cb.evict(it.Value) },
-		OnReject:           func(it *ristretto.Item[index.Key]) { cb.reject(it.Value) },
-	})
-	if err != nil {
-		return nil, err
+// declined returns the keys of the batch whose policy keys are among hs.
+func declined(keys []index.Key, hs, declined []uint64) []index.Key {
+	if len(declined) == 0 {
+		return nil
 	}
-	p.c = c
-	return p, nil
-}
-
-func (p *tinyLFU) admit(keys []index.Key, hs []uint64) {
-	for i := range keys {
-		if !p.c.Set(hs[i], keys[i], 1) {
-			p.cb.reject(keys[i])
-		}
+	at := make(map[uint64]int, len(hs))
+	for i, h := range hs {
+		at[h] = i
 	}
-	p.c.Wait()
-}
-
-func (p *tinyLFU) learn(keys []index.Key, hs []uint64) {
-	for i := range keys {
-		// ristretto drops a Set when its buffer is full: let it drain
-		// and try once more (it fails again only once closed).
-		if !p.c.Set(hs[i], keys[i], 1) {
-			p.c.Wait()
-			p.c.Set(hs[i], keys[i], 1)
-		}
+	out := make([]index.Key, 0, len(declined))
+	for _, h := range declined {
+		out = append(out, keys[at[h]])
 	}
-	p.c.Wait()
+	return out
 }
-
-// touchBuffer is ristretto's BufferItems for every class.
-const touchBuffer = 16
-
-// touchPad is the policy key access pads batches with. It is never a
-// block's (a block key hashing to it only shares a frequency counter).
-const touchPad = 0x9e3779b97f4a7c15
-
-func (p *tinyLFU) access(hs []uint64, _ uint64) {
-	for _, h := range hs {
-		p.c.Get(h)
-	}
-	for i := len(hs) % touchBuffer; i != 0 && i < touchBuffer; i++ {
-		p.c.Get(touchPad)
-	}
-}
-
-func (p *tinyLFU) forget(h uint64) { p.c.Del(h) }
-
-func (p *tinyLFU) holds(h uint64) bool {
-	_, ok := p.c.GetTTL(h)
-	return ok
-}
-
-// size is the cost used; every key costs 1. It counts the Sets the
-// policy goroutine has processed (admit waits for them).
-func (p *tinyLFU) size() int64 { return max(p.c.MaxCost()-p.c.RemainingCost(), 0) }
-
-// setCapacity is an atomic store in ristretto.
-func (p *tinyLFU) setCapacity(n int64) { p.c.UpdateMaxCost(n) }
-
-// close clears the cache, which "evicts" every key: the class's guards
-// keep those from the owner.
-func (p *tinyLFU) close() { p.c.Close() }
 
 // protectedShare is the most of an SLRU's capacity the protected segment
 // takes.
 const protectedShare = 0.8
 
-// slru is the SLRU policy.
+// slru is the SLRU policy: two doubly linked lists (probation and
+// protected, front the most recent) threaded through its records.
 type slru struct {
 	cb       callbacks
 	capacity atomic.Int64
 
-	mu   sync.Mutex
-	at   map[uint64]*list.Element // of *slruEntry
-	prob *list.List
-	prot *list.List
+	mu    sync.Mutex
+	recs  records
+	nodes [][]slruNode // beside recs, by record number
+	prob  segment
+	prot  segment
 }
 
-type slruEntry struct {
-	h         uint64
-	key       index.Key
-	protected bool
-	admit     uint64 // the admit that added it (admits)
+// slruNode is an SLRU's state of one block.
+type slruNode struct {
+	prev, next uint32 // record numbers, noRec at either end
+	// admit is the admit that added the block (admits), with slruProtected
+	// set while it is in the protected segment.
+	admit uint64
+}
+
+const slruProtected = 1 << 63
+
+// segment is one of an SLRU's lists.
+type segment struct {
+	front, back uint32
+	n           int
 }
 
 func newSLRU(cb callbacks) *slru {
-	p := &slru{cb: cb, at: map[uint64]*list.Element{}, prob: list.New(), prot: list.New()}
+	p := &slru{cb: cb}
+	p.resetLocked()
 	p.capacity.Store(1)
 	return p
+}
+
+func (p *slru) resetLocked() {
+	p.recs.reset()
+	p.nodes = nil
+	p.prob = segment{front: noRec, back: noRec}
+	p.prot = p.prob
+}
+
+func (p *slru) node(r uint32) *slruNode { return &p.nodes[r>>recShift][r&(recLen-1)] }
+
+func (p *slru) segOf(n *slruNode) *segment {
+	if n.admit&slruProtected != 0 {
+		return &p.prot
+	}
+	return &p.prob
+}
+
+// pushFront puts record r at the front of s.
+func (p *slru) pushFront(s *segment, r uint32) {
+	n := p.node(r)
+	n.prev, n.next = noRec, s.front
+	if s.front != noRec {
+		p.node(s.front).prev = r
+	} else {
+		s.back = r
+	}
+	s.front = r
+	s.n++
+}
+
+// unlink takes record r out of s.
+func (p *slru) unlink(s *segment, r uint32) {
+	n := p.node(r)
+	if n.prev != noRec {
+		p.node(n.prev).next = n.next
+	} else {
+		s.front = n.next
+	}
+	if n.next != noRec {
+		p.node(n.next).prev = n.prev
+	} else {
+		s.back = n.prev
+	}
+	s.n--
+}
+
+// removeLocked drops record r, and moves the last record into its number
+// (records.remove), relinking its neighbours.
+func (p *slru) removeLocked(r uint32) {
+	p.unlink(p.segOf(p.node(r)), r)
+	last := p.recs.remove(r)
+	if last == r {
+		return
+	}
+	n := p.node(r)
+	*n = *p.node(last)
+	s := p.segOf(n)
+	if n.prev != noRec {
+		p.node(n.prev).next = r
+	} else {
+		s.front = r
+	}
+	if n.next != noRec {
+		p.node(n.next).prev = r
+	} else {
+		s.back = r
+	}
 }
 
 func (p *slru) admit(keys []index.Key, hs []uint64) { p.add(keys, hs) }
@@ -199,54 +207,60 @@ var admits atomic.Uint64
 
 func (p *slru) add(keys []index.Key, hs []uint64) {
 	batch := admits.Add(1)
-	var evicted, rejected []index.Key
+	var evicted, rejected []uint64
 	p.mu.Lock()
-	for i := range keys {
-		if el, ok := p.at[hs[i]]; ok {
-			p.touchLocked(el) // held already: a store of it counts as a use
+	for _, h := range hs {
+		if r, ok := p.recs.lookup(h); ok {
+			p.touchLocked(r) // held already: a store of it counts as a use
 			continue
 		}
-		p.at[hs[i]] = p.prob.PushFront(&slruEntry{h: hs[i], key: keys[i], admit: batch})
+		r := p.recs.add(h)
+		p.nodes = chunkFor(p.nodes, r)
+		*p.node(r) = slruNode{admit: batch}
+		p.pushFront(&p.prob, r)
 	}
-	for limit := max(p.capacity.Load(), 0); int64(len(p.at)) > limit; {
-		l := p.prob
-		if l.Len() == 0 {
-			l = p.prot
+	for limit := max(p.capacity.Load(), 0); int64(p.recs.len()) > limit; {
+		s := &p.prob
+		if s.n == 0 {
+			s = &p.prot
 		}
-		e := l.Remove(l.Back()).(*slruEntry)
-		delete(p.at, e.h)
-		if e.admit == batch {
-			rejected = append(rejected, e.key)
+		r := s.back
+		h, admit := p.recs.key(r), p.node(r).admit&^slruProtected
+		p.removeLocked(r)
+		if admit == batch {
+			rejected = append(rejected, h)
 		} else {
-			evicted = append(evicted, e.key)
+			evicted = append(evicted, h)
 		}
 	}
 	p.mu.Unlock()
-	for _, k := range evicted {
-		p.cb.evict(k)
+	if len(evicted) > 0 {
+		p.cb.evict(evicted)
 	}
-	for _, k := range rejected {
-		p.cb.reject(k)
+	if len(rejected) > 0 {
+		p.cb.reject(declined(keys, hs, rejected))
 	}
 }
 
-// touchLocked records a use of a held key: on probation it moves to the
+// touchLocked records a use of a held block: on probation it moves to the
 // protected segment (whose least recent block goes back on probation when
 // it is full), protected it moves to the front.
-func (p *slru) touchLocked(el *list.Element) {
-	e := el.Value.(*slruEntry)
-	if e.protected {
-		p.prot.MoveToFront(el)
+func (p *slru) touchLocked(r uint32) {
+	n := p.node(r)
+	if n.admit&slruProtected != 0 {
+		p.unlink(&p.prot, r)
+		p.pushFront(&p.prot, r)
 		return
 	}
-	p.prob.Remove(el)
-	e.protected = true
-	p.at[e.h] = p.prot.PushFront(e)
+	p.unlink(&p.prob, r)
+	n.admit |= slruProtected
+	p.pushFront(&p.prot, r)
 	limit := max(int(float64(p.capacity.Load())*protectedShare), 1)
-	for p.prot.Len() > limit {
-		d := p.prot.Remove(p.prot.Back()).(*slruEntry)
-		d.protected = false
-		p.at[d.h] = p.prob.PushFront(d)
+	for p.prot.n > limit {
+		d := p.prot.back
+		p.unlink(&p.prot, d)
+		p.node(d).admit &^= slruProtected
+		p.pushFront(&p.prob, d)
 	}
 }
 
@@ -256,8 +270,8 @@ func (p *slru) access(hs []uint64, seq uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, h := range hs {
-		if el, ok := p.at[h]; ok && el.Value.(*slruEntry).admit <= seq {
-			p.touchLocked(el)
+		if r, ok := p.recs.lookup(h); ok && p.node(r).admit&^slruProtected <= seq {
+			p.touchLocked(r)
 		}
 	}
 }
@@ -265,27 +279,22 @@ func (p *slru) access(hs []uint64, seq uint64) {
 func (p *slru) forget(h uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if el, ok := p.at[h]; ok {
-		delete(p.at, h)
-		if el.Value.(*slruEntry).protected {
-			p.prot.Remove(el)
-		} else {
-			p.prob.Remove(el)
-		}
+	if r, ok := p.recs.lookup(h); ok {
+		p.removeLocked(r)
 	}
 }
 
 func (p *slru) holds(h uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, ok := p.at[h]
+	_, ok := p.recs.lookup(h)
 	return ok
 }
 
 func (p *slru) size() int64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return int64(len(p.at))
+	return int64(p.recs.len())
 }
 
 func (p *slru) setCapacity(n int64) { p.capacity.Store(n) }
@@ -293,7 +302,5 @@ func (p *slru) setCapacity(n int64) { p.capacity.Store(n) }
 func (p *slru) close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	clear(p.at)
-	p.prob.Init()
-	p.prot.Init()
+	p.resetLocked()
 }

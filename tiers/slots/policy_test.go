@@ -1,7 +1,6 @@
 package slots
 
 import (
-	"container/list"
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
@@ -36,7 +35,7 @@ func waitProtected(t *testing.T, c *Class, hs []uint64) {
 		p.mu.Lock()
 		n := 0
 		for _, h := range hs {
-			if el, ok := p.at[h]; ok && el.Value.(*slruEntry).protected {
+			if p.protectedLocked(h) {
 				n++
 			}
 		}
@@ -217,8 +216,7 @@ func TestSLRULateMissDoesNotProtect(t *testing.T) {
 	protected := func() bool {
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		el, ok := p.at[h]
-		return ok && el.Value.(*slruEntry).protected
+		return p.protectedLocked(h)
 	}
 	if protected() {
 		t.Fatal("a Lookup made before the store protected the block")
@@ -237,12 +235,10 @@ func TestSLRULateMissDoesNotProtect(t *testing.T) {
 func TestSLRUConcurrentUse(t *testing.T) {
 	var mu sync.Mutex
 	dropped := 0
-	note := func(index.Key) {
-		mu.Lock()
-		dropped++
-		mu.Unlock()
-	}
-	p := newSLRU(callbacks{evict: note, reject: note})
+	p := newSLRU(callbacks{
+		evict:  func(hs []uint64) { mu.Lock(); dropped += len(hs); mu.Unlock() },
+		reject: func(ks []index.Key) { mu.Lock(); dropped += len(ks); mu.Unlock() },
+	})
 	p.setCapacity(64)
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
@@ -295,26 +291,49 @@ func TestSLRUConcurrentUse(t *testing.T) {
 	}
 }
 
-// slruConsistent checks p's lists against its map, and (capacity >= 0)
+// protectedLocked reports whether p holds h in its protected segment.
+func (p *slru) protectedLocked(h uint64) bool {
+	r, ok := p.recs.lookup(h)
+	return ok && p.node(r).admit&slruProtected != 0
+}
+
+// slruConsistent checks p's lists against its records, and (capacity >= 0)
 // its size and protected segment against capacity. p.mu is held.
 func slruConsistent(p *slru, capacity int) error {
-	if got := p.prob.Len() + p.prot.Len(); got != len(p.at) {
-		return fmt.Errorf("%d keys in the segments, %d in the map", got, len(p.at))
+	if got := p.prob.n + p.prot.n; got != p.recs.len() {
+		return fmt.Errorf("%d keys in the segments, %d records", got, p.recs.len())
 	}
 	if capacity >= 0 {
-		if len(p.at) > capacity {
-			return fmt.Errorf("%d keys held, capacity %d", len(p.at), capacity)
+		if p.recs.len() > capacity {
+			return fmt.Errorf("%d keys held, capacity %d", p.recs.len(), capacity)
 		}
-		if bound := int(float64(capacity) * protectedShare); p.prot.Len() > bound {
-			return fmt.Errorf("%d protected, bound %d", p.prot.Len(), bound)
+		if bound := int(float64(capacity) * protectedShare); p.prot.n > bound {
+			return fmt.Errorf("%d protected, bound %d", p.prot.n, bound)
 		}
 	}
-	for l, prot := range map[*list.List]bool{p.prob: false, p.prot: true} {
-		for el := l.Front(); el != nil; el = el.Next() {
-			if e := el.Value.(*slruEntry); e.protected != prot || p.at[e.h] != el {
-				return fmt.Errorf("key %x: protected %v in the protected list %v, map entry matches %v", e.h, e.protected, prot, p.at[e.h] == el)
+	seen := 0
+	for _, s := range []*segment{&p.prob, &p.prot} {
+		prev, n := noRec, 0
+		for r := s.front; r != noRec; r = p.node(r).next {
+			if n++; n > p.recs.len() {
+				return fmt.Errorf("a segment's list loops")
 			}
+			nd := p.node(r)
+			if nd.prev != prev || p.segOf(nd) != s {
+				return fmt.Errorf("record %d: prev %d, want %d; in the protected list %v, marked protected %v", r, nd.prev, prev, s == &p.prot, nd.admit&slruProtected != 0)
+			}
+			if got, ok := p.recs.lookup(p.recs.key(r)); !ok || got != r {
+				return fmt.Errorf("record %d (key %x) not found under its key", r, p.recs.key(r))
+			}
+			prev = r
 		}
+		if s.back != prev || n != s.n {
+			return fmt.Errorf("segment of %d records counts %d, back %d, want %d", n, s.n, s.back, prev)
+		}
+		seen += n
+	}
+	if seen != p.recs.len() {
+		return fmt.Errorf("%d records in the lists, %d held", seen, p.recs.len())
 	}
 	return nil
 }

@@ -2,9 +2,9 @@
 // into chunks, each chunk serving one slot size (a chunk moves to another
 // size when that size has none), pins that keep a slot alive while a copy
 // uses it, and the admission and eviction policy (a segmented LRU, or
-// ristretto's TinyLFU; policy.go) that decides which blocks to keep. It
-// never decides what is cached: that is the index's job. It tells its
-// owner, through callbacks, which keys the policy wants gone.
+// TinyLFU after ristretto's; policy.go, tinylfu.go) that decides which
+// blocks to keep. It never decides what is cached: that is the index's job.
+// It tells its owner, through callbacks, which keys the policy wants gone.
 //
 // Everything a client can make it hold is bounded by the space: slot sizes
 // (classes) by the number of chunks, each class's policy by a share of a
@@ -71,12 +71,18 @@ type Config struct {
 	// TinyLFU; empty means SLRU).
 	Policy Policy
 	// Evict is called with each key the policy evicted, before the Admit
-	// (or Learn) that made room returns, on the policy's goroutine
-	// (TinyLFU) or Admit's (SLRU). The owner removes the key from the
-	// index and calls Release on its slot; it must not call Forget or
-	// Admit from here. It is not called once the space or the class is
-	// closing.
+	// (or Learn) that made room returns, on its goroutine, holding no lock
+	// of the policy's. The owner removes the key from the index and calls
+	// Release on its slot; it must not call Forget or Admit from here. It
+	// is not called once the space or the class is closing.
 	Evict func(index.Key)
+	// Keys appends to into the keys of the owner's index whose PolicyKey
+	// is h (index.Index.KeysOf): one, or none once the owner dropped it,
+	// or more for a collision of 64-bit hashes, which the policy counts
+	// as one block. The policies keep only the 8-byte PolicyKey of a
+	// block, not its 40-byte key: Evict gets the keys Keys finds.
+	// Required with Evict. Called without any lock of the space's.
+	Keys func(h uint64, into []index.Key) []index.Key
 	// Reject is called with each key the policy declined to admit.
 	Reject func(index.Key)
 	// EvictRange asks the owner to drop every block whose slot lies in
@@ -188,6 +194,8 @@ type Class struct {
 	// the admissions before it whose stores have not taken their slots
 	// yet included.
 	amu sync.Mutex
+	// forgets counts Forget calls (Forgets).
+	forgets atomic.Uint64
 
 	// guarded by t.mu
 	free    []SlotID
@@ -205,6 +213,9 @@ type Class struct {
 func New(cfg Config) (*Space, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.Evict != nil && cfg.Keys == nil {
+		return nil, fmt.Errorf("%s tier: an Evict callback needs Keys", cfg.Name)
 	}
 	if cfg.Policy != "" {
 		if _, err := ParsePolicy(string(cfg.Policy)); err != nil {
@@ -312,27 +323,35 @@ func (t *Space) Class(slotBytes uint64) (*Class, error) {
 	counters := countersPerSlot * int64(t.capacity/slotBytes)
 	counters = max(min(counters, t.counterBudget-t.mu.counters), minCounters)
 	c := &Class{t: t, slotBytes: slotBytes, perChunk: t.chunkBytes / slotBytes, counters: counters, refs: 1}
-	// Closing a policy may clear it, which "evicts" every key: those are
-	// not evictions the owner must act on.
+	// The callbacks reach the owner only while the class and the space
+	// are open.
+	live := func() bool { return !c.retired.Load() && !t.closing.Load() }
 	cb := callbacks{
-		evict: func(k index.Key) {
-			if t.cfg.Evict != nil && !c.retired.Load() && !t.closing.Load() {
-				t.cfg.Evict(k)
+		evict: func(hs []uint64) {
+			if t.cfg.Evict == nil {
+				return
+			}
+			var ks []index.Key
+			for _, h := range hs {
+				ks = t.cfg.Keys(h, ks[:0])
+				for _, k := range ks {
+					if live() {
+						t.cfg.Evict(k)
+					}
+				}
 			}
 		},
-		reject: func(k index.Key) {
-			if t.cfg.Reject != nil && !c.retired.Load() && !t.closing.Load() {
-				t.cfg.Reject(k)
+		reject: func(ks []index.Key) {
+			for _, k := range ks {
+				if t.cfg.Reject != nil && live() {
+					t.cfg.Reject(k)
+				}
 			}
 		},
 	}
 	var p policy = newSLRU(cb)
 	if t.cfg.Policy == TinyLFU {
-		lfu, err := newTinyLFU(counters, cb)
-		if err != nil {
-			return nil, fmt.Errorf("admission policy: %w", err)
-		}
-		p = lfu
+		p = newTinyLFU(counters, cb)
 	}
 	c.policy = p
 	t.mu.counters += counters
@@ -383,9 +402,8 @@ func (t *Space) maybeRetireLocked(c *Class) {
 // Touch records accesses (lookups, hit or miss) to the keys whose
 // PolicyKeys are hs, for the policy's frequency estimate. It does not wait:
 // the accesses reach the policy from the space's worker goroutine, and are
-// dropped (and counted) if it falls behind. Recording accesses is lossy in
-// ristretto too; this keeps its cost off the Lookup's latency. Touch takes
-// ownership of hs.
+// dropped (and counted) if it falls behind: this keeps its cost off the
+// Lookup's latency. Touch takes ownership of hs.
 func (c *Class) Touch(hs []uint64) {
 	if len(hs) == 0 {
 		return
@@ -484,8 +502,9 @@ func (c *Class) Admit(keys []index.Key) {
 		return
 	}
 	if len(keys) > 1 {
-		// ristretto would take the second offer of a key for an update
-		// of one it has not yet added, and reject it.
+		// The policies take distinct keys: a second offer of a key
+		// would count as a use of it (SLRU) and its decline would
+		// reach the owner twice.
 		seen := make(map[uint64]struct{}, len(keys))
 		uniq := make([]index.Key, 0, len(keys))
 		for i := range keys {
@@ -510,12 +529,19 @@ func (c *Class) Admit(keys []index.Key) {
 // Forget removes k from the policy after its owner dropped it for a reason
 // of its own (failure, invalidation). Call it without holding any index lock.
 func (c *Class) Forget(k *index.Key) {
+	c.forgets.Add(1)
 	c.pmu.RLock()
 	defer c.pmu.RUnlock()
 	if !c.retired.Load() {
 		c.policy.forget(c.t.PolicyKey(k))
 	}
 }
+
+// Forgets counts the Forget calls so far, each counted before it reaches
+// the policy: an owner that files keys and then Learns them, and reads the
+// same count before filing and after Learn, knows that no Forget of them
+// came before the Learn (recovery, offload/recover.go).
+func (c *Class) Forgets() uint64 { return c.forgets.Load() }
 
 // Holds reports whether the policy counts k among the blocks it keeps. It
 // records no access; it is for invariant checks.

@@ -19,9 +19,27 @@ import (
 func TestMain(m *testing.M) { leakcheck.VerifyTestMain(m) }
 
 func key(i int) index.Key {
+	k := plainKey(i)
+	testKeys.Store(index.HashKey(&k), k)
+	return k
+}
+
+// plainKey is key without filing it in testKeys.
+func plainKey(i int) index.Key {
 	var k index.Key
 	binary.LittleEndian.PutUint64(k.Hash[:], uint64(i)+1)
 	return k
+}
+
+// testKeys plays the owner's index for Config.Keys: every key a test
+// makes (key) is filed under its PolicyKey.
+var testKeys sync.Map // uint64 → index.Key
+
+func keysOf(h uint64, into []index.Key) []index.Key {
+	if k, ok := testKeys.Load(h); ok {
+		into = append(into, k.(index.Key))
+	}
+	return into
 }
 
 // owner plays the offload service: it remembers which key holds which slot
@@ -53,7 +71,7 @@ func newSpace(t *testing.T, bytes, chunk uint64) (*Space, *owner) {
 	t.Helper()
 	o := &owner{slot: map[index.Key]SlotID{}}
 	sp, err := New(Config{
-		Name: "test", Bytes: bytes, ChunkBytes: chunk, Policy: testPolicy,
+		Name: "test", Bytes: bytes, ChunkBytes: chunk, Policy: testPolicy, Keys: keysOf,
 		Reject: func(k index.Key) {
 			o.mu.Lock()
 			defer o.mu.Unlock()
@@ -317,7 +335,7 @@ func TestEvictingPinnedBlocksKeepsRoom(t *testing.T) {
 // slots.
 func TestReserveKeepsASlot(t *testing.T) {
 	o := &owner{slot: map[index.Key]SlotID{}}
-	sp, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20, Reserve: 1.0 / 8,
+	sp, err := New(Config{Name: "test", Bytes: 1 << 20, ChunkBytes: 1 << 20, Reserve: 1.0 / 8, Keys: keysOf,
 		Evict: func(k index.Key) {
 			o.mu.Lock()
 			defer o.mu.Unlock()
@@ -549,8 +567,8 @@ func TestPolicyMemoryIsBounded(t *testing.T) {
 	}
 }
 
-// TestCloseReportsNoEvictions: closing a policy clears it, and ristretto
-// reports every cleared key as evicted; the owner must not hear of them.
+// TestCloseReportsNoEvictions: closing a policy clears it (ristretto
+// reported every cleared key as evicted); the owner must not hear of them.
 func TestCloseReportsNoEvictions(t *testing.T) {
 	bothPolicies(t, func(t *testing.T) {
 		sp, o := newSpace(t, 1<<20, 1<<20)
@@ -737,7 +755,7 @@ func testConcurrentAdmits(t *testing.T, reserve float64) {
 	// 16 chunks of 256 4 KiB slots: 4,096 slots, of which the stores
 	// below take 2,048.
 	sp, err := New(Config{Name: "test", Bytes: 16 << 20, ChunkBytes: 1 << 20, Reserve: reserve, Policy: testPolicy,
-		Evict: count(&evicted), Reject: count(&rejected)})
+		Evict: count(&evicted), Reject: count(&rejected), Keys: keysOf})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -31,6 +31,7 @@ func main() {
 	// kvbench starts itself as the same-segment copy baseline's helper
 	// process (baseline.ProcessCopier).
 	baseline.ServeIfHelper()
+	serveSnapshotReader()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if _, err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
@@ -84,6 +85,8 @@ type options struct {
 	hybridCPUShare float64
 	scaleBlocks    []int
 	scaleRanks     int
+	scaleSnaps     int
+	scaleDisk      bool
 }
 
 const usageHead = `kvbench drives a kvoffloadd like vLLM's connector does and measures it next
@@ -119,7 +122,8 @@ daemon on it and times the start to SERVING and the background recovery of
 the files against a raw O_DIRECT sequential read of the same file),
 scale (only when named: for each --scale-blocks N, N 4 KiB blocks stored by
 --scale-ranks engines at once into a CPU tier with room for 2N, none may be
-lost; Stats timed; the daemon's heap and RSS per block; then over a disk tier
+lost; Stats timed; the daemon's heap and RSS per block; an engine's Lookups,
+idle and while a router reads a WatchEvents snapshot of every block; then over a disk tier
 with room for N, stores faster than the disk, none may be dropped, a kill -9
 and the recovery against a raw O_DIRECT read of the same slot file),
 mirror (only when named: the steps twice per workload, cpu and tight, each on a
@@ -150,6 +154,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	scen := fs.String("scenarios", strings.Join(defaultScenarios, ","), "scenarios to run, comma-separated: "+strings.Join(allScenarios, ", ")+".")
 	scaleBlocks := fs.String("scale-blocks", "", "block counts of the scale scenario, comma-separated (default 10000,100000,1000000; 10000,100000 with --quick).")
 	fs.IntVar(&o.scaleRanks, "scale-ranks", 4, "engines storing at once in the scale scenario (1..64).")
+	fs.IntVar(&o.scaleSnaps, "scale-snapshots", 3, "WatchEvents snapshots the scale scenario reads during Lookups, each after a window of idle Lookups (0..20).")
+	fs.BoolVar(&o.scaleDisk, "scale-disk", true, "run the scale scenario's disk-tier part (stores over a disk tier, kill -9, recovery).")
 	restartBytes := fs.String("restart-bytes", "", "disk tier size of the restart scenario (default 4GiB, 1GiB with --quick); binary units as the daemon's flags (e.g. 4GiB).")
 	fs.StringVar(&o.faultSpec, "fault-spec", "", "the faults scenario's plan in the daemon's syntax (e.g. read-eio=0.01,bitflip=0.001,seed=7), run once instead of the --fault-rates sweep.")
 	rates := fs.String("fault-rates", "0.01,0.05,0.1", "read fault rates the faults scenario runs at, each split evenly over read-eio, short-read and bitflip.")
@@ -275,6 +281,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			continue
 		}
 		o.scaleBlocks = append(o.scaleBlocks, v)
+	}
+	if o.scaleSnaps < 0 || o.scaleSnaps > 20 {
+		bad("--scale-snapshots %d: want 0..20", o.scaleSnaps)
 	}
 	if o.scaleRanks < 1 || o.scaleRanks > 64 {
 		bad("--scale-ranks %d: want 1..64", o.scaleRanks)

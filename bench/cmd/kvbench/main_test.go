@@ -11,5 +11,6 @@ import (
 // tests, the test binary, which serves it as kvbench's main does.
 func TestMain(m *testing.M) {
 	baseline.ServeIfHelper()
+	serveSnapshotReader()
 	os.Exit(m.Run())
 }

@@ -1067,8 +1067,12 @@ func (b *bench) summarize(faults []report.Faults, sweep []report.SweepPoint) {
 		goal("scale_"+n+"_lost_while_room", "== 0", report.F(float64(sc.CPULostWhileRoom)), func(v float64) bool { return v == 0 })
 		goal("scale_"+n+"_stats_max_ms", "<= 5", report.F(sc.StatsMaxMs), func(v float64) bool { return v <= 5 })
 		goal("scale_"+n+"_heap_bytes_per_block", "<= 150", report.F(sc.HeapBytesPerBlock), func(v float64) bool { return v <= 150 })
+		if sc.LookupsDuring > 0 {
+			goal("scale_"+n+"_lookup_p99_snapshot_vs_idle", "<= 3", report.F(sc.LookupSnapP99Ratio), func(v float64) bool { return v <= 3 })
+		}
 		if sc.DiskSkipped == "" {
 			goal("scale_"+n+"_disk_dropped_or_lost", "== 0", report.F(float64(sc.DiskDropped+sc.DiskLost)), func(v float64) bool { return v == 0 })
+			goal("scale_"+n+"_disk_heap_bytes_per_block", "<= 150", report.F(sc.DiskHeapBytesPerBlock), func(v float64) bool { return v <= 150 })
 			goal("scale_"+n+"_recovery_vs_raw_seq_read", ">= 0.5", report.F(sc.RecoveryVsRaw), func(v float64) bool { return v >= 0.5 })
 		}
 	}

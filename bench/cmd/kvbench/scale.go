@@ -6,12 +6,16 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
+	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/bench/baseline"
@@ -33,13 +37,17 @@ import (
 //     block are read before and after.
 //   - A CPU tier of N/8 blocks (16 to 64 MiB) over a disk tier with room for N: the same stores,
 //     faster than the disk takes them; no block reported stored may be
-//     dropped (kvoffload_disk_demotions_total{result="dropped"}). Then a
+//     dropped (kvoffload_disk_demotions_total{result="dropped"}); the
+//     daemon's Go heap per block once the disk took them. Then a
 //     kill -9, a restart on the same files, the background recovery timed
 //     against a raw O_DIRECT sequential read of the same slot file, and the
 //     daemon's CPU time per recovered block.
 //
-// (A WatchEvents snapshot subscriber during Lookups, issue 34 item 3, is
-// the events work's to add here, on the CPU-only daemon once it is full.)
+// On the CPU-only daemon once it is full, --scale-snapshots times: an
+// engine's Lookups back to back, idle, then while a router reads a
+// WatchEvents snapshot of every block on a connection of its own (issue 34
+// item 3): the Lookups' p50/p99 idle and during, the snapshot's duration,
+// the daemon's anonymous RSS growth meanwhile.
 
 // scaleShape is a 4 KiB block: two 2 KiB segments.
 var scaleShape = model.Shape{Name: "scale-4k", Layers: 1, BlockTokens: 16, KVHeads: 1, HeadDim: 64, DTypeBytes: 2}
@@ -237,7 +245,7 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers})
+	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: []string{"--debug-checks"}})
 	if err != nil {
 		return err
 	}
@@ -284,7 +292,265 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	if row.CPULostWhileRoom != 0 || row.CPUEvictions != 0 {
 		return fmt.Errorf("%d blocks reported stored are gone (%d evicted) from a CPU tier with room for %d", row.CPULostWhileRoom, row.CPUEvictions, 2*n)
 	}
+	if b.o.scaleSnaps > 0 {
+		b.prog.phase(fmt.Sprintf("scenario scale: %d blocks of 4 KiB, Lookups during %d WatchEvents snapshots", n, b.o.scaleSnaps))
+		return b.scaleSnapshot(ctx, d, fingerprint, row)
+	}
 	return nil
+}
+
+// Lookup latencies of the snapshot phase, by window.
+const (
+	snapGap    = iota // between windows: not counted
+	snapIdle          // no snapshot
+	snapDuring        // a snapshot is being read
+)
+
+// scaleSnapshot measures what a router's snapshot costs an engine (issue
+// 34, item 3): an engine looks up 16 random stored blocks back to back on
+// its own connection; b.o.scaleSnaps times, a window of idle Lookups (as
+// long as the last snapshot took, at least a second), then a router reads
+// a WatchEvents snapshot of every namespace to its CAUGHT_UP on another
+// connection, as fast as it can, in a process of its own. Idle and snapshot windows alternate, so
+// the machine's load weighs on both alike. The daemon's anonymous RSS is
+// read every 20 ms throughout (from /proc: it costs the daemon nothing).
+func (b *bench) scaleSnapshot(ctx context.Context, d *daemon.Daemon, fingerprint []byte, row *report.Scale) error {
+	n := row.CPUHeld
+	region, err := model.NewRegion("/dev/shm", scaleShape, scaleJob)
+	if err != nil {
+		return err
+	}
+	defer region.Close()
+	eng, err := client.Dial(d.Socket)
+	if err != nil {
+		return err
+	}
+	defer eng.Close()
+	reg, err := eng.Register(ctx, fingerprint, scaleShape.Layout(), region.Wire(), "kvbench-scale-lookups")
+	if err != nil {
+		return err
+	}
+
+	var window atomic.Int32 // snapGap, snapIdle or snapDuring
+	var lat [3][]time.Duration
+	lctx, stop := context.WithCancel(ctx)
+	defer stop()
+	lookErr := make(chan error, 1)
+	go func() {
+		rng := rand.New(rand.NewPCG(b.o.seed, 34))
+		hs := make([][]byte, 16)
+		for {
+			for i := range hs {
+				hs[i] = scaleKey(b.o.seed, rng.IntN(n))
+			}
+			keys, _ := client.Keys(0, model.HashBytes, hs...)
+			w0, t0 := window.Load(), time.Now()
+			res, err := eng.Lookup(lctx, []uint32{reg.NamespaceId}, keys, 0)
+			took, w1 := time.Since(t0), window.Load()
+			if lctx.Err() != nil {
+				lookErr <- nil
+				return
+			}
+			if err != nil || res.Ready != uint32(len(hs)) {
+				lookErr <- fmt.Errorf("Lookup of 16 stored blocks: %v, %d ready", err, res.GetReady())
+				return
+			}
+			// One that saw a snapshot at its start or end counts as during.
+			w := max(w0, w1)
+			if w0 == snapGap || w1 == snapGap {
+				w = snapGap
+			}
+			lat[w] = append(lat[w], took)
+		}
+	}()
+
+	rss := func() float64 {
+		ps, _ := procStatus(d.Pid(), "RssAnon")
+		return float64(ps["RssAnon"])
+	}
+	var peak [3]float64
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-lctx.Done():
+				return
+			case <-tick.C:
+				w := window.Load()
+				peak[w] = max(peak[w], rss())
+			}
+		}
+	}()
+	pause := func(d time.Duration) error {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case err := <-lookErr:
+			if err == nil {
+				err = errors.New("the Lookups stopped")
+			}
+			return err
+		case <-time.After(d):
+			return nil
+		}
+	}
+	var errs []error
+	idleFor := time.Second
+	for range b.o.scaleSnaps {
+		window.Store(snapIdle)
+		if err := pause(idleFor); err != nil {
+			errs = append(errs, err)
+			break
+		}
+		var blocks int
+		var took time.Duration
+		err := routerProcess(ctx, d.Socket, func() { window.Store(snapDuring) }, &blocks, &took)
+		window.Store(snapGap)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("snapshot: %w", err))
+			break
+		}
+		if blocks != n {
+			errs = append(errs, fmt.Errorf("snapshot of %d blocks, %d held", blocks, n))
+		}
+		row.SnapshotBlocks = blocks
+		row.SnapshotSeconds = append(row.SnapshotSeconds, took.Seconds())
+		idleFor = max(time.Second, took)
+		if err := pause(100 * time.Millisecond); err != nil {
+			errs = append(errs, err)
+			break
+		}
+	}
+	stop()
+	if err := <-lookErr; err != nil {
+		errs = append(errs, err)
+	}
+	<-sampled
+	pct := func(l []time.Duration, q float64) float64 {
+		if len(l) == 0 {
+			return 0
+		}
+		slices.Sort(l)
+		return float64(l[min(len(l)-1, int(q*float64(len(l))))].Microseconds()) / 1e3
+	}
+	row.LookupsIdle, row.LookupsDuring = len(lat[snapIdle]), len(lat[snapDuring])
+	row.LookupIdleP50Ms, row.LookupIdleP99Ms = pct(lat[snapIdle], 0.5), pct(lat[snapIdle], 0.99)
+	row.LookupSnapP50Ms, row.LookupSnapP99Ms = pct(lat[snapDuring], 0.5), pct(lat[snapDuring], 0.99)
+	if row.LookupIdleP99Ms > 0 {
+		row.LookupSnapP99Ratio = row.LookupSnapP99Ms / row.LookupIdleP99Ms
+	}
+	if peak[snapIdle] > 0 && peak[snapDuring] > 0 {
+		row.SnapshotRSSBytesPerBlock = (peak[snapDuring] - peak[snapIdle]) / float64(n)
+	}
+	return errors.Join(errs...)
+}
+
+// snapshotReaderArg makes kvbench the router of the scale scenario's
+// snapshot phase (serveSnapshotReader): a process of its own, as a router
+// is, whose decoding does not share the engine's Go runtime.
+const snapshotReaderArg = "-kvbench-snapshot-reader"
+
+// routerProcess starts kvbench as a router of the daemon at sock; once it
+// has connected, calls start and has it read a snapshot of every block to
+// its CAUGHT_UP; blocks is what it held, took the time from asking to its
+// end.
+func routerProcess(ctx context.Context, sock string, start func(), blocks *int, took *time.Duration) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, exe, snapshotReaderArg, sock)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	out := bufio.NewScanner(stdout)
+	var t0 time.Time
+	if out.Scan() && out.Text() == "connected" {
+		start()
+		t0 = time.Now()
+		_, err = io.WriteString(stdin, "go\n")
+		if err == nil && out.Scan() {
+			*took = time.Since(t0)
+			_, err = fmt.Sscan(out.Text(), blocks)
+		}
+	}
+	stdin.Close()
+	if werr := cmd.Wait(); werr != nil || t0.IsZero() {
+		return fmt.Errorf("the router process: %v %v: %s", err, werr, stderr.String())
+	}
+	return err
+}
+
+// serveSnapshotReader is the router process of routerProcess: it connects
+// to the socket named after snapshotReaderArg, says "connected", and on a
+// line from stdin reads a snapshot, prints its blocks and exits.
+func serveSnapshotReader() {
+	if len(os.Args) < 3 || os.Args[1] != snapshotReaderArg {
+		return
+	}
+	c, err := client.Dial(os.Args[2])
+	if err == nil {
+		defer c.Close()
+		// One round trip first: the connection is up before the clock
+		// starts.
+		_, err = c.Healthy(context.Background())
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println("connected")
+	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+		os.Exit(1)
+	}
+	n, err := readSnapshot(context.Background(), c)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println(n)
+	c.Close()
+	os.Exit(0)
+}
+
+// readSnapshot reads a WatchEvents stream of every namespace up to its
+// first CAUGHT_UP and returns the blocks its snapshot held (tiers of one
+// block counted once each: the CPU tier only here).
+func readSnapshot(ctx context.Context, c *client.Client) (int, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	w, err := c.API.WatchEvents(ctx, &pb.WatchEventsRequest{})
+	if err != nil {
+		return 0, err
+	}
+	stored := 0
+	for {
+		resp, err := w.Recv()
+		if err != nil {
+			return stored, err
+		}
+		for _, e := range resp.Events {
+			switch e.Kind {
+			case pb.EventKind_EVENT_KIND_BLOCK_STORED:
+				stored++
+			case pb.EventKind_EVENT_KIND_CAUGHT_UP:
+				return stored, nil
+			}
+		}
+	}
 }
 
 type scaleMemory struct{ heap, rss float64 }
@@ -321,13 +587,18 @@ func anonOutsideArena(pid int, arenaBytes uint64) (float64, error) {
 	return float64(ps["RssAnon"]) - float64(arena), nil
 }
 
-// scaleMem reads the daemon's Go heap in use, the least of five reads
-// 200 ms apart (the heap holds garbage until the next GC: the least is the
-// closest to what is live), and its anonymous RSS (the arena, locked at the
-// start, and the heap; not the engines' shared regions it maps) outside
-// its arena of arenaBytes.
+// scaleMem reads the daemon's Go heap in use after a garbage collection
+// (POST /debug/gc: without it the heap holds the garbage of the stores
+// until the next cycle, up to as much again as what is live, and a read
+// said more of when the last cycle ran than of the blocks), the least of
+// five reads 200 ms apart, and its anonymous RSS (the arena, locked at the
+// start, and the heap; not the engines' shared regions it maps) outside its
+// arena of arenaBytes.
 func (b *bench) scaleMem(ctx context.Context, d *daemon.Daemon, arenaBytes uint64) (scaleMemory, error) {
 	var sm scaleMemory
+	if err := d.GC(ctx); err != nil {
+		return sm, err
+	}
 	for i := range 5 {
 		if i > 0 {
 			select {
@@ -351,6 +622,10 @@ func (b *bench) scaleMem(ctx context.Context, d *daemon.Daemon, arenaBytes uint6
 
 func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 	n := row.Blocks
+	if !b.o.scaleDisk {
+		row.DiskSkipped = "--scale-disk=false"
+		return nil
+	}
 	if b.diskDir == "" {
 		row.DiskSkipped = b.diskWhy
 		return nil
@@ -376,7 +651,7 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 	// disk, evicted faster than the disk takes them.
 	cpu := min(max(uint64(n)*4096/8, 16<<20), 64<<20) / (16 << 20) * (16 << 20)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}}
+		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}}
 	first := opts
 	first.Extra = append(slices.Clip(opts.Extra), "--disk-reset")
 	d, err := daemon.Start(ctx, first)
@@ -384,6 +659,11 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		return err
 	}
 	row.DiskBytes = total
+	before, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
 	fingerprint := fmt.Appendf(nil, "kvbench/scale-disk/%d/pid=%d/%d", n, os.Getpid(), time.Now().UnixNano())
 	ok, noSpace, took, err := b.scaleStores(ctx, d, fingerprint, b.o.seed+1, n, b.o.scaleRanks, true)
 	if err != nil {
@@ -429,6 +709,12 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		d.Kill()
 		return err
 	}
+	after, err := b.scaleMem(ctx, d, cpu)
+	if err != nil {
+		d.Kill()
+		return err
+	}
+	row.DiskHeapBytesPerBlock = (after.heap - before.heap) / float64(n)
 	m, err := d.Metrics(ctx)
 	if err != nil {
 		d.Kill()

@@ -27,6 +27,12 @@ func TestQuickScale(t *testing.T) {
 	if sc.CPUStoredOK != 4096 || sc.CPUHeld != 4096 || sc.StatsMaxMs <= 0 {
 		t.Fatalf("CPU tier: %+v", sc)
 	}
+	// The snapshot during Lookups: every block, each time (kvbench fails
+	// otherwise), with Lookups all along (a snapshot of 4,096 blocks may
+	// end within one Lookup).
+	if sc.SnapshotBlocks != 4096 || len(sc.SnapshotSeconds) != 3 || sc.LookupsIdle == 0 {
+		t.Fatalf("snapshot during Lookups: %+v", sc)
+	}
 	if sc.DiskSkipped != "" {
 		t.Skipf("disk part skipped: %s", sc.DiskSkipped)
 	}
