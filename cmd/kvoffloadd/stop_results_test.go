@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"io"
 	"os"
 	"os/exec"
@@ -102,8 +103,13 @@ func TestStopSendsTheResultsItFinished(t *testing.T) {
 	if _, err := os.Stat(sock); !os.IsNotExist(err) {
 		t.Fatalf("the socket is still there while the daemon waits for results to be read: %v", err)
 	}
-	if _, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, testenv.Keys(hs...), 0); status.Code(err) != codes.Unavailable {
-		t.Errorf("a Lookup while the daemon waits for its results to be read: %v, want UNAVAILABLE", err)
+	if _, err := c.Lookup(ctx, []uint32{reg.NamespaceId}, testenv.Keys(hs...), 0); status.Code(err) != codes.Unavailable || !errors.Is(err, client.ErrDaemonStopping) {
+		t.Errorf("a Lookup while the daemon waits for its results to be read: %v, want UNAVAILABLE marked daemon-stopping", err)
+	}
+	// A Load sent now is refused whole, and says so: the client may send
+	// its jobs to the next daemon.
+	if _, err := c.Submit(ctx, pb.Op_OP_LOAD, reg.RegistrationId, []*pb.Job{testenv.Job(99, hs, []uint32{2, 3})}); status.Code(err) != codes.Unavailable || !errors.Is(err, client.ErrDaemonStopping) {
+		t.Errorf("a Load while the daemon waits for its results to be read: %v, want UNAVAILABLE marked daemon-stopping", err)
 	}
 	var got *pb.JobResult
 	for got == nil {
@@ -133,6 +139,11 @@ func TestStopSendsTheResultsItFinished(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "every result was sent") {
 		t.Fatalf("the daemon did not log that its results were read:\n%s", logs.String())
+	}
+	// The daemon is gone: the transport's UNAVAILABLE is never marked (the
+	// client cannot tell whether such a call was accepted).
+	if _, err := c.Submit(ctx, pb.Op_OP_LOAD, reg.RegistrationId, []*pb.Job{testenv.Job(100, hs, []uint32{2, 3})}); status.Code(err) != codes.Unavailable || errors.Is(err, client.ErrDaemonStopping) {
+		t.Errorf("a Load after the daemon exited: %v, want UNAVAILABLE not marked daemon-stopping", err)
 	}
 }
 
@@ -214,6 +225,10 @@ func TestStoppingLongPollWaitsForPendingJobs(t *testing.T) {
 	<-hc.arrived
 	cancel() // SIGTERM
 	waitServing(t, c, false, exited)
+	// The drain refuses new work, and says it refused the call whole.
+	if _, err := c.Submit(rctx, pb.Op_OP_LOAD, reg.RegistrationId, []*pb.Job{testenv.Job(2, [][]byte{h}, []uint32{1})}); status.Code(err) != codes.Unavailable || !errors.Is(err, client.ErrDaemonStopping) {
+		t.Fatalf("a Load during the drain: %v, want UNAVAILABLE marked daemon-stopping", err)
+	}
 
 	type polled struct {
 		r   *pb.CompletionsResponse
