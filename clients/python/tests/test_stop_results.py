@@ -2,7 +2,9 @@
 through the real daemon: the jobs it finishes while it drains are reported
 to the engine as done, not failed, though the worker had not read their
 results when the daemon stopped taking work; a load sent after the SIGTERM
-is refused and failed, as before. The daemon removes its socket
+is refused whole, marked so (the trailer ``kvoffload-refusal:
+daemon-stopping``), and waits for the next daemon, which serves it. The
+daemon removes its socket
 once the jobs have drained and then keeps the connections it has answering
 Completions until every finished result was sent (``--shutdown-results-wait``,
 docs/operations.md, Shutdown and signals); the worker reads them on its old
@@ -14,10 +16,13 @@ import os
 import signal
 import threading
 
+import pytest
+
 from helpers import KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
 from test_connector import Harness, prefill
 from test_worker_rejoin import DISK, offered, on_disk, registered_with, settle
 
+import kvoffload as kv
 from kvoffload.types import Op
 
 # Every disk operation takes 300 ms once the restarted daemon has recovered
@@ -81,6 +86,8 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
             loads = [j for j in w._jobs.values() if j.op == Op.LOAD]
         assert loads, "the load finished before the test could stop the daemon"
 
+        c2 = d.client()  # connected to the daemon about to stop
+        c2.stats()
         old = d.proc
         old.send_signal(signal.SIGTERM)
         # The old daemon has drained the jobs and removed its socket: it
@@ -89,7 +96,8 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
         assert wait_for(lambda: old.poll() is not None or "waiting for clients to read the results" in d.log(),
                         timeout=60), d.log()
         assert not os.path.exists(d.socket) or old.poll() is not None
-        # A load sent now is refused whole (nothing runs): failed as before.
+        # A load sent now is refused whole (nothing runs), and the daemon
+        # says so: it waits in the worker's queue for the next daemon.
         # (Only while the old daemon waits: one that exited is not asked.)
         late_to = [9, 10, 11, 12, 13, 14, 26]
         waiting = old.poll() is None
@@ -99,33 +107,44 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
 
             def answered():
                 with w._cv:
-                    return not w._queue and w._sending is None and all(j.sent_at > 0 for j in w._jobs.values())
+                    return w._sending is None and all(j.sent_at > 0 for j in w._jobs.values())
 
             assert wait_for(answered), "the late Load was not sent"
+            # The client reads the daemon's mark on a call it refused.
+            with pytest.raises(kv.Unavailable) as refused:
+                c2.lookup([ns], a.block_hashes[:5])
+            assert refused.value.daemon_stopping, refused.value
         gate.set()
         assert old.wait(timeout=60) == 0, d.log()
         log = d.log()
         assert "stopped" in log and "did not read the results" not in log, log
 
-        # The worker settles everything now: the loads and the stores the
-        # old daemon finished are done, none failed; the late load failed.
-        want = {hit.request_id, late.request_id} if waiting else {hit.request_id}
-        assert h.run_until(lambda: want <= h.recv[0] and h.idle(), timeout=60)
-        st = w.stats.take() or {}
-        failed = st.get("failed_blocks", {})
-        assert h.failed[0] == (set(late_to[:5]) if waiting else set()), \
-            f"jobs the daemon finished were reported failed: {st}"
-        assert failed == ({"load:CALL_FAILED": 5} if waiting else {}), st
-        assert st.get("blocks_stored_total") == 5 and st.get("blocks_loaded_total") == 5, st
-        for i, b in enumerate(load_to[:5]):
-            h.engines[0].clear(0, 39)
-            h.engines[0].write(0, 39, a.block_hashes[i])
-            assert h.engines[0].read(0, b) == h.engines[0].read(0, 39), f"block {b} not loaded"
+        # Nobody listens: the transport's UNAVAILABLE is never marked.
+        with pytest.raises(kv.Unavailable) as down:
+            c2.lookup([ns], a.block_hashes[:5])
+        assert not down.value.daemon_stopping, down.value
 
-        # A new daemon on the socket: the worker registers with it and goes on.
+        # A new daemon on the socket: the worker registers with it and sends
+        # it the late load.
         w._client.completions = real
         d.restarts += 1
         d._start()
         assert wait_for(lambda: registered_with(w, d))
+
+        # The worker settles everything: the loads and the stores the old
+        # daemon finished are done, and the late load the new one served;
+        # none failed.
+        want = {hit.request_id, late.request_id} if waiting else {hit.request_id}
+        assert h.run_until(lambda: want <= h.recv[0] and h.idle(), timeout=60)
+        st = w.stats.take() or {}
+        failed = st.get("failed_blocks", {})
+        assert not h.failed[0] and not failed, f"loads or stores reported failed: {st} {h.failed[0]}"
+        assert st.get("blocks_stored_total") == 5, st
+        assert st.get("blocks_loaded_total") == (10 if waiting else 5), st
+        for i in range(5):
+            for b in [load_to[i]] + ([late_to[i]] if waiting else []):
+                h.engines[0].clear(0, 39)
+                h.engines[0].write(0, 39, a.block_hashes[i])
+                assert h.engines[0].read(0, b) == h.engines[0].read(0, 39), f"block {b} not loaded"
     finally:
         h.close()
