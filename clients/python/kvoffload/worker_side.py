@@ -18,7 +18,9 @@ A job's engine blocks go back to vLLM (a finished load, a drained store, a
 failed block) only when nothing of the daemon can touch them any more:
 
 - the daemon reported the job (Completions, or a Store or Load reply), or
-- it refused the call that carried it (the whole call: nothing ran), or
+- it refused the call that carried it (the whole call: nothing ran; but a
+  daemon that refused it because it is stopping, and said so, gets the
+  jobs sent to the next daemon instead, below), or
 - the job was never sent (dropped from the queue), or
 - the daemon said the registration is gone (NOT_FOUND) after draining it,
   and it was the same daemon process, or
@@ -45,7 +47,12 @@ again: the step's jobs wait in the queue while the worker registers its
 regions again, as at start, with the next daemon to listen on the socket
 (dropped, as for a daemon that is down, while none listens), and then go
 to the new registration. A call the new daemon refused with NOT_FOUND (it
-raced the exit) ran nothing: its jobs wait too. The registration is made
+raced the exit) ran nothing: its jobs wait too. So do those of a call the
+old daemon refused because it is stopping (UNAVAILABLE with its trailer
+``kvoffload-refusal: daemon-stopping``, docs/api.md; never an UNAVAILABLE
+without it, which may have been accepted): nothing is sent to that daemon
+again, and once it exited they wait for the next one to listen, up to the
+register timeout, before they are dropped as above. The registration is made
 only once no call on the old one is in progress: the old id may be the new
 one's.
 """
