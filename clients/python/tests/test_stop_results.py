@@ -12,17 +12,20 @@ connection (docs/vllm.md, Failure handling)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 
 import pytest
 
+import test_connector
 from helpers import KVCacheBlocks, NewRequestData, Request, SchedulerOutput, wait_for
 from test_connector import Harness, prefill
 from test_worker_rejoin import DISK, offered, on_disk, registered_with, settle
 
 import kvoffload as kv
+from kvoffload.connector import WorkerSide
 from kvoffload.types import Op
 
 # Every disk operation takes 300 ms once the restarted daemon has recovered
@@ -30,7 +33,13 @@ from kvoffload.types import Op
 SLOW_DISK = (*DISK, "--fault-spec", "latency=300ms@1,seed=1")
 
 
-def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemon, shm, fingerprint):
+@pytest.mark.parametrize("next_daemon", [True, False], ids=["next-daemon", "no-daemon"])
+def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemon, shm, fingerprint, next_daemon,
+                                                                     monkeypatch):
+    """``no-daemon``: none listens after the old one exited; the late load
+    waits the register timeout (2 s here) for one, then fails."""
+    if not next_daemon:
+        monkeypatch.setattr(test_connector, "WorkerSide", functools.partial(WorkerSide, register_timeout_s=2.0))
     d = fresh_daemon(*SLOW_DISK)
     h = Harness(d, shm, fingerprint)
     w = h.workers[0]
@@ -124,12 +133,25 @@ def test_jobs_the_daemon_finished_while_it_stopped_are_reported_done(fresh_daemo
             c2.lookup([ns], a.block_hashes[:5])
         assert not down.value.daemon_stopping, down.value
 
+        w._client.completions = real
+        if not next_daemon:
+            # No daemon comes: the late load fails once the worker stopped
+            # waiting for one; what the old daemon finished is done.
+            want = {hit.request_id, late.request_id} if waiting else {hit.request_id}
+            assert h.run_until(lambda: want <= h.recv[0] and h.idle(), timeout=60)
+            st = w.stats.take() or {}
+            assert h.failed[0] == (set(late_to[:5]) if waiting else set()), (st, h.failed[0])
+            assert sum(n for k, n in st.get("failed_blocks", {}).items() if k.startswith("load:")) == \
+                (5 if waiting else 0), st
+            assert st.get("blocks_stored_total") == 5 and st.get("blocks_loaded_total") == 5, st
+
         # A new daemon on the socket: the worker registers with it and sends
         # it the late load.
-        w._client.completions = real
         d.restarts += 1
         d._start()
         assert wait_for(lambda: registered_with(w, d))
+        if not next_daemon:
+            return
 
         # The worker settles everything: the loads and the stores the old
         # daemon finished are done, and the late load the new one served;
