@@ -51,8 +51,9 @@ raced the exit) ran nothing: its jobs wait too. So do those of a call the
 old daemon refused because it is stopping (UNAVAILABLE with its trailer
 ``kvoffload-refusal: daemon-stopping``, docs/api.md; never an UNAVAILABLE
 without it, which may have been accepted): nothing is sent to that daemon
-again, and once it exited they wait for the next one to listen, up to the
-register timeout, before they are dropped as above. The registration is made
+again, and once it exited they wait for the next one to listen, up to
+``NEXT_DAEMON_WAIT_S`` (or the register timeout if shorter), before they
+are dropped as above. The registration is made
 only once no call on the old one is in progress: the old id may be the new
 one's.
 """
@@ -90,6 +91,10 @@ from .types import Job, JobResult, Op
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvoffload.worker")
+
+# Seconds the jobs a stopping daemon refused wait, after it exited, for the
+# next daemon to listen before they fail (at most the register timeout).
+NEXT_DAEMON_WAIT_S = 2.0
 
 # A whole call refused with these ran nothing.
 _REFUSED = (InvalidArgument, FailedPrecondition, ResourceExhausted, PermissionDenied, NotFound)
@@ -211,6 +216,10 @@ class WorkerSide:
         self._client = client or Client(socket, timeout=None)
         self._rpc_timeout = rpc_timeout_s
         self._register_timeout = register_timeout_s
+        # How long jobs a stopping daemon refused wait, once it exited, for
+        # the next one to listen: a restart's gap is usually well under it,
+        # and waiting longer would cost the request more than recomputing.
+        self._next_daemon_wait = min(register_timeout_s, NEXT_DAEMON_WAIT_S)
         self._poll_wait_ms = poll_wait_ms
         self._suspect_after = suspect_after_s
         self._sync_queue_wait = sync_queue_wait_s
@@ -544,7 +553,7 @@ class WorkerSide:
                     for jid in b.jids:
                         j = self._jobs.get(jid)
                         if j is not None and j.next_daemon and j.hold_until is None:
-                            j.hold_until = self._clock() + self._register_timeout
+                            j.hold_until = self._clock() + self._next_daemon_wait
                 self._next_rereg = self._clock()
             else:
                 self._next_rereg = self._clock() + self._rereg_after
@@ -705,7 +714,7 @@ class WorkerSide:
                     if self._jobs.get(jid) is j:
                         j.next_daemon = True
                         if gone:
-                            j.hold_until = self._clock() + self._register_timeout
+                            j.hold_until = self._clock() + self._next_daemon_wait
                 self._requeue_locked(batch, reg, jobs)
         except (DeadlineExceeded, Cancelled, KVOffloadError) as e:
             self._unanswered(batch, reg, jobs, e)
@@ -803,7 +812,7 @@ class WorkerSide:
         """The daemon stopped answering: what is queued is dropped (stores)
         or failed (loads: vLLM recomputes), never sent late. Jobs a stopping
         daemon refused wait for the next daemon: while the old one runs,
-        and for the register timeout after it exited."""
+        and for ``NEXT_DAEMON_WAIT_S`` after it exited."""
         now = self._clock()
         n = self._drop_queued(lambda j: not j.next_daemon or (j.hold_until is not None and now >= j.hold_until))
         if n:
