@@ -68,6 +68,10 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 		defer t.Stop()
 		timer = t.C
 	}
+	// Once the daemon is stopping nothing new is accepted: a long poll
+	// waits only while jobs of the registration are pending (the drain
+	// finishes them), and returns at once when none is.
+	closing, stopping := r.s.closing, false
 	for {
 		r.mu.Lock()
 		if ack != nil {
@@ -77,7 +81,7 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			r.mu.Unlock()
 			return Completed{}, fmt.Errorf("%w: registration_id %d was unregistered", ErrUnknownRegistration, r.ID)
 		}
-		if len(r.mu.done) > 0 || timer == nil {
+		if len(r.mu.done) > 0 || timer == nil || (stopping && len(r.mu.pending) == 0) {
 			res := r.finishedLocked(max, ack != nil)
 			r.mu.Unlock()
 			return res, nil
@@ -90,8 +94,8 @@ func (r *Registration) Completions(ctx context.Context, wait time.Duration, max 
 			timer = nil
 		case <-ctx.Done():
 			return Completed{}, ctx.Err()
-		case <-r.s.closing:
-			timer = nil
+		case <-closing:
+			closing, stopping = nil, true
 		}
 	}
 }
@@ -121,6 +125,11 @@ func (r *Registration) finishedLocked(max int, keep bool) Completed {
 	res := Completed{Results: out, Pending: len(r.mu.pending), More: len(r.mu.done) > n}
 	if !keep {
 		r.dropLocked(n)
+	} else if n > 0 && out[n-1].Seq > r.mu.sent {
+		r.mu.sent = out[n-1].Seq
+	}
+	if n > 0 {
+		r.s.signalRead()
 	}
 	return res
 }

@@ -108,6 +108,10 @@ type Registration struct {
 		done      []Result
 		seq       uint64 // the last Seq given
 		doneBytes int    // wire bytes of done
+		// sent is the last Seq a reply carried (Completions, or a Store
+		// or Load that acknowledges): the results after it were never
+		// sent (WaitDelivered).
+		sent uint64
 		// reserved is the wire bytes the results of unfinished jobs may
 		// take: with doneBytes, bounded by Limits.MaxUnreadBytes.
 		reserved int
@@ -157,7 +161,16 @@ func (r *Registration) close() bool {
 	close(r.mu.notify)
 	r.mu.notify = make(chan struct{})
 	r.mu.Unlock()
+	r.s.signalRead()
 	return true
+}
+
+// undelivered reports whether the registration, still open, holds a
+// finished result that no reply has carried.
+func (r *Registration) undelivered() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return !r.mu.closed && len(r.mu.done) > 0 && r.mu.done[len(r.mu.done)-1].Seq > r.mu.sent
 }
 
 // blockRef is one block of a job on its way through the copy engine.

@@ -215,10 +215,14 @@ type Service struct {
 	jobs     sync.WaitGroup // accepted jobs not yet finished
 	inflight atomic.Int64   // the same, as a count
 	stop     chan struct{}  // closed by Close: background goroutines exit
-	// closing is closed by BeginShutdown: long polls return at once.
+	// closing is closed by BeginShutdown: long polls wait only for the
+	// jobs pending.
 	closing     chan struct{}
 	closingOnce sync.Once
 	reaper      sync.WaitGroup
+	// read gets a token when a reply carries results or a registration
+	// closes: WaitDelivered looks again.
+	read chan struct{}
 
 	mu struct {
 		sync.Mutex
@@ -279,7 +283,7 @@ func New(cfg Config) (*Service, error) {
 	if cfg.NamespaceLinger == 0 {
 		cfg.NamespaceLinger = DefaultNamespaceLinger
 	}
-	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{}), linger: cfg.NamespaceLinger}
+	s := &Service{log: cfg.Logger, lim: cfg.Limits, ix: index.New(), dma: cfg.DMA, stop: make(chan struct{}), closing: make(chan struct{}), read: make(chan struct{}, 1), linger: cfg.NamespaceLinger}
 	// Before anything can change the index (the disk tier's recovery
 	// files blocks from openDisk on).
 	s.ev = events.New(s.ix, cfg.Events)
@@ -1225,6 +1229,50 @@ func (s *Service) Drain(ctx context.Context) error {
 		return nil
 	case <-ctx.Done():
 		return fmt.Errorf("jobs still running: %w", ctx.Err())
+	}
+}
+
+// Undelivered counts the open registrations holding a finished result
+// that no reply has carried yet.
+func (s *Service) Undelivered() int {
+	s.mu.Lock()
+	regs := make([]*Registration, 0, len(s.mu.regs))
+	for _, r := range s.mu.regs {
+		regs = append(regs, r)
+	}
+	s.mu.Unlock()
+	n := 0
+	for _, r := range regs {
+		if r.undelivered() {
+			n++
+		}
+	}
+	return n
+}
+
+// WaitDelivered waits, once the jobs have drained, until Undelivered is 0
+// or ctx ends, and returns it. A stopping daemon waits for it before it
+// closes its connections, so that a client reading Completions learns the
+// outcome of every job the drain finished.
+func (s *Service) WaitDelivered(ctx context.Context) int {
+	for {
+		n := s.Undelivered()
+		if n == 0 {
+			return 0
+		}
+		select {
+		case <-s.read:
+		case <-ctx.Done():
+			return s.Undelivered()
+		}
+	}
+}
+
+// signalRead wakes WaitDelivered.
+func (s *Service) signalRead() {
+	select {
+	case s.read <- struct{}{}:
+	default:
 	}
 }
 

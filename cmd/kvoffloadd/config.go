@@ -39,6 +39,7 @@ type config struct {
 	logLevel        slog.Level
 	logFormat       string
 	shutdownTimeout time.Duration
+	resultsWait     time.Duration // --shutdown-results-wait
 	showVersion     bool
 
 	diskDirs       []string
@@ -173,6 +174,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		metricsAddr:     "127.0.0.1:9464",
 		logFormat:       "text",
 		shutdownTimeout: 30 * time.Second,
+		resultsWait:     2 * time.Second,
 		diskBytes:       8 << 30,
 		diskQueueDepth:  8,
 		diskDirect:      "require",
@@ -209,6 +211,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	level := fs.String("log-level", "info", "log level: debug, info, warn or error.")
 	fs.StringVar(&c.logFormat, "log-format", c.logFormat, "log format on stderr: text or json.")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", c.shutdownTimeout, "on SIGTERM, SIGINT or SIGHUP, the longest the daemon takes to exit: in-flight jobs and calls may finish until then; past it connections are closed and the daemon exits even with copies still running (their jobs are never reported done, so the engine recomputes those blocks).")
+	fs.DurationVar(&c.resultsWait, "shutdown-results-wait", c.resultsWait, "on a stop, once the jobs have drained and the socket is removed, how long the daemon keeps its open connections answering Completions (and only that, Unregister and Stats) for clients that have not yet read the results of the jobs it finished; it goes on as soon as every result was sent. Never past the --shutdown-timeout's drain deadline; 0: no wait (the results not yet read are lost and the engine recomputes those blocks).")
 	fs.IntVar(&c.maxRegistrations, "max-registrations", c.maxRegistrations, "registrations live at once, over all clients; past it Register gets RESOURCE_EXHAUSTED.")
 	fs.IntVar(&c.maxRegistrationsPerUID, "max-registrations-per-uid", c.maxRegistrationsPerUID, "registrations live at once per client uid; past it Register gets RESOURCE_EXHAUSTED.")
 	fs.IntVar(&c.maxRegions, "max-regions", c.maxRegions, "regions mapped at once, over all clients (each costs at least one entry of the daemon's memory map, vm.max_map_count); past it Register gets RESOURCE_EXHAUSTED.")
@@ -321,6 +324,9 @@ func (c *config) validate() error {
 	}
 	if c.shutdownTimeout <= 0 {
 		bad("--shutdown-timeout %s: want a positive duration", c.shutdownTimeout)
+	}
+	if c.resultsWait < 0 {
+		bad("--shutdown-results-wait %s: want a duration of 0 or more", c.resultsWait)
 	}
 	seen := map[string]bool{}
 	for _, d := range c.diskDirs {

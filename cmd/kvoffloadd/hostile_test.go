@@ -303,7 +303,7 @@ func TestShutdownTimeoutIsAPromise(t *testing.T) {
 	}
 	gate.Arrived(1)
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	err = shutdown(log, 300*time.Millisecond, d.Srv, d.Svc, func() error { return d.Svc.Close() })
+	err = shutdown(log, 300*time.Millisecond, 2*time.Second, d.Srv, d.Svc, func() error { return d.Svc.Close() })
 	// Returned while the copy is still held: it did not wait for it.
 	if !errors.Is(err, errAbandoned) {
 		t.Fatalf("shutdown with a copy held: %v, want errAbandoned", err)
@@ -311,7 +311,7 @@ func TestShutdownTimeoutIsAPromise(t *testing.T) {
 	gate.Release()
 
 	d2 := testenv.Start(t, testenv.Options{Quiet: true})
-	if err := shutdown(log, 5*time.Second, d2.Srv, d2.Svc, func() error { return nil }); err != nil {
+	if err := shutdown(log, 5*time.Second, 2*time.Second, d2.Srv, d2.Svc, func() error { return nil }); err != nil {
 		t.Fatalf("shutdown with nothing running: %v", err)
 	}
 }

@@ -255,7 +255,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 	case err := <-metricsErr:
 		runErr = fmt.Errorf("metrics server: %w", err)
 	}
-	return errors.Join(runErr, shutdown(log, timeout, srv, svc, func() error {
+	return errors.Join(runErr, shutdown(log, timeout, cfg.resultsWait, srv, svc, func() error {
 		if metricsSrv != nil {
 			metricsSrv.Close()
 		}
@@ -284,13 +284,18 @@ var errAbandoned = errors.New("shutdown timeout passed: exited with work still r
 // shutdown stops the daemon within timeout, a promise a supervisor can
 // count on (systemd kills at TimeoutStopSec): health goes NOT_SERVING, new
 // work is refused, accepted jobs drain and calls finish until a share of
-// the timeout is left; then every connection is closed and the service
-// torn down in the rest. If work is still running at the end, it returns
-// errAbandoned without waiting: a copy cut short is never reported done,
-// so the engine recomputes its blocks, and a disk write cut short leaves a
-// slot the next start's checksums refuse, exactly as after kill -9. The
-// teardown goroutine is then left to the process's exit.
-func shutdown(log *slog.Logger, timeout time.Duration, srv *server.Server, svc *offload.Service, closeAll func() error) error {
+// the timeout is left. Then the listener closes (a successor may take the
+// socket's path) and, for up to resultsWait (never past that share), the
+// connections stay open answering Completions until every finished
+// result has been sent: a client learns the outcome of each job the drain
+// finished instead of taking it as failed. Then every connection is
+// closed and the service torn down in the rest. If work is still running
+// at the end, it returns errAbandoned without waiting: a copy cut short is
+// never reported done, so the engine recomputes its blocks, and a disk
+// write cut short leaves a slot the next start's checksums refuse, exactly
+// as after kill -9. The teardown goroutine is then left to the process's
+// exit.
+func shutdown(log *slog.Logger, timeout, resultsWait time.Duration, srv *server.Server, svc *offload.Service, closeAll func() error) error {
 	start := time.Now()
 	end := start.Add(timeout)
 	// Unmapping regions and the arena and closing the disk tier take
@@ -304,6 +309,25 @@ func shutdown(log *slog.Logger, timeout time.Duration, srv *server.Server, svc *
 		log.Warn("shutdown: jobs still running at the drain deadline; closing connections", "err", err)
 	}
 	cancel()
+	// The connections are still open: gRPC's graceful stop would refuse
+	// the next Completions call on them (GOAWAY) and only let calls in
+	// flight finish. The listener alone goes now, and with it the socket.
+	srv.StopAccepting()
+	if n := svc.Undelivered(); n > 0 {
+		waitBy := time.Now().Add(resultsWait)
+		if waitBy.After(drainBy) {
+			waitBy = drainBy
+		}
+		log.Info("shutdown: socket removed; waiting for clients to read the results of the jobs drained", "registrations", n,
+			"wait", time.Until(waitBy).Round(time.Millisecond))
+		rctx, cancel := context.WithDeadline(context.Background(), waitBy)
+		if left := svc.WaitDelivered(rctx); left > 0 {
+			log.Warn("shutdown: clients did not read the results of jobs the daemon finished; they will count them failed", "registrations", left)
+		} else {
+			log.Info("shutdown: every result was sent")
+		}
+		cancel()
+	}
 	done := make(chan error, 1)
 	go func() {
 		srv.Stop(drainBy)

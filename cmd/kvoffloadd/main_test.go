@@ -34,7 +34,7 @@ func TestHelpExplainsEveryFlag(t *testing.T) {
 	if !errors.Is(err, flag.ErrHelp) {
 		t.Fatalf("--help: %v", err)
 	}
-	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-cpu-policy", "-cpu-arena-dir", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-version",
+	for _, f := range []string{"-socket", "-socket-mode", "-cpu-bytes", "-cpu-chunk-bytes", "-cpu-policy", "-cpu-arena-dir", "-io-workers", "-shm-dir", "-metrics-addr", "-metrics-expose", "-log-level", "-log-format", "-shutdown-timeout", "-shutdown-results-wait", "-version",
 		"-disk-dir", "-disk-bytes", "-disk-chunk-bytes", "-disk-queue-depth", "-disk-direct", "-disk-reset", "-write-through", "-fault-spec",
 		"-max-registrations", "-max-registrations-per-uid", "-max-regions", "-max-regions-per-uid", "-max-mapped-bytes",
 		"-max-connections", "-max-connections-per-uid", "-max-inflight-request-bytes", "-namespace-linger", "-debug-checks",
@@ -59,6 +59,7 @@ func TestBadFlagsRefuseToStart(t *testing.T) {
 		{[]string{"--socket", "relative.sock"}, "--socket \"relative.sock\": want an absolute path"},
 		{[]string{"--socket-mode", "0666"}, "--socket-mode"},
 		{[]string{"--io-workers", "0"}, "--io-workers 0"},
+		{[]string{"--shutdown-results-wait", "-1s"}, "--shutdown-results-wait -1s: want a duration of 0 or more"},
 		{[]string{"--shm-dir", "/nonexistent"}, "--shm-dir"},
 		{[]string{"--metrics-addr", "0.0.0.0:9464"}, "loopback"},
 		{[]string{"--metrics-addr", ":9464"}, "--metrics-expose"},

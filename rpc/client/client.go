@@ -5,12 +5,14 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
@@ -28,12 +30,43 @@ type Client struct {
 	}
 }
 
+// ErrDaemonStopping is wrapped in the error of a call the daemon refused
+// whole because it is stopping (UNAVAILABLE with the trailer
+// kvoffload-refusal: daemon-stopping, docs/api.md, Errors): nothing of
+// the call ran, so its jobs may go to the next daemon. A transport failure
+// (UNAVAILABLE too) never wraps it: such a call may have been accepted.
+// status.Code still reads the call's code.
+var ErrDaemonStopping = errors.New("the daemon is stopping and refused the call whole")
+
+// The trailer a stopping daemon sets on a call it refused (rpc/server's
+// RefusalKey and RefusalStopping).
+const (
+	refusalKey      = "kvoffload-refusal"
+	refusalStopping = "daemon-stopping"
+)
+
+// markStopping wraps ErrDaemonStopping in the error of a call whose
+// trailer says the daemon refused it because it is stopping.
+func markStopping(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	var tr metadata.MD
+	err := invoker(ctx, method, req, reply, cc, append(opts, grpc.Trailer(&tr))...)
+	if err != nil {
+		for _, v := range tr.Get(refusalKey) {
+			if v == refusalStopping {
+				return fmt.Errorf("%w (%w)", err, ErrDaemonStopping)
+			}
+		}
+	}
+	return err
+}
+
 // Dial connects to the daemon's unix socket. The connection is made lazily;
 // the first call fails if nobody listens.
 func Dial(socket string, opts ...grpc.DialOption) (*Client, error) {
 	opts = append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20), grpc.MaxCallSendMsgSize(16<<20)),
+		grpc.WithChainUnaryInterceptor(markStopping),
 	}, opts...)
 	conn, err := grpc.NewClient("unix:"+socket, opts...)
 	if err != nil {

@@ -20,7 +20,10 @@ const MaxEventsPerReply = 1024
 func (s *Server) WatchEvents(req *pb.WatchEventsRequest, stream pb.KVOffload_WatchEventsServer) error {
 	sub, err := s.svc.Subscribe(req.GetNamespaceIds())
 	if err != nil {
-		return toStatus(err)
+		if err = toStatus(err); isStopping(err) {
+			stream.SetTrailer(refusalTrailer)
+		}
+		return err
 	}
 	defer sub.Close()
 	n := int(req.GetMaxEvents())

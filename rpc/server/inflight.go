@@ -9,6 +9,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
 )
 
 // budget bounds the bytes of requests the daemon receives and handles at
@@ -62,7 +64,7 @@ func (b *budget) acquire(ctx context.Context, uid uint32, n int64, stop <-chan s
 		case <-ctx.Done():
 			return status.FromContextError(ctx.Err()).Err()
 		case <-stop:
-			return status.Error(codes.Unavailable, "daemon is shutting down")
+			return stoppingError("daemon is shutting down")
 		case <-timeout:
 			return status.Errorf(codes.ResourceExhausted, "the daemon is receiving as many request bytes as it allows (%d over all clients, %d per uid: --max-inflight-request-bytes); try again", b.max, b.perUID)
 		}
@@ -129,15 +131,24 @@ func (s *Server) guardUnary(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
 	out.Methods = make([]grpc.MethodDesc, len(desc.Methods))
 	for i, md := range desc.Methods {
 		h := md.Handler
+		refusedLate := desc.ServiceName == pb.KVOffload_ServiceDesc.ServiceName && !resultsOnlyMethods[md.MethodName]
 		md.Handler = func(srv any, ctx context.Context, dec func(any) error, ic grpc.UnaryServerInterceptor) (any, error) {
+			if refusedLate && s.resultsOnly.Load() {
+				_ = grpc.SetTrailer(ctx, refusalTrailer)
+				return nil, stoppingError("daemon is shutting down: only Completions is answered while clients read their results")
+			}
 			var held int64
 			var uid uint32
 			defer func() { s.budget.release(uid, held) }()
-			return h(srv, ctx, func(m any) error {
+			resp, err := h(srv, ctx, func(m any) error {
 				var err error
 				held, uid, err = s.admit(ctx, dec, m)
 				return err
 			}, ic)
+			if isStopping(err) {
+				_ = grpc.SetTrailer(ctx, refusalTrailer)
+			}
+			return resp, err
 		}
 		out.Methods[i] = md
 	}

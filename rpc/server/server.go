@@ -11,6 +11,7 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
@@ -135,7 +137,17 @@ type Server struct {
 
 	stopping     chan struct{} // closed by SetNotServing: waits for budget end
 	stoppingOnce sync.Once
+
+	lis atomic.Pointer[listener] // what Serve accepts on (StopAccepting)
+	// resultsOnly: the daemon is stopping and its connections stay open
+	// only for their clients to read the results of the jobs it drained
+	// (StopAccepting).
+	resultsOnly atomic.Bool
 }
+
+// resultsOnlyMethods are the calls a stopping daemon still answers while
+// clients read their results: those and letting go of a registration.
+var resultsOnlyMethods = map[string]bool{"Completions": true, "Unregister": true, "Stats": true}
 
 var _ pb.KVOffloadServer = (*Server)(nil)
 
@@ -183,7 +195,22 @@ func New(svc *offload.Service, log *slog.Logger, cfg Config) *Server {
 // admitted within the connection bounds and known by the peer the kernel
 // recorded for it.
 func (s *Server) Serve(lis net.Listener) error {
-	return s.grpc.Serve(&listener{Listener: lis, t: s.conns})
+	l := &listener{Listener: lis, t: s.conns}
+	s.lis.Store(l)
+	return s.grpc.Serve(l)
+}
+
+// StopAccepting closes the listener (with the daemon's socket: a successor
+// may take the path) and keeps the connections open, but answers only
+// Completions, Unregister, Stats and health from then on: a stopping
+// daemon's clients read the results of the jobs it drained on the
+// connections they have. Serve returns the listener's error. Stop ends
+// the connections.
+func (s *Server) StopAccepting() {
+	s.resultsOnly.Store(true)
+	if l := s.lis.Load(); l != nil {
+		l.Close()
+	}
 }
 
 // MaxRequestBytes is the largest request this server reads.
@@ -282,7 +309,7 @@ func toStatus(err error) error {
 	case errors.Is(err, offload.ErrBacklog), errors.Is(err, offload.ErrLimit), errors.Is(err, dma.ErrLimit):
 		code = codes.ResourceExhausted
 	case errors.Is(err, offload.ErrShuttingDown):
-		code = codes.Unavailable
+		return stoppingError(err.Error())
 	// The remote tier missed an invalidation's record (a master down):
 	// the call did its part here, and a retry of it may complete it.
 	case errors.Is(err, offload.ErrRemoteUnrecorded):
@@ -306,6 +333,37 @@ func toStatus(err error) error {
 }
 
 func invalid(msg string) error { return status.Error(codes.InvalidArgument, msg) }
+
+// RefusalKey is the trailer metadata key the daemon sets on a call it
+// refused whole because it is stopping (its value is RefusalStopping):
+// nothing of the call ran, by the daemon's own decision, so a client may
+// send its jobs again to the next daemon. A transport failure never
+// carries it (docs/api.md, Errors).
+const (
+	RefusalKey      = "kvoffload-refusal"
+	RefusalStopping = "daemon-stopping"
+)
+
+// stopping is the status of a call refused because the daemon is
+// stopping; the handler's wrapper (guardUnary, WatchEvents) sees it and
+// sets the RefusalKey trailer.
+type stopping struct{ st *status.Status }
+
+func (e stopping) Error() string              { return e.st.Err().Error() }
+func (e stopping) GRPCStatus() *status.Status { return e.st }
+
+func stoppingError(msg string) error {
+	return stopping{status.New(codes.Unavailable, msg)}
+}
+
+// isStopping reports whether err is a stopping daemon's refusal.
+func isStopping(err error) bool {
+	var st stopping
+	return errors.As(err, &st)
+}
+
+// refusalTrailer marks a stopping daemon's refusal on the call's trailer.
+var refusalTrailer = metadata.Pairs(RefusalKey, RefusalStopping)
 
 // Register implements pb.KVOffloadServer.
 func (s *Server) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.RegisterResponse, error) {

@@ -7,8 +7,9 @@ catch exactly what it can handle::
 
     try:
         client.load(reg, jobs)
-    except kvoffload.Unavailable:
+    except kvoffload.Unavailable as e:
         ...  # the daemon is stopping or gone: treat every block as failed
+             # (e.daemon_stopping: it refused the call whole, nothing ran)
     except kvoffload.InvalidArgument as e:
         ...  # a bug in the caller: e.message names the field
 
@@ -44,9 +45,16 @@ class KVOffloadError(Exception):
         message: the daemon's (or the client's) explanation.
         method: the RPC that failed, e.g. ``"Load"`` (empty when unknown).
         from_daemon: False when the client refused the call before sending it.
+        daemon_stopping: True when the daemon refused the call whole because
+            it is stopping (UNAVAILABLE with the trailer
+            ``kvoffload-refusal: daemon-stopping``, docs/api.md, Errors):
+            nothing of it ran, so its jobs may go to the next daemon. An
+            UNAVAILABLE of the transport never has it (the call may have
+            been accepted).
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    daemon_stopping: bool = False
 
     def __init__(self, code: grpc.StatusCode | None, message: str, method: str = "", from_daemon: bool = True):
         if code is not None:
@@ -145,10 +153,19 @@ def error_for(code: grpc.StatusCode, message: str, method: str = "", from_daemon
     return cls(code, message, method, from_daemon)
 
 
+# The trailer a stopping daemon sets on a call it refused whole
+# (rpc/server's RefusalKey and RefusalStopping).
+REFUSAL_KEY = "kvoffload-refusal"
+REFUSAL_STOPPING = "daemon-stopping"
+
+
 def from_rpc_error(err: grpc.RpcError, method: str = "") -> KVOffloadError:
     """Converts a ``grpc.RpcError`` raised by a stub into a KVOffloadError."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    return error_for(code, details or str(err), method)
+    out = error_for(code, details or str(err), method)
+    trailer = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    out.daemon_stopping = any(k == REFUSAL_KEY and v == REFUSAL_STOPPING for k, v in (trailer or ()))
+    return out

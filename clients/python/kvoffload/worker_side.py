@@ -18,7 +18,9 @@ A job's engine blocks go back to vLLM (a finished load, a drained store, a
 failed block) only when nothing of the daemon can touch them any more:
 
 - the daemon reported the job (Completions, or a Store or Load reply), or
-- it refused the call that carried it (the whole call: nothing ran), or
+- it refused the call that carried it (the whole call: nothing ran; but a
+  daemon that refused it because it is stopping, and said so, gets the
+  jobs sent to the next daemon instead, below), or
 - the job was never sent (dropped from the queue), or
 - the daemon said the registration is gone (NOT_FOUND) after draining it,
   and it was the same daemon process, or
@@ -45,7 +47,13 @@ again: the step's jobs wait in the queue while the worker registers its
 regions again, as at start, with the next daemon to listen on the socket
 (dropped, as for a daemon that is down, while none listens), and then go
 to the new registration. A call the new daemon refused with NOT_FOUND (it
-raced the exit) ran nothing: its jobs wait too. The registration is made
+raced the exit) ran nothing: its jobs wait too. So do those of a call the
+old daemon refused because it is stopping (UNAVAILABLE with its trailer
+``kvoffload-refusal: daemon-stopping``, docs/api.md; never an UNAVAILABLE
+without it, which may have been accepted): nothing is sent to that daemon
+again, and once it exited they wait for the next one to listen, up to
+``NEXT_DAEMON_WAIT_S`` (or the register timeout if shorter), before they
+are dropped as above. The registration is made
 only once no call on the old one is in progress: the old id may be the new
 one's.
 """
@@ -84,6 +92,10 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvoffload.worker")
 
+# Seconds the jobs a stopping daemon refused wait, after it exited, for the
+# next daemon to listen before they fail (at most the register timeout).
+NEXT_DAEMON_WAIT_S = 2.0
+
 # A whole call refused with these ran nothing.
 _REFUSED = (InvalidArgument, FailedPrecondition, ResourceExhausted, PermissionDenied, NotFound)
 
@@ -101,6 +113,10 @@ class _Job:
     queued_at: float = 0.0
     sent_at: float = 0.0  # when the call that carried it returned (answered or not)
     stale: bool = False  # a load of an identity a cache reset retired: reported failed whatever it brings
+    # Refused whole by a stopping daemon (nothing ran): it waits in the
+    # queue for the next daemon, until ``hold_until`` once the old one exited.
+    next_daemon: bool = False
+    hold_until: float | None = None
 
 
 @dataclass
@@ -124,6 +140,7 @@ class _Reg:
     more: bool = False  # the last reply that read results left some queued
     read_at: float = 0.0  # when a reply last read this registration's results
     retired: bool = False  # of an identity a cache reset left: unregistered once its jobs are done
+    stopping: bool = False  # its daemon refused a call because it is stopping: nothing is sent on it again
 
 
 class WorkerSide:
@@ -199,6 +216,10 @@ class WorkerSide:
         self._client = client or Client(socket, timeout=None)
         self._rpc_timeout = rpc_timeout_s
         self._register_timeout = register_timeout_s
+        # How long jobs a stopping daemon refused wait, once it exited, for
+        # the next one to listen: a restart's gap is usually well under it,
+        # and waiting longer would cost the request more than recomputing.
+        self._next_daemon_wait = min(register_timeout_s, NEXT_DAEMON_WAIT_S)
         self._poll_wait_ms = poll_wait_ms
         self._suspect_after = suspect_after_s
         self._sync_queue_wait = sync_queue_wait_s
@@ -526,6 +547,13 @@ class WorkerSide:
                          "exited" if exited else "no longer serves the socket")
                 self._rejoin = True
                 self._down_since = None  # that process is gone; whether another answers is probed anew
+                # The jobs that daemon refused as it stopped wait for the
+                # next one on the socket, for as long as a Register waits.
+                for b in self._queue:
+                    for jid in b.jids:
+                        j = self._jobs.get(jid)
+                        if j is not None and j.next_daemon and j.hold_until is None:
+                            j.hold_until = self._clock() + self._next_daemon_wait
                 self._next_rereg = self._clock()
             else:
                 self._next_rereg = self._clock() + self._rereg_after
@@ -581,6 +609,13 @@ class WorkerSide:
                     # waits for the registration with the next one.
                     self._queue.appendleft(batch)
                     self._lose_registration(reg, "the daemon process exited")
+                    continue
+                if reg is not None and reg.stopping:
+                    # Its daemon stops and refuses new work: the batch
+                    # waits for it to exit (the poller watches), and then
+                    # for the registration with the next one.
+                    self._queue.appendleft(batch)
+                    self._cv.wait(self._watch)
                     continue
                 jobs = [(jid, self._jobs[jid]) for jid in batch.jids if jid in self._jobs]
                 if reg is None or self._down_since is not None:
@@ -663,17 +698,26 @@ class WorkerSide:
             with self._cv:
                 for jid, _ in jobs:
                     self._settle(jid, failed_all=True)
-        except (Unavailable, DeadlineExceeded, Cancelled, KVOffloadError) as e:
-            # The daemon may have accepted the call: the jobs stay in flight
-            # until the daemon reports them, forgets the registration, or exits.
-            if not self._stop:
-                log.warning("kvoffload: %s of %d jobs: no answer (%s); waiting for the daemon to settle them",
-                            batch.op.name.title(), len(jobs), e)
+        except Unavailable as e:
+            if not e.daemon_stopping:
+                self._unanswered(batch, reg, jobs, e)
+                return
+            # The daemon is stopping and refused the call whole (its
+            # trailer says so; a transport failure never does): nothing
+            # ran. The jobs wait for the next daemon, as after a restart.
+            log.info("kvoffload: %s of %d jobs refused by the stopping daemon (pid %s); they wait for the next one",
+                     batch.op.name.title(), len(jobs), reg.daemon.pid)
             with self._cv:
-                if self._regs.get(reg.id) is reg and not reg.daemon.exited():
-                    if self._down_since is None:
-                        self._down_since = self._clock()
-                    self._drop_unsent_locked()
+                reg.stopping = True
+                gone = self._regs.get(reg.id) is not reg  # it exited meanwhile: the next one is joined now
+                for jid, j in jobs:
+                    if self._jobs.get(jid) is j:
+                        j.next_daemon = True
+                        if gone:
+                            j.hold_until = self._clock() + self._next_daemon_wait
+                self._requeue_locked(batch, reg, jobs)
+        except (DeadlineExceeded, Cancelled, KVOffloadError) as e:
+            self._unanswered(batch, reg, jobs, e)
         finally:
             with self._cv:
                 now = self._clock()
@@ -688,6 +732,18 @@ class WorkerSide:
                     for jid, j in jobs:
                         if self._jobs.get(jid) is j and j.reg == reg.id:
                             self._settle(jid, failed_all=True)
+
+    def _unanswered(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]], e: KVOffloadError) -> None:
+        """The daemon may have accepted the call: the jobs stay in flight
+        until the daemon reports them, forgets the registration, or exits."""
+        if not self._stop:
+            log.warning("kvoffload: %s of %d jobs: no answer (%s); waiting for the daemon to settle them",
+                        batch.op.name.title(), len(jobs), e)
+        with self._cv:
+            if self._regs.get(reg.id) is reg and not reg.daemon.exited():
+                if self._down_since is None:
+                    self._down_since = self._clock()
+                self._drop_unsent_locked()
 
     def _requeue_locked(self, batch: _Batch, reg: _Reg, jobs: list[tuple[int, _Job]]) -> None:
         """Puts a call's jobs back at the head of the queue: the daemon
@@ -754,8 +810,11 @@ class WorkerSide:
 
     def _drop_unsent_locked(self) -> None:
         """The daemon stopped answering: what is queued is dropped (stores)
-        or failed (loads: vLLM recomputes), never sent late."""
-        n = self._drop_queued(lambda j: True)
+        or failed (loads: vLLM recomputes), never sent late. Jobs a stopping
+        daemon refused wait for the next daemon: while the old one runs,
+        and for ``NEXT_DAEMON_WAIT_S`` after it exited."""
+        now = self._clock()
+        n = self._drop_queued(lambda j: not j.next_daemon or (j.hold_until is not None and now >= j.hold_until))
         if n:
             log.warning("kvoffload: the daemon is not answering; %d queued jobs dropped", n)
 
