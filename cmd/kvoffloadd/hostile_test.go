@@ -339,28 +339,10 @@ func TestUnprivilegedDaemonMapsOnlyItsOwnUsersFiles(t *testing.T) {
 	}
 	os.Chmod(dir, 0o750)
 	sock := filepath.Join(dir, "kv.sock")
-	logs := &syncBuffer{}
 	proc := exec.Command(bin, "--socket", sock, "--socket-mode", "0660", "--metrics-addr", "", "--cpu-bytes", "8MiB")
-	proc.Stderr = logs
 	proc.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: daemonUser.UID, Gid: daemonUser.GID}}
-	if err := proc.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { proc.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		proc.Process.Kill()
-		<-exited
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", logs.String())
-		}
-	})
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := runWatched(t, proc).dial(t, sock)
 	defer c.Close()
-	waitHealthy(t, c, proc, exited, logs)
 
 	m := testenv.Model{Layers: 1, SegBytes: 4096, Blocks: 4}
 	for _, tc := range []struct {

@@ -395,28 +395,11 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	metrics := freePort(t)
-	logs := &syncBuffer{}
 	proc := exec.Command(bin, "--socket", sock, "--cpu-bytes", "256MiB", "--metrics-addr", metrics)
-	proc.Stderr = logs
-	if err := proc.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	var exitErr error
-	go func() { exitErr = proc.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		proc.Process.Kill()
-		<-exited
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", logs.String())
-		}
-	})
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := runWatched(t, proc)
+	logs, exited := d.logs, d.exited
+	c := d.dial(t, sock)
 	defer c.Close()
-	waitHealthy(t, c, proc, exited, logs)
 
 	m := testenv.Model{Layers: 32, SegBytes: 64 << 10, Blocks: 96} // 2 MiB blocks
 	r := testenv.NewRegion(t, m.RegionBytes())
@@ -499,8 +482,8 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	}
 	select {
 	case <-exited:
-		if exitErr != nil {
-			t.Fatalf("daemon exit: %v", exitErr)
+		if d.err != nil {
+			t.Fatalf("daemon exit: %v", d.err)
 		}
 	case <-time.After(60 * time.Second):
 		t.Fatal("daemon did not exit after SIGTERM")
@@ -527,29 +510,52 @@ func scrape(t *testing.T, addr string) string {
 // startDaemon runs the binary until the test ends (or it is killed).
 func startDaemon(t *testing.T, bin string, args ...string) (*exec.Cmd, *client.Client, chan struct{}) {
 	t.Helper()
-	logs := &syncBuffer{}
 	proc := exec.Command(bin, args...)
-	proc.Stderr = logs
+	d := runWatched(t, proc)
+	c := d.dial(t, args[1])
+	t.Cleanup(func() { c.Close() })
+	return proc, c, d.exited
+}
+
+// watched is a daemon process a test runs: its log, and exited, closed
+// once Wait has returned (err is Wait's error from then on).
+type watched struct {
+	proc   *exec.Cmd
+	logs   *syncBuffer
+	exited chan struct{}
+	err    error
+}
+
+// runWatched starts proc with its stderr in a log, and kills it when the
+// test ends (printing the log if the test failed).
+func runWatched(t *testing.T, proc *exec.Cmd) *watched {
+	t.Helper()
+	d := &watched{proc: proc, logs: &syncBuffer{}, exited: make(chan struct{})}
+	proc.Stderr = d.logs
 	if err := proc.Start(); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan struct{})
-	go func() { proc.Wait(); close(exited) }()
+	go func() { d.err = proc.Wait(); close(d.exited) }()
 	t.Cleanup(func() {
 		proc.Process.Kill()
-		<-exited
+		<-d.exited
 		if t.Failed() {
-			t.Logf("daemon log:\n%s", logs.String())
+			t.Logf("daemon log:\n%s", d.logs.String())
 		}
 	})
-	sock := args[1]
+	return d
+}
+
+// dial connects to the daemon's socket and waits for it to be healthy;
+// the caller closes the client.
+func (d *watched) dial(t *testing.T, sock string) *client.Client {
+	t.Helper()
 	c, err := client.Dial(sock)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { c.Close() })
-	waitHealthy(t, c, proc, exited, logs)
-	return proc, c, exited
+	waitHealthy(t, c, d.proc, d.exited, d.logs)
+	return c
 }
 
 // TestKill9DuringWrites kills the daemon with SIGKILL in the middle of a

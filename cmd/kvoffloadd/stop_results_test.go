@@ -32,28 +32,11 @@ import (
 func TestStopSendsTheResultsItFinished(t *testing.T) {
 	bin := buildDaemon(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
-	logs := &syncBuffer{}
 	proc := exec.Command(bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "16MiB", "--shutdown-timeout", "30s")
-	proc.Stderr = logs
-	if err := proc.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	var exitErr error
-	go func() { exitErr = proc.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		proc.Process.Kill()
-		<-exited
-		if t.Failed() {
-			t.Logf("daemon log:\n%s", logs.String())
-		}
-	})
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := runWatched(t, proc)
+	logs, exited := d.logs, d.exited
+	c := d.dial(t, sock)
 	defer c.Close()
-	waitHealthy(t, c, proc, exited, logs)
 
 	ctx := context.Background()
 	m := testenv.Model{Layers: 2, SegBytes: 64 << 10, Blocks: 4}
@@ -134,8 +117,8 @@ func TestStopSendsTheResultsItFinished(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("the daemon did not exit after its result was read")
 	}
-	if exitErr != nil {
-		t.Fatalf("daemon exit: %v", exitErr)
+	if d.err != nil {
+		t.Fatalf("daemon exit: %v", d.err)
 	}
 	if !strings.Contains(logs.String(), "every result was sent") {
 		t.Fatalf("the daemon did not log that its results were read:\n%s", logs.String())
