@@ -157,6 +157,18 @@ class LookupMirror:
     def blocks(self) -> int:
         return self._n
 
+    def _group_maps(self, namespace_ids: Sequence[int], group: int) -> list | None:
+        """Each namespace's map of ``group``, or None if one has none."""
+        maps = self._maps
+        ms = []
+        for n in namespace_ids:
+            byg = maps.get(n)
+            m = byg.get(group) if byg is not None else None
+            if m is None:
+                return None
+            ms.append(m)
+        return ms
+
     def held(self, namespace_ids: Sequence[int], group: int, hashes: Sequence[bytes], factor: int, first: int,
              stop: int) -> list[Tier]:
         """The tier of each leading block of ``group`` in [first, stop) that
@@ -164,14 +176,9 @@ class LookupMirror:
         factor - 1]`` (KeyMapper.keys) without building the keys: the
         scheduler's lookup of the full-attention groups, on vLLM's loop (a
         few dict probes a block, nothing else allocated but the answer)."""
-        maps = self._maps
-        ms = []
-        for n in namespace_ids:
-            byg = maps.get(n)
-            m = byg.get(group) if byg is not None else None
-            if m is None:
-                return []
-            ms.append(m)
+        ms = self._group_maps(namespace_ids, group)
+        if ms is None:
+            return []
         tiers: list[Tier] = []
         if len(ms) == 1 and factor == 1:
             get = ms[0].get
@@ -209,14 +216,9 @@ class LookupMirror:
         window, whose keys the daemon's rounds ask last first: its ``ready``),
         block ``i`` keyed as in :meth:`held`. With ``tiers``, the slowest
         tier of each of those blocks is appended to it, in that order."""
-        maps = self._maps
-        ms = []
-        for n in namespace_ids:
-            byg = maps.get(n)
-            m = byg.get(group) if byg is not None else None
-            if m is None:
-                return 0
-            ms.append(m)
+        ms = self._group_maps(namespace_ids, group)
+        if ms is None:
+            return 0
         got = 0
         for i in range(stop - 1, first - 1, -1):
             h = hashes[(i + 1) * factor - 1]
