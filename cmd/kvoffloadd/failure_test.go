@@ -19,7 +19,7 @@ import (
 
 // failingCopier wraps the host copy engine with what the CUDA engine does
 // after a sticky error: Failed closes, the batches it held fail, and every
-// later batch fails at once.
+// later batch fails at once. Held batches may instead be released.
 type failingCopier struct {
 	dma.Engine
 	arrived chan struct{}
@@ -61,6 +61,19 @@ func (c *failingCopier) hold() {
 	c.mu.Lock()
 	c.holding = true
 	c.mu.Unlock()
+}
+
+// release submits the batches held, and those that come later, to the
+// host engine.
+func (c *failingCopier) release() {
+	c.mu.Lock()
+	c.holding = false
+	held := c.held
+	c.held = nil
+	c.mu.Unlock()
+	for _, b := range held {
+		c.Engine.Submit(b)
+	}
 }
 
 func (c *failingCopier) fail(err error) {

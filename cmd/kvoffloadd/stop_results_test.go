@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -130,44 +129,12 @@ func TestStopSendsTheResultsItFinished(t *testing.T) {
 	}
 }
 
-// heldCopier holds the batches submitted while holding, until release.
-type heldCopier struct {
-	dma.Engine
-	arrived chan struct{}
-	mu      sync.Mutex
-	holding bool
-	held    []*dma.Batch
-}
-
-func (c *heldCopier) Submit(b *dma.Batch) {
-	c.mu.Lock()
-	if c.holding {
-		c.held = append(c.held, b)
-		c.mu.Unlock()
-		c.arrived <- struct{}{}
-		return
-	}
-	c.mu.Unlock()
-	c.Engine.Submit(b)
-}
-
-func (c *heldCopier) release() {
-	c.mu.Lock()
-	c.holding = false
-	held := c.held
-	c.held = nil
-	c.mu.Unlock()
-	for _, b := range held {
-		c.Engine.Submit(b)
-	}
-}
-
 // TestStoppingLongPollWaitsForPendingJobs: once the daemon is stopping, a
 // Completions long poll of a registration with a job still running waits
 // for its result (the drain finishes it) instead of returning at once with
 // nothing, which sent a connector round a busy loop for the whole drain.
 func TestStoppingLongPollWaitsForPendingJobs(t *testing.T) {
-	hc := &heldCopier{arrived: make(chan struct{}, 16)}
+	hc := &failingCopier{arrived: make(chan struct{}, 16), failed: make(chan struct{})}
 	wrapCopier = func(e dma.Engine) dma.Engine {
 		hc.Engine = e
 		return hc
@@ -199,9 +166,7 @@ func TestStoppingLongPollWaitsForPendingJobs(t *testing.T) {
 	}
 	h := m.Hash(1, 0)
 	m.Fill(r, 0, h)
-	hc.mu.Lock()
-	hc.holding = true
-	hc.mu.Unlock()
+	hc.hold()
 	if _, err := c.Submit(rctx, pb.Op_OP_STORE, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}); err != nil {
 		t.Fatal(err)
 	}
