@@ -28,3 +28,40 @@ func TestTombstones(t *testing.T) {
 		t.Fatal("tombstones outlive recovery")
 	}
 }
+
+// TestTombstonesBound: past MaxTombstones keys, a further key's namespace
+// counts as invalidated whole (more is dropped than asked, never less),
+// other namespaces keep their own keys, and the map does not grow.
+func TestTombstonesBound(t *testing.T) {
+	var ts Tombstones
+	ts.Start()
+	keys := make([]Key, MaxTombstones)
+	for i := range keys {
+		keys[i] = Key{NS: 1, Hash: [32]byte{byte(i), byte(i >> 8), byte(i >> 16)}}
+	}
+	ts.Add(nil, keys)
+	other := Key{NS: 1, Hash: [32]byte{0xff, 0xff, 0xff, 1}} // not among keys
+	if ts.Has(&other) {
+		t.Fatal("at the bound, a key never invalidated has a tombstone")
+	}
+	over := Key{NS: 3, Hash: [32]byte{1}}
+	ts.Add(nil, []Key{over})
+	sibling := Key{NS: 3, Hash: [32]byte{2}}
+	unrelated := Key{NS: 4, Hash: [32]byte{1}}
+	switch {
+	case !ts.Has(&over):
+		t.Fatal("a key invalidated past the bound has no tombstone")
+	case !ts.Has(&sibling):
+		t.Fatal("past the bound, the key's namespace is not invalidated whole")
+	case ts.Has(&unrelated):
+		t.Fatal("past the bound, another namespace's keys have tombstones")
+	case !ts.Has(&keys[0]) || !ts.Has(&keys[MaxTombstones-1]):
+		t.Fatal("the keys recorded before the bound lost their tombstones")
+	}
+	ts.mu.Lock()
+	n := len(ts.mu.keys)
+	ts.mu.Unlock()
+	if n != MaxTombstones {
+		t.Fatalf("%d keys recorded, want the bound %d", n, MaxTombstones)
+	}
+}
