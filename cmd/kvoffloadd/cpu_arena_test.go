@@ -323,17 +323,7 @@ func TestCPUArenaOtherSizeDiscarded(t *testing.T) {
 	dir := arenaDir(t)
 	sock := filepath.Join(t.TempDir(), "kv.sock")
 	proc, c, exited := startDaemon(t, bin, arenaArgs(sock, "", dir)...)
-	ctx := context.Background()
-	r := testenv.NewRegion(t, arenaModel.RegionBytes())
-	reg, err := c.Register(ctx, []byte("arena-size"), arenaModel.Layout(), arenaModel.Regions(r), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := arenaModel.Hash(27, 0)
-	arenaModel.Fill(r, 0, h)
-	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
-		t.Fatalf("store: %v %v", res, err)
-	}
+	_, r, h := storeOne(t, c, arenaModel, "arena-size", 27)
 	proc.Process.Signal(syscall.SIGKILL)
 	<-exited
 	os.Remove(sock)
@@ -353,7 +343,7 @@ func TestCPUArenaOtherSizeDiscarded(t *testing.T) {
 	}
 	defer c2.Close()
 	waitHealthy(t, c2, d, done, &logs)
-	reg2, err := c2.Register(ctx, []byte("arena-size"), arenaModel.Layout(), arenaModel.Regions(r), "test")
+	reg2, err := c2.Register(context.Background(), []byte("arena-size"), arenaModel.Layout(), arenaModel.Regions(r), "test")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -227,18 +227,7 @@ func TestSuccessorKeepsSocket(t *testing.T) {
 		"--disk-dir", t.TempDir(), "--disk-bytes", "16MiB", "--disk-chunk-bytes", "4MiB", "--write-through",
 		"--fault-spec", "latency=1000h@1,seed=1", "--shutdown-timeout", "10s")
 	waitRecovered(t, c) // the fault plan starts after recovery
-	ctx := context.Background()
-	m := testenv.Model{Layers: 1, SegBytes: 64 << 10, Blocks: 2}
-	r := testenv.NewRegion(t, m.RegionBytes())
-	reg, err := c.Register(ctx, []byte("successor"), m.Layout(), m.Regions(r), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := m.Hash(1, 0)
-	m.Fill(r, 0, h)
-	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
-		t.Fatalf("store: %v %v", res, err)
-	}
+	storeOne(t, c, testenv.Model{Layers: 1, SegBytes: 64 << 10, Blocks: 2}, "successor", 1)
 	c.Close()
 	if err := old.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
@@ -274,7 +263,7 @@ func TestSuccessorKeepsSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c2.Close()
-	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	hctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if ok, err := c2.Healthy(hctx); !ok {
 		t.Fatalf("the new daemon cannot be reached after the old one exited: %v", err)
@@ -505,6 +494,24 @@ func scrape(t *testing.T, addr string) string {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return string(b)
+}
+
+// storeOne registers m over a new region as fingerprint and stores one
+// block (hash m.Hash(seed, 0), from engine block 0), waiting for it.
+func storeOne(t *testing.T, c *client.Client, m testenv.Model, fingerprint string, seed uint64) (*pb.RegisterResponse, *testenv.Region, []byte) {
+	t.Helper()
+	ctx := context.Background()
+	r := testenv.NewRegion(t, m.RegionBytes())
+	reg, err := c.Register(ctx, []byte(fingerprint), m.Layout(), m.Regions(r), "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := m.Hash(seed, 0)
+	m.Fill(r, 0, h)
+	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
+		t.Fatalf("store: %v %v", res, err)
+	}
+	return reg, r, h
 }
 
 // startDaemon runs the binary until the test ends (or it is killed).

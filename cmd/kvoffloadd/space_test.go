@@ -98,16 +98,7 @@ func TestDiskTierThatCannotFitIsRefused(t *testing.T) {
 	waitRecovered(t, c)
 	ctx := context.Background()
 	m := testenv.Model{Layers: 2, SegBytes: 64 << 10, Blocks: 4}
-	r := testenv.NewRegion(t, m.RegionBytes())
-	reg, err := c.Register(ctx, []byte("space"), m.Layout(), m.Regions(r), "test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := m.Hash(1, 0)
-	m.Fill(r, 0, h)
-	if res, err := c.Store(ctx, reg.RegistrationId, []*pb.Job{testenv.Job(1, [][]byte{h}, []uint32{0})}, true); err != nil || !res[0].Ok {
-		t.Fatalf("store: %v %v", res, err)
-	}
+	_, r, h := storeOne(t, c, m, "space", 1)
 	for deadline := time.Now().Add(60 * time.Second); ; {
 		st, err := c.Stats(ctx)
 		if err == nil && len(st.Tiers) == 2 && st.Tiers[1].Blocks == 1 {
