@@ -94,11 +94,7 @@ const protectedShare = 0.8
 // slru is the SLRU policy: two doubly linked lists (probation and
 // protected, front the most recent) threaded through its records.
 type slru struct {
-	cb       callbacks
-	capacity atomic.Int64
-
-	mu    sync.Mutex
-	recs  records
+	held
 	nodes [][]slruNode // beside recs, by record number
 	prob  segment
 	prot  segment
@@ -121,7 +117,7 @@ type segment struct {
 }
 
 func newSLRU(cb callbacks) *slru {
-	p := &slru{cb: cb}
+	p := &slru{held: held{cb: cb}}
 	p.resetLocked()
 	p.capacity.Store(1)
 	return p
@@ -284,20 +280,30 @@ func (p *slru) forget(h uint64) {
 	}
 }
 
-func (p *slru) holds(h uint64) bool {
+// held is what both policies keep alike: their callbacks, their
+// capacity, and the records of the blocks they hold, under their lock.
+type held struct {
+	cb       callbacks
+	capacity atomic.Int64
+
+	mu   sync.Mutex
+	recs records // the blocks held
+}
+
+func (p *held) holds(h uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	_, ok := p.recs.lookup(h)
 	return ok
 }
 
-func (p *slru) size() int64 {
+func (p *held) size() int64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return int64(p.recs.len())
 }
 
-func (p *slru) setCapacity(n int64) { p.capacity.Store(n) }
+func (p *held) setCapacity(n int64) { p.capacity.Store(n) }
 
 func (p *slru) close() {
 	p.mu.Lock()

@@ -4,8 +4,6 @@ import (
 	"math"
 	"math/bits"
 	"math/rand/v2"
-	"sync"
-	"sync/atomic"
 
 	"github.com/dgraph-io/ristretto/v2/z"
 	"github.com/kvoffloadd/kvoffloadd/index"
@@ -21,11 +19,7 @@ import (
 // them when its goroutine lagged) and calls Evict and Reject on the
 // admitting goroutine.
 type tinyLFU struct {
-	cb       callbacks
-	capacity atomic.Int64
-
-	mu      sync.Mutex
-	recs    records // the blocks held
+	held
 	freq    cmSketch
 	door    *z.Bloom
 	incrs   int64
@@ -38,7 +32,7 @@ const lfuSample = 5
 
 func newTinyLFU(counters int64, cb callbacks) *tinyLFU {
 	p := &tinyLFU{
-		cb:      cb,
+		held:    held{cb: cb},
 		freq:    newCmSketch(counters),
 		door:    z.NewBloomFilter(float64(counters), 0.01),
 		resetAt: counters,
@@ -172,21 +166,6 @@ func (p *tinyLFU) forget(h uint64) {
 		p.recs.remove(r)
 	}
 }
-
-func (p *tinyLFU) holds(h uint64) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	_, ok := p.recs.lookup(h)
-	return ok
-}
-
-func (p *tinyLFU) size() int64 {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return int64(p.recs.len())
-}
-
-func (p *tinyLFU) setCapacity(n int64) { p.capacity.Store(n) }
 
 func (p *tinyLFU) close() {
 	p.mu.Lock()
