@@ -9,8 +9,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-
-	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 )
 
 // TestHostBuildSaysWhoItServes: the host build run as a user without
@@ -39,24 +37,13 @@ func TestHostBuildSaysWhoItServes(t *testing.T) {
 				os.Chown(dir, int(tc.cred.Uid), int(tc.cred.Gid))
 			}
 			sock := filepath.Join(dir, "kv.sock")
-			logs := &syncBuffer{}
 			proc := exec.Command(bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "8MiB")
-			proc.Stderr = logs
 			proc.SysProcAttr = &syscall.SysProcAttr{Credential: tc.cred}
-			if err := proc.Start(); err != nil {
-				t.Fatal(err)
-			}
-			exited := make(chan struct{})
-			go func() { proc.Wait(); close(exited) }()
-			defer func() { proc.Process.Kill(); <-exited }()
-			c, err := client.Dial(sock)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			waitHealthy(t, c, proc, exited, logs)
+			d := runWatched(t, proc)
+			logs := d.logs
+			d.dial(t, sock).Close()
 			proc.Process.Signal(syscall.SIGTERM)
-			<-exited
+			<-d.exited
 			if got := strings.Contains(logs.String(), warning); got != tc.want {
 				t.Fatalf("warning logged: %v, want %v; log:\n%s", got, tc.want, logs.String())
 			}

@@ -11,7 +11,6 @@ import (
 	"testing"
 
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
-	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 )
 
 // TestCgroupMemoryLimit reads the limit from cgroup files of each layout:
@@ -128,23 +127,11 @@ func TestCPUBytesPastTheMemoryLimitIsRefused(t *testing.T) {
 		t.Fatalf("--cpu-bytes 512MiB under a 256MiB limit: %v\n%s\nwant exit status 1 and %q", err, out, want)
 	}
 
-	logs := &syncBuffer{}
 	proc := inCgroup(procs, bin, "--socket", sock, "--metrics-addr", "", "--cpu-bytes", "128MiB")
-	proc.Stderr = logs
-	if err := proc.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { proc.Wait(); close(exited) }()
-	defer func() { proc.Process.Kill(); <-exited }()
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	waitHealthy(t, c, proc, exited, logs)
+	d := runWatched(t, proc)
+	d.dial(t, sock).Close()
 	proc.Process.Signal(syscall.SIGTERM)
-	<-exited
+	<-d.exited
 }
 
 // TestArenaPastItsTmpfsIsRefused: an arena file that its tmpfs (a real
