@@ -442,7 +442,7 @@ func (h *Hub) followLocked() {
 // tier of every block there now, and CaughtUp; without, with the next
 // change. Close it when done.
 func (h *Hub) Subscribe(nss []uint32, snapshot bool) (*Sub, error) {
-	s := &Sub{h: h, nss: slices.Compact(slices.Sorted(slices.Values(nss))), wakeC: make(chan struct{}, 1)}
+	s := &Sub{h: h, nss: slices.Compact(slices.Sorted(slices.Values(nss))), wakeC: make(chan struct{}, 1), demand: h.demand.Load()}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if len(h.mu.subs) >= h.cfg.MaxSubscribers {
@@ -497,7 +497,8 @@ type Sub struct {
 	sent     bool    // events were sent since the last CaughtUp
 	// Pacing the snapshot (pace).
 	replyAt time.Time   // when the current snapshot reply began
-	demand  uint64      // the hub's demand then
+	demand  uint64      // the hub's demand when last looked at
+	busyAt  time.Time   // when it was last seen to move
 	timer   *time.Timer // the pause's, reused
 }
 
@@ -627,27 +628,44 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 	}
 }
 
-// While Lookups are served (busy), a snapshot paces itself: before each
-// reply it pauses snapPace times as long as the previous reply took (from
-// its first scan to the next reply's start: the scan, and the caller's
-// encoding and sending), so it works at most 1/(1+snapPace) of the time
-// and leaves the rest of the CPU to the Lookups; snapPauseMax bounds one
-// pause (a reply that took long waited on its reader, not on the CPU). A
-// busy reply holds at most snapBusyReply events: the CPU one reply takes
-// at once (encoding it here, decoding it at a router on the same host) is
-// what a Lookup coming meanwhile may wait for.
+// While Lookups are served (busy: one came in the last snapBusyFor), a
+// snapshot paces itself: before each reply it pauses snapPace times as long
+// as the previous reply took (from its first scan to the next reply's
+// start: the scan, and the caller's encoding and sending), so it works at
+// most 1/(1+snapPace) of the time; snapPauseMax bounds one pause (a reply
+// that took long waited on its reader, not on the CPU). A busy reply holds
+// at most snapBusyReply events: the CPU one reply takes at once (encoding
+// it here, decoding it at a router on the same host) is what a Lookup
+// coming meanwhile may wait for.
+//
+// The pace is set for a router that decodes on the engine's host: the
+// daemon's own work per event is a fraction of what a reader spends on it,
+// so the time left to Lookups is what the reader takes too. kvbench's scale
+// scenario (docs/benchmarks.md) measured the choices on 2 cores at 10^5
+// blocks: a pace of 3 with 256-event replies kept the Lookups' p99 at
+// 2.5-3.7 times idle; 10 with 128, at 1.7-2.3 times, the snapshot taking
+// twice as long while Lookups come (none of it when they do not).
+//
+// Busy lasts snapBusyFor after a Lookup, not only the reply after it: an
+// engine's Lookups come every few hundred microseconds, a reply is cut
+// every few tens, and a pace that looked only at the Lookups since the last
+// reply ran at full speed most of the time.
 const (
-	snapPace      = 3
+	snapPace      = 10
 	snapPauseMax  = 20 * time.Millisecond
-	snapBusyReply = 256
+	snapBusyReply = 128
 )
 
-// pace starts the next reply of a snapshot: if a Lookup was served since
-// the last one began (busy), it first pauses snapPace times as long as that
-// reply took. Idle, a snapshot runs at full speed.
+// snapBusyFor is how long a snapshot stays paced after a Lookup (a var for
+// tests).
+var snapBusyFor = 100 * time.Millisecond
+
+// pace starts the next reply of a snapshot: if a Lookup was served in the
+// last snapBusyFor (busy), it first pauses snapPace times as long as the
+// previous reply took. Idle, a snapshot runs at full speed.
 func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) (busy bool, _ error) {
-	now, d := time.Now(), s.h.demand.Load()
-	busy = d != s.demand
+	now := s.demandSeen(time.Now())
+	busy = !s.busyAt.IsZero() && now.Sub(s.busyAt) < snapBusyFor
 	if !s.replyAt.IsZero() && busy {
 		wait := min(now.Sub(s.replyAt)*snapPace, snapPauseMax)
 		if s.timer == nil {
@@ -665,10 +683,19 @@ func (s *Sub) pace(ctx context.Context, stop <-chan struct{}) (busy bool, _ erro
 			return busy, ErrStopped
 		}
 		s.h.paused.Add(int64(wait))
-		now, d = time.Now(), s.h.demand.Load()
+		now = s.demandSeen(time.Now())
 	}
-	s.replyAt, s.demand = now, d
+	s.replyAt = now
 	return busy, nil
+}
+
+// demandSeen notes at now whether Lookups came since the last look (the
+// hub's demand moved) and returns now.
+func (s *Sub) demandSeen(now time.Time) time.Time {
+	if d := s.h.demand.Load(); d != s.demand {
+		s.demand, s.busyAt = d, now
+	}
+	return now
 }
 
 // take is scan's callback, under the shard's lock: it adds a followed

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvoffloadd/kvoffloadd/index"
 )
@@ -140,4 +141,63 @@ func TestSnapshotDuringLookupsAndStores(t *testing.T) {
 	v.until(t, sub, h.LastSeq(1))
 	v.check(t, ix, 1)
 	t.Logf("%d blocks held, %d resets, %d losses; the snapshot paused %v", len(v.held), v.cleared, v.lost, h.Paused())
+}
+
+// TestSnapshotStaysPacedAfterALookup: one Lookup (Demand) keeps a snapshot
+// paced for snapBusyFor, reply after reply (each at most snapBusyReply
+// events, each after a pause), not only for the reply after it; once
+// snapBusyFor passes with no Lookup, replies are full again and nothing
+// pauses. The pace used to look only at the Lookups since the last reply:
+// replies come far oftener than an engine's Lookups, and most ran at full
+// speed.
+func TestSnapshotStaysPacedAfterALookup(t *testing.T) {
+	old := snapBusyFor
+	snapBusyFor = time.Minute // the window itself, not the machine's speed, is under test
+	defer func() { snapBusyFor = old }()
+	ix := index.New()
+	h := New(ix, Config{})
+	h.SetHashLen(1, 16)
+	const n = 1 << 14
+	for i := uint64(0); i < n; i++ {
+		set(ix, key(1, i), index.InCPU)
+	}
+	h.Demand() // before the subscription: not a Lookup it has to give way to
+	sub, err := h.Subscribe(nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	buf := make([]Event, 0, 1024)
+	next := func() []Event {
+		t.Helper()
+		evs, err := sub.Next(context.Background(), nil, buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf = evs[:0]
+		return evs
+	}
+	next() // the Cleared that starts the snapshot
+	if evs := next(); len(evs) != cap(buf) {
+		t.Fatalf("a reply of %d events with no Lookup since the subscription, want a full %d", len(evs), cap(buf))
+	}
+	h.Demand() // one Lookup, and no other
+	for i := range 6 {
+		paused := h.Paused()
+		if evs := next(); len(evs) > snapBusyReply {
+			t.Fatalf("reply %d after a Lookup holds %d events, want at most %d", i, len(evs), snapBusyReply)
+		}
+		if i > 0 && h.Paused() == paused {
+			t.Fatalf("reply %d after a Lookup came without a pause", i)
+		}
+	}
+	snapBusyFor = 30 * time.Millisecond
+	time.Sleep(2 * snapBusyFor)
+	paused := h.Paused()
+	if evs := next(); len(evs) != cap(buf) {
+		t.Fatalf("a reply of %d events %v after the last Lookup, want a full %d", len(evs), 2*snapBusyFor, cap(buf))
+	}
+	if h.Paused() != paused {
+		t.Fatal("the snapshot paused with no Lookup in its window")
+	}
 }
