@@ -275,6 +275,7 @@ func (s *Service) demote(d demotion) bool {
 	dp := &d
 	s.writing.Lock()
 	s.writing.byKey[d.key] = dp
+	s.writing.peak = max(s.writing.peak, len(s.writing.byKey))
 	s.writing.Unlock()
 	// Counted before it is queued: its write may land before this
 	// returns, and FlushDisk must never see it missing.
@@ -302,14 +303,24 @@ func (s *Service) currentOf(k index.Key) *demotion {
 	return s.writing.byKey[k]
 }
 
-// endDemotion forgets d once it is over.
+// endDemotion forgets d once it is over. A map keeps the room it grew
+// to, so once a burst's demotions are all over (tens of thousands: the
+// queue and the batches in flight) it is made again: that room was 5 to
+// 16 B per block of a 10^5-block daemon at rest.
 func (s *Service) endDemotion(d *demotion) {
 	s.writing.Lock()
 	if s.writing.byKey[d.key] == d {
 		delete(s.writing.byKey, d.key)
+		if len(s.writing.byKey) == 0 && s.writing.peak > writingKeep {
+			s.writing.byKey, s.writing.peak = make(map[index.Key]*demotion), 0
+		}
 	}
 	s.writing.Unlock()
 }
+
+// writingKeep is the most demotions whose room writing.byKey keeps once
+// they are over.
+const writingKeep = 1024
 
 // demoter writes queued blocks to disk in batches until the service stops.
 func (s *Service) demoter() {

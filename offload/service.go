@@ -197,6 +197,7 @@ type Service struct {
 	writing struct {
 		sync.Mutex
 		byKey map[index.Key]*demotion
+		peak  int // the most demotions byKey held since it was made
 	}
 	rec    recovery    // the disk tier's recovery (recover.go)
 	crec   cpuRecovery // the CPU tier's, from a persistent arena (cpu_recover.go)

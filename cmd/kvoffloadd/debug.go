@@ -25,6 +25,10 @@ import (
 //	                   index): 200 "ok", or 500 with what disagrees.
 //	/debug/goroutines  every goroutine's stack (runtime/pprof, debug=1), to
 //	                   name a leak.
+//	/debug/heap        the heap profile after a garbage collection
+//	                   (runtime/pprof, for `go tool pprof`): what holds
+//	                   the memory per block kvbench's scale scenario
+//	                   reports.
 //	/debug/gc          POST runs a garbage collection and returns once it
 //	                   is done: the Go heap metrics then say what is live,
 //	                   not what garbage the last cycle left (kvbench's
@@ -80,6 +84,11 @@ func mountDebug(mux *http.ServeMux, svc *offload.Service, gate *recoveryGate) {
 		}
 		runtime.GC()
 		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/debug/heap", func(w http.ResponseWriter, r *http.Request) {
+		runtime.GC()
+		w.Header().Set("Content-Type", "application/octet-stream")
+		pprof.Lookup("heap").WriteTo(w, 0)
 	})
 	mux.HandleFunc("/debug/goroutines", func(w http.ResponseWriter, r *http.Request) {
 		debug := 1
