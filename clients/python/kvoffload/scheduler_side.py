@@ -1271,6 +1271,7 @@ class SchedulerSide:
         if not recent:
             return False
         keys, hashes = self.keys, rec.hashes
+        held, ns = self._mirror.held, rec.key[2]
         u = rec.key[0] + rec.hit_units
         # A windowed group's missing block may lie anywhere up to the end
         # (the windows of every candidate were asked): all of them there.
@@ -1280,7 +1281,11 @@ class SchedulerSide:
             for i in range(u * k, stop * k):
                 h = hashes[(i + 1) * f - 1]
                 t = recent.get((g, h if type(h) is bytes else bytes(h)))
-                if t is not None and now - t < _RECENT_STORE_S:
+                # One whose event came (every rank's) is no reason: a
+                # windowed group's recent blocks around a missing one
+                # (Mamba state stored at a prompt's end, not at the hit's
+                # edge) sent every such repeat to the daemon, a step's wait.
+                if t is not None and now - t < _RECENT_STORE_S and not held(ns, g, hashes, f, i, i + 1):
                     return True
         return False
 
