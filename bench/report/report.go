@@ -500,7 +500,9 @@ type Scale struct {
 	Blocks     int `json:"blocks"`
 	BlockBytes int `json:"block_bytes"`
 	Ranks      int `json:"ranks"`
-	// CPU tier only.
+	// CPU tier only; CPUFailed is the phase's error (its figures then say
+	// nothing).
+	CPUFailed         string  `json:"cpu_failed,omitempty"`
 	CPUBytes          uint64  `json:"cpu_bytes"`
 	CPUStoredOK       int     `json:"cpu_stored_ok"`
 	CPUNoSpace        int     `json:"cpu_no_space"`
@@ -524,8 +526,11 @@ type Scale struct {
 	LookupSnapP99Ms          float64   `json:"lookup_snapshot_p99_ms,omitempty"`
 	LookupSnapP99Ratio       float64   `json:"lookup_snapshot_p99_ratio,omitempty"`
 	SnapshotRSSBytesPerBlock float64   `json:"snapshot_rss_bytes_per_block"`
-	// Over a disk tier; DiskSkipped says why not.
+	SnapshotFailed           string    `json:"snapshot_failed,omitempty"`
+	// Over a disk tier; DiskSkipped says why not, DiskFailed the phase's
+	// error.
 	DiskSkipped           string  `json:"disk_skipped,omitempty"`
+	DiskFailed            string  `json:"disk_failed,omitempty"`
 	DiskBytes             uint64  `json:"disk_bytes"`
 	DiskStoredOK          int     `json:"disk_stored_ok"`
 	DiskNoSpace           int     `json:"disk_no_space"`
@@ -707,13 +712,21 @@ func (r *Report) Print(w io.Writer) {
 		tw.Flush()
 	}
 	if len(r.Scale) > 0 {
-		fmt.Fprintf(w, "\nscale (%d-byte blocks, %d ranks storing at once; CPU tier with room for 2N, then a CPU tier of N/8 blocks (16-64 MiB) over a disk tier with room for N, kill -9, recovery):\n", r.Scale[0].BlockBytes, r.Scale[0].Ranks)
+		fmt.Fprintf(w, "\nscale (%d-byte blocks, %d ranks storing at once; CPU tier with room for 2N (what memory allows, at least 9N/8), then a CPU tier of N/8 blocks (16-64 MiB) over a disk tier with room for N, kill -9, recovery):\n", r.Scale[0].BlockBytes, r.Scale[0].Ranks)
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "N\tstored\tlost with room (0)\tStats p50/max ms\theap B/block (<=150)\tanon RSS B/block\tdisk: stored\tNO_SPACE\tdropped (0)\tlost (0)\ton disk\theap B/block (<=150)\tSERVING ms\trecovered\tbad\trecovery s\tGB/s\traw GB/s\t/raw (>=0.5)\tCPU us/block\t")
 		for _, sc := range r.Scale {
-			fmt.Fprintf(tw, "%d\t%d\t%d\t%.2f/%.2f\t%.0f\t%.0f\t", sc.Blocks, sc.CPUStoredOK, sc.CPULostWhileRoom, sc.StatsP50Ms, sc.StatsMaxMs, sc.HeapBytesPerBlock, sc.RSSBytesPerBlock)
+			if sc.CPUFailed != "" {
+				fmt.Fprintf(tw, "%d\tfailed\t\t\t\t\t", sc.Blocks)
+			} else {
+				fmt.Fprintf(tw, "%d\t%d\t%d\t%.2f/%.2f\t%.0f\t%.0f\t", sc.Blocks, sc.CPUStoredOK, sc.CPULostWhileRoom, sc.StatsP50Ms, sc.StatsMaxMs, sc.HeapBytesPerBlock, sc.RSSBytesPerBlock)
+			}
 			if sc.DiskSkipped != "" {
 				fmt.Fprintf(tw, "skipped: %s\t\n", sc.DiskSkipped)
+				continue
+			}
+			if sc.DiskFailed != "" {
+				fmt.Fprintf(tw, "failed\t\n")
 				continue
 			}
 			fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%.0f\t%.0f\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", sc.DiskStoredOK, sc.DiskNoSpace, sc.DiskDropped, sc.DiskLost, sc.DiskOnDisk,

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -65,7 +66,7 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	defer cluster.Close()
 	seeds := strings.Join(cluster.Addrs(), ",")
 	fp := fmt.Appendf(nil, "kvbench/%s/remote/seed=%d/pid=%d/%d", o.shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())
-	common := []string{"--remote-redis", seeds, "--remote-timeout", "5s"}
+	common := slices.Clip(append([]string{"--remote-redis", seeds, "--remote-timeout", "5s"}, b.o.daemonArgs...))
 
 	// Node A: the steps, every stored block published write-behind.
 	resA, metricsA, err := b.remoteNode(ctx, dir, "a", sc, append(common, "--remote-write", "all", "--remote-queue", strconv.Itoa(min(1<<16, b.distinct+1024))),

@@ -68,7 +68,7 @@ func (b *bench) restart(ctx context.Context) error {
 	}
 	defer os.RemoveAll(diskDir)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: []string{"--write-through", "--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}}
+		Extra: append([]string{"--write-through", "--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}, o.daemonArgs...)}
 	first := opts
 	first.Extra = append(append([]string{}, opts.Extra...), "--disk-reset")
 	fingerprint := fmt.Appendf(nil, "kvbench/%s/restart/seed=%d/pid=%d/%d", shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())

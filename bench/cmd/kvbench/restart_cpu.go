@@ -55,7 +55,7 @@ func (b *bench) restartCPU(ctx context.Context) (*report.CPURecovery, error) {
 		return nil, err
 	}
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: total, IOWorkers: o.ioWorkers,
-		Extra: []string{"--cpu-arena-dir", arena, "--log-level", "info"}}
+		Extra: append([]string{"--cpu-arena-dir", arena, "--log-level", "info"}, o.daemonArgs...)}
 	fingerprint := fmt.Appendf(nil, "kvbench/%s/restart-cpu/seed=%d/pid=%d/%d", shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())
 
 	d, err := daemon.Start(ctx, opts)

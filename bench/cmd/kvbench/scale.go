@@ -72,11 +72,15 @@ func (b *bench) scale(ctx context.Context) error {
 		row := report.Scale{Blocks: n, BlockBytes: scaleShape.BlockBytes(), Ranks: b.o.scaleRanks}
 		b.prog.phase(fmt.Sprintf("scenario scale: %d blocks of 4 KiB, CPU tier only", n))
 		if err := b.scaleCPU(ctx, &row); err != nil {
+			if row.SnapshotFailed == "" {
+				row.CPUFailed = err.Error()
+			}
 			errs = append(errs, fmt.Errorf("scale %d, CPU tier: %w", n, err))
 		}
 		b.prog.advance(1)
 		b.prog.phase(fmt.Sprintf("scenario scale: %d blocks of 4 KiB over a disk tier, kill -9, recovery", n))
 		if err := b.scaleDisk(ctx, &row); err != nil {
+			row.DiskFailed = err.Error()
 			errs = append(errs, fmt.Errorf("scale %d, disk tier: %w", n, err))
 		}
 		b.prog.advance(1)
@@ -240,12 +244,15 @@ func procStatus(pid int, fields ...string) (map[string]uint64, error) {
 
 func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	n := row.Blocks
-	cpu := max(uint64(256<<20), (uint64(2*n)*4096+64<<20-1)/(64<<20)*(64<<20))
+	cpu, err := scaleCPUBytes(n, memAvailable())
+	if err != nil {
+		return err
+	}
 	dir, err := os.MkdirTemp(b.tmp, "scale-")
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: []string{"--debug-checks"}})
+	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: append([]string{"--debug-checks"}, b.o.daemonArgs...)})
 	if err != nil {
 		return err
 	}
@@ -290,13 +297,38 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	row.HeapBytesPerBlock = (after.heap - before.heap) / float64(n)
 	row.RSSBytesPerBlock = (after.rss - before.rss) / float64(n)
 	if row.CPULostWhileRoom != 0 || row.CPUEvictions != 0 {
-		return fmt.Errorf("%d blocks reported stored are gone (%d evicted) from a CPU tier with room for %d", row.CPULostWhileRoom, row.CPUEvictions, 2*n)
+		return fmt.Errorf("%d blocks reported stored are gone (%d evicted) from a CPU tier with room for %d", row.CPULostWhileRoom, row.CPUEvictions, cpu/4096)
 	}
 	if b.o.scaleSnaps > 0 {
 		b.prog.phase(fmt.Sprintf("scenario scale: %d blocks of 4 KiB, Lookups during %d WatchEvents snapshots", n, b.o.scaleSnaps))
-		return b.scaleSnapshot(ctx, d, fingerprint, row)
+		if err := b.scaleSnapshot(ctx, d, fingerprint, row); err != nil {
+			row.SnapshotFailed = err.Error()
+			return err
+		}
 	}
 	return nil
+}
+
+// scaleCPUBytes is the CPU tier of the scale scenario's first phase: room
+// for 2N 4 KiB blocks, or as much as the machine's available memory
+// allows less 1 GiB (2N where that is unknown), in 64 MiB chunks; at least 9N/8 (room to spare for
+// every block stored), or an error that says so. At 4*10^6 blocks, 2N
+// (32 GB) is more than a 24 GiB machine lets one mapping reserve.
+func scaleCPUBytes(n int, avail uint64) (uint64, error) {
+	const chunk = 64 << 20
+	want := uint64(2*n) * 4096
+	switch {
+	case avail == 0: // unknown: 2N, and the daemon says if it cannot
+	case avail > 1<<30:
+		want = min(want, avail-1<<30)
+	default:
+		want = 0
+	}
+	least := uint64(n) * 4096 * 9 / 8
+	if want < least {
+		return 0, fmt.Errorf("%d blocks of 4 KiB need a CPU tier of at least %s, and %s of memory is available", n, model.FormatBytes(least+1<<30), model.FormatBytes(avail))
+	}
+	return max(uint64(256<<20), (want+chunk-1)/chunk*chunk), nil
 }
 
 // Lookup latencies of the snapshot phase, by window.
@@ -651,7 +683,7 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 	// disk, evicted faster than the disk takes them.
 	cpu := min(max(uint64(n)*4096/8, 16<<20), 64<<20) / (16 << 20) * (16 << 20)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}}
+		Extra: append([]string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}, b.o.daemonArgs...)}
 	first := opts
 	first.Extra = append(slices.Clip(opts.Extra), "--disk-reset")
 	d, err := daemon.Start(ctx, first)

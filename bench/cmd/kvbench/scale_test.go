@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -58,4 +59,63 @@ func runQuick(t *testing.T, args ...string) (*report.Report, string) {
 		t.Fatalf("kvbench: %v", err)
 	}
 	return rep, stdout.String()
+}
+
+// TestScaleFailedPhaseIsNotMet: when a phase of the scale scenario fails
+// (here the daemon refuses to start), kvbench exits with the error, the
+// row says so, and each of the phase's goals is NOT met with that error,
+// never "met" off the zeros it did not fill in (a 4*10^6 run whose CPU
+// tier could not be mapped reported every CPU goal met).
+func TestScaleFailedPhaseIsNotMet(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds and runs the daemon")
+	}
+	bin := buildDaemon(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	rep, err := run(ctx, []string{"--quick", "--daemon", bin, "--baselines=false", "--redis-server", "none", "--scenarios", "scale",
+		"--scale-blocks", "4096", "--daemon-arg=--io-workers=0"}, &stdout, &stderr)
+	if err == nil || rep == nil {
+		t.Fatalf("kvbench with a daemon that cannot start: %v\n%s", err, stdout.String())
+	}
+	if len(rep.Scale) != 1 || rep.Scale[0].CPUFailed == "" || (rep.Scale[0].DiskSkipped == "" && rep.Scale[0].DiskFailed == "") {
+		t.Fatalf("scale rows: %+v", rep.Scale)
+	}
+	seen := 0
+	for _, g := range rep.Goals {
+		if !strings.HasPrefix(g.Name, "scale_4096_") {
+			continue
+		}
+		seen++
+		if g.Met == nil || *g.Met || g.Value != nil || !strings.Contains(g.Note, "the phase failed") {
+			t.Errorf("goal %s of a failed phase: met %v, value %v, note %q", g.Name, g.Met, g.Value, g.Note)
+		}
+	}
+	if seen < 3 {
+		t.Fatalf("%d scale goals, want the CPU phase's 3 at least", seen)
+	}
+	if !strings.Contains(stdout.String(), "failed") {
+		t.Fatalf("the report does not say the phase failed:\n%s", stdout.String())
+	}
+}
+
+// TestScaleCPUBytes: room for 2N where memory allows, what it allows down
+// to 9N/8, an error below that.
+func TestScaleCPUBytes(t *testing.T) {
+	const n = 4_000_000
+	for _, tc := range []struct {
+		avail, want uint64
+		fails       bool
+	}{
+		{avail: 0, want: 2 * n * 4096},               // unknown
+		{avail: 64 << 30, want: 2 * n * 4096},        // room for 2N
+		{avail: 22 << 30, want: 21 << 30},            // what is available, less 1 GiB
+		{avail: n*4096*9/8 + 1<<30 - 1, fails: true}, // short of 9N/8
+	} {
+		got, err := scaleCPUBytes(n, tc.avail)
+		if tc.fails != (err != nil) || (!tc.fails && (got < tc.want-(64<<20) || got > tc.want+(64<<20) || got%(64<<20) != 0)) {
+			t.Errorf("avail %d: %d, %v; want about %d (fails %v)", tc.avail, got, err, tc.want, tc.fails)
+		}
+	}
 }
