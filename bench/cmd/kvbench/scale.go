@@ -599,24 +599,60 @@ func anonOutsideArena(pid int, arenaBytes uint64) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	var arena uint64
-	inArena := false
-	for _, line := range strings.Split(string(b), "\n") {
+	return float64(ps["RssAnon"]) - float64(arenaRSS(string(b), arenaBytes)), nil
+}
+
+// arenaRSS is the resident bytes of the arena in smaps: adjacent anonymous
+// mappings (no path) whose sizes add up to arenaBytes. The kernel may split
+// the arena's mapping (at 4*10^6 blocks a search for one mapping of its
+// size found none), and other anonymous mappings may sit right beside it.
+func arenaRSS(smaps string, arenaBytes uint64) uint64 {
+	type vma struct{ size, rss uint64 }
+	var run []vma // adjacent anonymous mappings up to the current one
+	var end uint64
+	anon := false
+	for _, line := range strings.Split(smaps, "\n") {
+		fields := strings.Fields(line)
+		if len(fields) >= 5 && !strings.HasSuffix(fields[0], ":") {
+			// A mapping's header: start-end perms offset dev inode [path].
+			lo, hi, _ := strings.Cut(fields[0], "-")
+			start, err1 := strconv.ParseUint(lo, 16, 64)
+			next, err2 := strconv.ParseUint(hi, 16, 64)
+			anon = err1 == nil && err2 == nil && len(fields) == 5
+			if !anon || start != end {
+				run = run[:0]
+			}
+			if anon {
+				run = append(run, vma{})
+			}
+			end = next
+			continue
+		}
 		name, rest, ok := strings.Cut(line, ":")
-		if !ok || strings.Contains(name, " ") || strings.Contains(name, "-") {
-			inArena = false // a mapping's header line
+		if !ok || !anon {
 			continue
 		}
 		v, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
-		switch {
-		case err != nil:
-		case name == "Size":
-			inArena = v<<10 == arenaBytes
-		case name == "Rss" && inArena:
-			arena = v << 10
+		if err != nil {
+			continue
+		}
+		cur := &run[len(run)-1]
+		switch name {
+		case "Size":
+			cur.size = v << 10
+		case "Rss":
+			cur.rss = v << 10
+			// The run's mappings that end here and add up to the arena.
+			var size, rss uint64
+			for i := len(run) - 1; i >= 0 && size < arenaBytes; i-- {
+				size, rss = size+run[i].size, rss+run[i].rss
+			}
+			if size == arenaBytes {
+				return rss
+			}
 		}
 	}
-	return float64(ps["RssAnon"]) - float64(arena), nil
+	return 0
 }
 
 // scaleMem reads the daemon's Go heap in use after a garbage collection

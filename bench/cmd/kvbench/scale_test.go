@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -117,5 +118,31 @@ func TestScaleCPUBytes(t *testing.T) {
 		if tc.fails != (err != nil) || (!tc.fails && (got < tc.want-(64<<20) || got > tc.want+(64<<20) || got%(64<<20) != 0)) {
 			t.Errorf("avail %d: %d, %v; want about %d (fails %v)", tc.avail, got, err, tc.want, tc.fails)
 		}
+	}
+}
+
+// TestArenaRSS: the arena's resident bytes are found whether its mapping is
+// one or split in pieces, with other anonymous mappings right beside it and
+// a file mapping in between.
+func TestArenaRSS(t *testing.T) {
+	m := func(start, end uint64, path string, rss uint64) string {
+		h := fmt.Sprintf("%x-%x rw-p 00000000 00:00 0", start, end)
+		if path != "" {
+			h = fmt.Sprintf("%x-%x r-xp 00000000 fd:01 1234                       %s", start, end, path)
+		}
+		return fmt.Sprintf("%s\nSize:           %8d kB\nRss:            %8d kB\nPss:            %8d kB\n", h, (end-start)>>10, rss>>10, rss>>10)
+	}
+	const G = 1 << 30
+	whole := m(0x1000000000, 0x1000000000+4*G, "", 3*G)
+	split := m(0x1000000000-G, 0x1000000000, "", 100<<20) + // a neighbour below
+		m(0x1000000000, 0x1000000000+G, "", G) + m(0x1000000000+G, 0x1000000000+4*G, "", 2*G) +
+		m(0x1000000000+4*G, 0x1000000000+5*G, "/usr/bin/x", 10<<20)
+	for name, smaps := range map[string]string{"whole": whole, "split": split} {
+		if got := arenaRSS(smaps, 4*G); got != 3*G {
+			t.Errorf("%s: %d, want %d", name, got, 3*G)
+		}
+	}
+	if got := arenaRSS(split, 8*G); got != 0 {
+		t.Errorf("an arena of no such size: %d", got)
 	}
 }
