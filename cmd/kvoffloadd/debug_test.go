@@ -12,7 +12,8 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 )
 
-// TestDebugMemoryEndpoints: with --debug-checks the real daemon runs a
+// TestDebugMemoryEndpoints: /metrics comes uncompressed even when gzip is
+// asked for; with --debug-checks the real daemon runs a
 // collection on POST /debug/gc (GET is refused) and serves its heap
 // profile on /debug/heap (gzipped protobuf with the heap's sample types,
 // what `go tool pprof` reads); without the flag neither exists.
@@ -38,6 +39,19 @@ func TestDebugMemoryEndpoints(t *testing.T) {
 			defer resp.Body.Close()
 			b, _ := io.ReadAll(resp.Body)
 			return resp.StatusCode, b
+		}
+		// /metrics is never compressed, even when asked (Go's client asks
+		// by default): a pooled gzip writer holds about 1.2 MB.
+		req, _ := http.NewRequest(http.MethodGet, "http://"+metrics+"/metrics", nil)
+		req.Header.Set("Accept-Encoding", "gzip")
+		resp, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if enc := resp.Header.Get("Content-Encoding"); enc != "" || !strings.Contains(string(body), "kvoffload_") {
+			t.Fatalf("/metrics asked for gzip: Content-Encoding %q, %d bytes", enc, len(body))
 		}
 		code, _ := get(http.MethodPost, "/debug/gc")
 		if !debug {
