@@ -591,26 +591,29 @@ type scaleMemory struct{ heap, rss float64 }
 // its arena (the anonymous mapping of arenaBytes): the heap, stacks, and
 // what the runtime keeps.
 func anonOutsideArena(pid int, arenaBytes uint64) (float64, error) {
-	ps, err := procStatus(pid, "RssAnon")
-	if err != nil {
-		return 0, err
-	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps", pid))
 	if err != nil {
 		return 0, err
 	}
-	return float64(ps["RssAnon"]) - float64(arenaRSS(string(b), arenaBytes)), nil
+	anon, arena := anonAndArena(string(b), arenaBytes)
+	return float64(anon) - float64(arena), nil
 }
 
-// arenaRSS is the resident bytes of the arena in smaps: adjacent anonymous
-// mappings (no path) whose sizes add up to arenaBytes. The kernel may split
-// the arena's mapping (at 4*10^6 blocks a search for one mapping of its
-// size found none), and other anonymous mappings may sit right beside it.
-func arenaRSS(smaps string, arenaBytes uint64) uint64 {
-	type vma struct{ size, rss uint64 }
+// anonAndArena reads one smaps: the anonymous bytes resident in every
+// mapping, and those of the arena, the adjacent private read-write
+// anonymous mappings (no path) whose sizes add up to arenaBytes (where
+// several do, the most resident: the Go runtime's own 64 MiB reservations
+// add up to a 256 MiB arena's size too). Both come from the one read: the
+// arena is populated in the background while the daemon serves, and
+// RssAnon read apart from smaps saw less of it than smaps did (at 10^4
+// blocks the figure came out at -605 or 26,244 B a block). The kernel may
+// split the arena's mapping (at 4*10^6 blocks a search for one mapping of
+// its size found none), and other anonymous mappings may sit beside it.
+func anonAndArena(smaps string, arenaBytes uint64) (anon, arena uint64) {
+	type vma struct{ size, anon uint64 }
 	var run []vma // adjacent anonymous mappings up to the current one
 	var end uint64
-	anon := false
+	isAnon := false
 	for _, line := range strings.Split(smaps, "\n") {
 		fields := strings.Fields(line)
 		if len(fields) >= 5 && !strings.HasSuffix(fields[0], ":") {
@@ -618,41 +621,47 @@ func arenaRSS(smaps string, arenaBytes uint64) uint64 {
 			lo, hi, _ := strings.Cut(fields[0], "-")
 			start, err1 := strconv.ParseUint(lo, 16, 64)
 			next, err2 := strconv.ParseUint(hi, 16, 64)
-			anon = err1 == nil && err2 == nil && len(fields) == 5
-			if !anon || start != end {
+			isAnon = err1 == nil && err2 == nil && len(fields) == 5 && fields[1] == "rw-p"
+			if !isAnon || start != end {
 				run = run[:0]
 			}
-			if anon {
+			if isAnon {
 				run = append(run, vma{})
 			}
 			end = next
 			continue
 		}
 		name, rest, ok := strings.Cut(line, ":")
-		if !ok || !anon {
+		if !ok {
 			continue
 		}
 		v, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
 		if err != nil {
 			continue
 		}
+		if name == "Anonymous" {
+			anon += v << 10
+		}
+		if !isAnon {
+			continue
+		}
 		cur := &run[len(run)-1]
 		switch name {
 		case "Size":
 			cur.size = v << 10
-		case "Rss":
-			cur.rss = v << 10
+		case "Anonymous":
+			cur.anon = v << 10
 			// The run's mappings that end here and add up to the arena.
-			var size, rss uint64
+			var size, a uint64
 			for i := len(run) - 1; i >= 0 && size < arenaBytes; i-- {
-				size, rss = size+run[i].size, rss+run[i].rss
+				size, a = size+run[i].size, a+run[i].anon
 			}
 			if size == arenaBytes {
-				return rss
+				arena = max(arena, a)
 			}
 		}
 	}
-	return 0
+	return anon, arena
 }
 
 // scaleMem reads the daemon's Go heap in use after a garbage collection

@@ -121,7 +121,8 @@ func TestScaleCPUBytes(t *testing.T) {
 	}
 }
 
-// TestArenaRSS: the arena's resident bytes are found whether its mapping is
+// TestArenaRSS: the arena's resident bytes (and all anonymous ones, from
+// the same read) are found whether its mapping is
 // one or split in pieces, with other anonymous mappings right beside it and
 // a file mapping in between.
 func TestArenaRSS(t *testing.T) {
@@ -130,19 +131,29 @@ func TestArenaRSS(t *testing.T) {
 		if path != "" {
 			h = fmt.Sprintf("%x-%x r-xp 00000000 fd:01 1234                       %s", start, end, path)
 		}
-		return fmt.Sprintf("%s\nSize:           %8d kB\nRss:            %8d kB\nPss:            %8d kB\n", h, (end-start)>>10, rss>>10, rss>>10)
+		return fmt.Sprintf("%s\nSize:           %8d kB\nRss:            %8d kB\nAnonymous:      %8d kB\n", h, (end-start)>>10, rss>>10, rss>>10)
 	}
 	const G = 1 << 30
 	whole := m(0x1000000000, 0x1000000000+4*G, "", 3*G)
 	split := m(0x1000000000-G, 0x1000000000, "", 100<<20) + // a neighbour below
 		m(0x1000000000, 0x1000000000+G, "", G) + m(0x1000000000+G, 0x1000000000+4*G, "", 2*G) +
 		m(0x1000000000+4*G, 0x1000000000+5*G, "/usr/bin/x", 10<<20)
-	for name, smaps := range map[string]string{"whole": whole, "split": split} {
-		if got := arenaRSS(smaps, 4*G); got != 3*G {
-			t.Errorf("%s: %d, want %d", name, got, 3*G)
+	for name, tc := range map[string]struct {
+		smaps string
+		anon  uint64
+	}{"whole": {whole, 3 * G}, "split": {split, 3*G + 100<<20 + 10<<20}} {
+		if anon, arena := anonAndArena(tc.smaps, 4*G); arena != 3*G || anon != tc.anon {
+			t.Errorf("%s: anonymous %d, arena %d; want %d, %d", name, anon, arena, tc.anon, 3*G)
 		}
 	}
-	if got := arenaRSS(split, 8*G); got != 0 {
-		t.Errorf("an arena of no such size: %d", got)
+	// The Go runtime's reservations (no access) and a run of its heap
+	// arenas that add up to the arena's size are not the arena.
+	reserved := strings.Replace(m(0x2000000000, 0x2000000000+4*G, "", 16<<10), "rw-p", "---p", 1)
+	heap := m(0x3000000000, 0x3000000000+2*G, "", 1<<20) + m(0x3000000000+2*G, 0x3000000000+4*G, "", 2<<20)
+	if _, arena := anonAndArena(reserved+heap+whole, 4*G); arena != 3*G {
+		t.Errorf("beside reservations and heap arenas of its size: arena %d, want %d", arena, 3*G)
+	}
+	if _, arena := anonAndArena(split, 8*G); arena != 0 {
+		t.Errorf("an arena of no such size: %d", arena)
 	}
 }
