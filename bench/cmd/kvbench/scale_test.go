@@ -101,8 +101,8 @@ func TestScaleFailedPhaseIsNotMet(t *testing.T) {
 	}
 }
 
-// TestScaleCPUBytes: room for 2N where memory allows, what it allows down
-// to 9N/8, an error below that.
+// TestScaleCPUBytes: room for 2N where memory allows, what it allows (less
+// 2 GiB) down to 9N/8, an error below that.
 func TestScaleCPUBytes(t *testing.T) {
 	const n = 4_000_000
 	for _, tc := range []struct {
@@ -111,8 +111,8 @@ func TestScaleCPUBytes(t *testing.T) {
 	}{
 		{avail: 0, want: 2 * n * 4096},               // unknown
 		{avail: 64 << 30, want: 2 * n * 4096},        // room for 2N
-		{avail: 22 << 30, want: 21 << 30},            // what is available, less 1 GiB
-		{avail: n*4096*9/8 + 1<<30 - 1, fails: true}, // short of 9N/8
+		{avail: 22 << 30, want: 20 << 30},            // what is available, less 2 GiB
+		{avail: n*4096*9/8 + 2<<30 - 1, fails: true}, // short of 9N/8
 	} {
 		got, err := scaleCPUBytes(n, tc.avail)
 		if tc.fails != (err != nil) || (!tc.fails && (got < tc.want-(64<<20) || got > tc.want+(64<<20) || got%(64<<20) != 0)) {
