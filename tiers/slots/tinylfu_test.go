@@ -145,18 +145,7 @@ func TestTinyLFUHitRateAgainstRistretto(t *testing.T) {
 	}
 
 	p, _ := newLFU(counters, capacity)
-	newHits := 0
-	var k [1]index.Key
-	for _, h := range trace {
-		hit := p.holds(h)
-		p.access([]uint64{h}, 0)
-		if hit {
-			newHits++
-			continue
-		}
-		p.admit(k[:], []uint64{h})
-	}
-	oldRate, newRate := float64(oldHits)/requests, float64(newHits)/requests
+	oldRate, newRate := float64(oldHits)/requests, replayLFU(p, trace)
 	t.Logf("hit rate: ristretto %.2f%%, tinyLFU %.2f%%", 100*oldRate, 100*newRate)
 	if newRate < oldRate-0.005 {
 		t.Fatalf("hit rate %.2f%%, ristretto's %.2f%% on the same trace", 100*newRate, 100*oldRate)
@@ -164,6 +153,23 @@ func TestTinyLFUHitRateAgainstRistretto(t *testing.T) {
 }
 
 const touchBuffer = 16 // ristretto's BufferItems as the policy used it
+
+// replayLFU looks each key of trace up in p (an access), admits it on a
+// miss, and returns the share of lookups that hit.
+func replayLFU(p *tinyLFU, trace []uint64) float64 {
+	hits := 0
+	var k [1]index.Key
+	for _, h := range trace {
+		hit := p.holds(h)
+		p.access([]uint64{h}, 0)
+		if hit {
+			hits++
+			continue
+		}
+		p.admit(k[:], []uint64{h})
+	}
+	return float64(hits) / float64(len(trace))
+}
 
 // TestTinyLFUSmallSketch: the sketch a fifth as wide as its counters and
 // the doorkeeper at 10% false positives (8 and at most 12 B per slot, where
@@ -188,18 +194,7 @@ func TestTinyLFUSmallSketch(t *testing.T) {
 		counters := int64(countersPerSlot * tc.capacity)
 		replay := func(p *tinyLFU) float64 {
 			p.setCapacity(int64(tc.capacity))
-			hits := 0
-			var k [1]index.Key
-			for _, h := range trace {
-				hit := p.holds(h)
-				p.access([]uint64{h}, 0)
-				if hit {
-					hits++
-					continue
-				}
-				p.admit(k[:], []uint64{h})
-			}
-			return float64(hits) / float64(len(trace))
+			return replayLFU(p, trace)
 		}
 		quiet := callbacks{evict: func([]uint64) {}, reject: func([]index.Key) {}}
 		small := newTinyLFU(counters, quiet)
