@@ -11,7 +11,7 @@ lookups off (``kvoffload_load: false``: the connector answers at once, as
 without one) is the baseline. The assertion is on steps, never on time.
 
     KVOFFLOADD_BIN=bin/kvoffloadd python3 clients/python/tests/test_lookup_steps.py [--seed 1] [--disk] [--steps 50] \
-        [--model full|swa]
+        [--model full|swa|mamba]
 
 prints the figures of docs/vllm.md (Lookups in the step they are asked). Each
 call is timed beside an empty call made at the same place just before it
