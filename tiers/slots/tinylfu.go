@@ -50,7 +50,8 @@ func newTinyLFU(counters int64, cb callbacks) *tinyLFU {
 }
 
 // newTinyLFUSized is a tinyLFU that resets every counters accesses, with a
-// sketch of width counters a row and a doorkeeper of falsePositives.
+// sketch of width counters in each row and a doorkeeper sized for
+// falsePositives.
 func newTinyLFUSized(counters, width int64, falsePositives float64, cb callbacks) *tinyLFU {
 	p := &tinyLFU{
 		held:    held{cb: cb},
