@@ -10,7 +10,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvoffloadd/kvoffloadd/index"
 	"github.com/kvoffloadd/kvoffloadd/tiers/disk/slot"
 )
 
@@ -29,32 +28,11 @@ func logTo(b *bytes.Buffer) *slog.Logger { return slog.New(slog.NewTextHandler(b
 
 const testSlot = 64 << 10
 
-// storeOne takes a slot, fills it with fill and writes its record.
+// storeOne takes a slot, fills it with fill and writes its record
+// (namespace digest 7: storeBlock).
 func storeOne(t *testing.T, tr *Tier, fill byte, hash string) SlotID {
 	t.Helper()
-	c, err := tr.Class(testSlot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Drop()
-	k := index.Key{NS: 1, Group: 1}
-	copy(k.Hash[:], hash)
-	c.Admit([]index.Key{k})
-	s, ok := c.Alloc()
-	if !ok {
-		t.Fatal("no slot")
-	}
-	p := tr.Slot(s, testSlot)
-	for i := range p {
-		p[i] = fill + byte(i)
-	}
-	b := Block{Group: 1, Hash: []byte(hash), PayloadLen: testSlot, PayloadSum: Checksum(p)}
-	b.Namespace[0] = 7
-	if err := tr.WriteRecord(s, b); err != nil {
-		t.Fatal(err)
-	}
-	tr.Unpin(s)
-	return s
+	return storeBlock(t, tr, 7, hash, fill).slot
 }
 
 func scanAll(tr *Tier) (found []Found, bad int) {

@@ -53,6 +53,21 @@ func storeBlock(t *testing.T, tr *Tier, ns byte, hash string, fill byte) stored 
 	return stored{key: k, slot: s, fill: fill}
 }
 
+// recoverArena opens the arena file in dir and starts its recovery for a
+// recOwner, hook called before each chunk (nil: none).
+func recoverArena(t *testing.T, dir string, hook func()) (*Tier, *recOwner) {
+	t.Helper()
+	tr, err := NewPersistent(recCfg, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := newRecOwner(tr)
+	if err := tr.Recover(o.recoverer(hook)); err != nil {
+		t.Fatal(err)
+	}
+	return tr, o
+}
+
 // recOwner plays the offload service's part: it names a record's
 // namespace by its digest's first byte (0: unknown), files every block
 // Settle lets through and releases the others.
@@ -147,15 +162,8 @@ func TestRecoverFilesVerifiedBlocks(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	tr, err = NewPersistent(recCfg, dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tr, o := recoverArena(t, dir, nil)
 	defer tr.Close()
-	o := newRecOwner(tr)
-	if err := tr.Recover(o.recoverer(nil)); err != nil {
-		t.Fatal(err)
-	}
 	<-tr.RecoveryDone()
 	if st := tr.Recovery(); st.State != RecoveryDone || st.Blocks != uint64(len(want)) || st.Dropped != 2 || o.stats != st {
 		t.Fatalf("recovery %+v (Done told %+v), want done with %d blocks, 2 dropped", st, o.stats, len(want))
@@ -214,15 +222,8 @@ func TestInvalidatingDuringRecoveryIsDurable(t *testing.T) {
 	}
 
 	// Run 2: recovery held before its first chunk.
-	tr, err = NewPersistent(recCfg, dir)
-	if err != nil {
-		t.Fatal(err)
-	}
 	entered, gate := make(chan struct{}, 2), make(chan struct{})
-	o := newRecOwner(tr)
-	if err := tr.Recover(o.recoverer(func() { entered <- struct{}{}; <-gate })); err != nil {
-		t.Fatal(err)
-	}
+	tr, o := recoverArena(t, dir, func() { entered <- struct{}{}; <-gate })
 	<-entered // the scan is done, chunk 0 waits
 	// Keys in both chunks: 3 of chunk 0, 3 of chunk 1.
 	gone := map[index.Key]bool{}
@@ -258,15 +259,8 @@ func TestInvalidatingDuringRecoveryIsDurable(t *testing.T) {
 	}
 
 	// Run 3: the rest comes back, nothing invalidated does.
-	tr, err = NewPersistent(recCfg, dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tr, o = recoverArena(t, dir, nil)
 	defer tr.Close()
-	o = newRecOwner(tr)
-	if err := tr.Recover(o.recoverer(nil)); err != nil {
-		t.Fatal(err)
-	}
 	<-tr.RecoveryDone()
 	want := map[index.Key]SlotID{}
 	for _, s := range a {
