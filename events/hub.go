@@ -643,7 +643,7 @@ func (s *Sub) Next(ctx context.Context, stop <-chan struct{}, out []Event) ([]Ev
 // so the time left to Lookups is what the reader takes too. kvbench's scale
 // scenario (docs/benchmarks.md) measured the choices on 2 cores at 10^5
 // blocks: a pace of 3 with 256-event replies kept the Lookups' p99 at
-// 2.5-3.7 times idle; 10 with 128, at 1.7-2.3 times, the snapshot taking
+// 3.1-3.7 times idle; 10 with 128, at 1.7-2.3 times, the snapshot taking
 // twice as long while Lookups come (none of it when they do not).
 //
 // Busy lasts snapBusyFor after a Lookup, not only the reply after it: an

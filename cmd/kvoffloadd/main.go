@@ -215,10 +215,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 			return fmt.Errorf("--metrics-addr %s: %w", cfg.metricsAddr, err)
 		}
 		mux := http.NewServeMux()
-		// Uncompressed: a scrape is some 30 KB, and each gzip writer the
-		// handler pools holds about 1.2 MB of compressor state (one per
-		// concurrent scrape), more than 10^4 blocks' index; kvbench's
-		// memory per block counted it as the blocks'.
+		// Uncompressed: a scrape is some 20 KB (134 series with a disk
+		// tier and no engine yet), and each gzip writer the handler pools
+		// holds about 1.2 MB of compressor state (one per concurrent
+		// scrape), more than 10^4 blocks' index; kvbench's memory per block
+		// counted it as the blocks'.
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, DisableCompression: true}))
 		if cfg.debugChecks {
 			mountDebug(mux, svc, gate)

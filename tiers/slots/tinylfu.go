@@ -37,8 +37,8 @@ const lfuSample = 5
 // period (counters accesses, ten per slot), not those sizes: over four Zipf
 // traces with one-off keys (10^3 to 2*10^4 slots), a sketch two fifths or a
 // fifth as wide and a doorkeeper at 5% or 10% gave the same hit rates to
-// within 0.03 points, where a reset period of 4 accesses per slot lost 1 to
-// 3 points (TestTinyLFUSmallSketch keeps two of those traces). Now 4 B per
+// within 0.03 points, where a reset period of 4 accesses per slot lost 1.1 to
+// 3.3 points (TestTinyLFUSmallSketch keeps two of those traces). Now 4 B per
 // slot of sketch and 6 to 12 B of doorkeeper.
 const (
 	sketchShare        = 5   // the sketch has counters/sketchShare counters a row
