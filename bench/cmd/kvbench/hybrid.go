@@ -85,7 +85,7 @@ func (b *bench) hybridModel(ctx context.Context, name string, nsteps int) error 
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: o.ioWorkers, Extra: o.daemonArgs})
+	d, err := b.startDaemon(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: o.ioWorkers})
 	if err != nil {
 		return err
 	}

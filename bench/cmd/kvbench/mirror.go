@@ -136,8 +136,7 @@ func (b *bench) mirrorRun(ctx context.Context, name string, cpu, disk uint64, mi
 			opts.Extra = append(opts.Extra, "--disk-chunk-bytes", strconv.FormatUint(slots.DefaultChunkBytes(disk), 10))
 		}
 	}
-	opts.Extra = append(opts.Extra, b.o.daemonArgs...)
-	d, err := daemon.Start(ctx, opts)
+	d, err := b.startDaemon(ctx, opts)
 	if err != nil {
 		return nil, err
 	}

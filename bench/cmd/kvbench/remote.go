@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -66,7 +65,7 @@ func (b *bench) remote(ctx context.Context, sc scenario) error {
 	defer cluster.Close()
 	seeds := strings.Join(cluster.Addrs(), ",")
 	fp := fmt.Appendf(nil, "kvbench/%s/remote/seed=%d/pid=%d/%d", o.shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())
-	common := slices.Clip(append([]string{"--remote-redis", seeds, "--remote-timeout", "5s"}, b.o.daemonArgs...))
+	common := []string{"--remote-redis", seeds, "--remote-timeout", "5s"}
 
 	// Node A: the steps, every stored block published write-behind.
 	resA, metricsA, err := b.remoteNode(ctx, dir, "a", sc, append(common, "--remote-write", "all", "--remote-queue", strconv.Itoa(min(1<<16, b.distinct+1024))),
@@ -153,7 +152,7 @@ func (b *bench) remoteNode(ctx context.Context, dir, name string, sc scenario, e
 		// scenario measures the remote tier, not that.
 		extra = append(extra, "--cpu-chunk-bytes", strconv.FormatUint(sc.cpuBytes, 10))
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: ndir, CPUBytes: sc.cpuBytes, IOWorkers: b.o.ioWorkers, Extra: extra})
+	d, err := b.startDaemon(ctx, daemon.Options{Binary: b.binary, Dir: ndir, CPUBytes: sc.cpuBytes, IOWorkers: b.o.ioWorkers, Extra: extra})
 	if err != nil {
 		return nil, nil, err
 	}

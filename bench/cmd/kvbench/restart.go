@@ -68,14 +68,14 @@ func (b *bench) restart(ctx context.Context) error {
 	}
 	defer os.RemoveAll(diskDir)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: append([]string{"--write-through", "--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}, o.daemonArgs...)}
+		Extra: []string{"--write-through", "--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info"}}
 	first := opts
 	first.Extra = append(append([]string{}, opts.Extra...), "--disk-reset")
 	fingerprint := fmt.Appendf(nil, "kvbench/%s/restart/seed=%d/pid=%d/%d", shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())
 
 	// Fill.
 	t0 := time.Now()
-	d, err := daemon.Start(ctx, first)
+	d, err := b.startDaemon(ctx, first)
 	if err != nil {
 		return err
 	}
@@ -104,7 +104,7 @@ func (b *bench) restart(ctx context.Context) error {
 	}
 	opts.Dir = dir2
 	t0 = time.Now()
-	d, err = daemon.Start(ctx, opts)
+	d, err = b.startDaemon(ctx, opts)
 	if err != nil {
 		return err
 	}

@@ -55,10 +55,10 @@ func (b *bench) restartCPU(ctx context.Context) (*report.CPURecovery, error) {
 		return nil, err
 	}
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: total, IOWorkers: o.ioWorkers,
-		Extra: append([]string{"--cpu-arena-dir", arena, "--log-level", "info"}, o.daemonArgs...)}
+		Extra: []string{"--cpu-arena-dir", arena, "--log-level", "info"}}
 	fingerprint := fmt.Appendf(nil, "kvbench/%s/restart-cpu/seed=%d/pid=%d/%d", shape.Name, o.seed, os.Getpid(), time.Now().UnixNano())
 
-	d, err := daemon.Start(ctx, opts)
+	d, err := b.startDaemon(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -78,7 +78,7 @@ func (b *bench) restartCPU(ctx context.Context) (*report.CPURecovery, error) {
 	}
 	opts.Dir = dir2
 	t0 := time.Now()
-	d, err = daemon.Start(ctx, opts)
+	d, err = b.startDaemon(ctx, opts)
 	if err != nil {
 		return nil, err
 	}

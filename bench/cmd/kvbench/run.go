@@ -530,8 +530,7 @@ func (b *bench) scenario(ctx context.Context, sc scenario) (outcome, error) {
 				opts.Extra = append(opts.Extra, "--disk-chunk-bytes", strconv.FormatUint(slots.DefaultChunkBytes(sc.diskBytes), 10))
 			}
 		}
-		opts.Extra = append(opts.Extra, o.daemonArgs...)
-		if d, err = daemon.Start(ctx, opts); err != nil {
+		if d, err = b.startDaemon(ctx, opts); err != nil {
 			return outcome{}, err
 		}
 		stop = d.Stop
@@ -819,6 +818,13 @@ func (b *bench) addResults(sc scenario, out outcome) {
 
 // phaseShare is the largest share of the machine other processes took in
 // the phases named name (or starting with it), and whether any was flagged.
+// startDaemon starts a daemon of opts with every --daemon-arg after the
+// scenario's own flags (the user's word is the last).
+func (b *bench) startDaemon(ctx context.Context, opts daemon.Options) (*daemon.Daemon, error) {
+	opts.Extra = append(slices.Clip(opts.Extra), b.o.daemonArgs...)
+	return daemon.Start(ctx, opts)
+}
+
 func (b *bench) phaseShare(name string) (float64, bool) {
 	share, flagged := 0.0, false
 	for _, p := range b.meter.Phases() {

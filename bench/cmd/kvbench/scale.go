@@ -252,7 +252,7 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	if err != nil {
 		return err
 	}
-	d, err := daemon.Start(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: append([]string{"--debug-checks"}, b.o.daemonArgs...)})
+	d, err := b.startDaemon(ctx, daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, Extra: []string{"--debug-checks"}})
 	if err != nil {
 		return err
 	}
@@ -733,10 +733,10 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 	// disk, evicted faster than the disk takes them.
 	cpu := min(max(uint64(n)*4096/8, 16<<20), 64<<20) / (16 << 20) * (16 << 20)
 	opts := daemon.Options{Binary: b.binary, Dir: dir, CPUBytes: cpu, IOWorkers: b.o.ioWorkers, DiskDir: diskDir, DiskBytes: total,
-		Extra: append([]string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}, b.o.daemonArgs...)}
+		Extra: []string{"--disk-chunk-bytes", strconv.FormatUint(chunk, 10), "--log-level", "info", "--debug-checks"}}
 	first := opts
 	first.Extra = append(slices.Clip(opts.Extra), "--disk-reset")
-	d, err := daemon.Start(ctx, first)
+	d, err := b.startDaemon(ctx, first)
 	if err != nil {
 		return err
 	}
@@ -822,7 +822,7 @@ func (b *bench) scaleDisk(ctx context.Context, row *report.Scale) error {
 		return err
 	}
 	t0 := time.Now()
-	d, err = daemon.Start(ctx, opts)
+	d, err = b.startDaemon(ctx, opts)
 	if err != nil {
 		return err
 	}
