@@ -127,6 +127,11 @@ class KeyMapper:
         self.scratch_groups = tuple(g for g, x in enumerate(sc) if x)
         self.full_groups = tuple(g for g, w in enumerate(self.windows) if w is None and not sc[g])
         self.windowed_groups = tuple(g for g, w in enumerate(self.windows) if w is not None and not sc[g])
+        self.full_and_windowed = self.full_groups + self.windowed_groups  # every group but the scratch ones
+        # One full-attention group whose blocks are the units, a hash each,
+        # and no windowed group (most models): a lookup is one probe a unit.
+        self.plain = (len(self.full_groups) == 1 and not self.windowed_groups
+                      and self.factors[self.full_groups[0]] == 1 and self.blocks_per_unit[self.full_groups[0]] == 1)
 
     @property
     def num_groups(self) -> int:

@@ -109,7 +109,9 @@ class LookupMirror:
         self._max_events = max_events
         self._cv = threading.Condition()
         self._want: tuple[int, ...] = ()  # the namespaces to follow
-        self._live: tuple[int, ...] | None = None  # the namespaces it answers for
+        # The namespaces it answers for (None: none); read without the lock
+        # by the scheduler on every lookup (live()).
+        self.live_ids: tuple[int, ...] | None = None
         # namespace -> group -> block hash -> tier bits. Replaced, never
         # cleared in place: a reader holding the old maps sees them whole.
         self._maps: dict[int, dict[int, dict[bytes, int]]] = {}
@@ -139,7 +141,7 @@ class LookupMirror:
             if ids == self._want:
                 return
             self._want = ids
-            self._live = None
+            self.live_ids = None
             s = self._stream
             self._cv.notify_all()
         if s is not None:
@@ -152,7 +154,7 @@ class LookupMirror:
 
     def live(self, namespace_ids: Sequence[int]) -> bool:
         """Whether answers for exactly these namespaces are the stream's."""
-        return self._live is not None and self._live == tuple(namespace_ids)
+        return self.live_ids is not None and self.live_ids == tuple(namespace_ids)
 
     def blocks(self) -> int:
         return self._n
@@ -176,26 +178,29 @@ class LookupMirror:
         factor - 1]`` (KeyMapper.keys) without building the keys: the
         scheduler's lookup of the full-attention groups, on vLLM's loop (a
         few dict probes a block, nothing else allocated but the answer)."""
-        ms = self._group_maps(namespace_ids, group)
-        if ms is None:
-            return []
-        tiers: list[Tier] = []
-        if len(ms) == 1 and factor == 1:
-            get = ms[0].get
-            for h in hashes[first:stop]:
-                b = get(h)
-                if not b:
-                    break
-                tiers.append(_TIER[b])
-            return tiers
-        if len(ms) == 1:
-            get = ms[0].get
+        if len(namespace_ids) == 1:  # one rank: no map list, no worst tier
+            byg = self._maps.get(namespace_ids[0])
+            m = byg.get(group) if byg is not None else None
+            if m is None:
+                return []
+            get, tier, tiers = m.get, _TIER, []
+            if factor == 1:
+                for h in hashes[first:stop]:
+                    b = get(h)
+                    if not b:
+                        break
+                    tiers.append(tier[b])
+                return tiers
             for i in range(first, stop):
                 b = get(hashes[(i + 1) * factor - 1])
                 if not b:
                     break
-                tiers.append(_TIER[b])
+                tiers.append(tier[b])
             return tiers
+        ms = self._group_maps(namespace_ids, group)
+        if ms is None:
+            return []
+        tiers = []
         for i in range(first, stop):
             h = hashes[(i + 1) * factor - 1]
             worst = None
@@ -306,7 +311,7 @@ class LookupMirror:
             except Exception:  # pragma: no cover - never let the thread die silently
                 log.exception("kvoffload: mirror stream failed")
             with self._cv:
-                self._live = None
+                self.live_ids = None
                 self._stream = None
                 if self._stop:
                     return
@@ -356,10 +361,10 @@ class LookupMirror:
                         del m[h]
                         self._n -= 1
             elif k == _CAUGHT_UP:
-                if self._live is None:
+                if self.live_ids is None:
                     with self._cv:
                         if want == self._want:
-                            self._live = want
+                            self.live_ids = want
                             self._caught = True
             elif k == _CLEARED or k == _LOST:
                 self._clear()
@@ -376,7 +381,7 @@ class LookupMirror:
         return 0
 
     def _clear(self) -> None:
-        self._live = None
+        self.live_ids = None
         self._maps = {}
         self._n = 0
         self.resets += 1
@@ -396,7 +401,7 @@ class LookupMirror:
             for evs in _responses(stream):
                 i, n = 0, len(evs)
                 while i < n:
-                    per = self._slice if self._live is not None else self._catch_up_slice
+                    per = self._slice if self.live_ids is not None else self._catch_up_slice
                     if run >= per:  # the slice shrank (the mirror went live)
                         run = self._pause()
                     k = min(n, i + per - run)

@@ -74,22 +74,24 @@ class RequestControls:
 
 
 _DEFAULT_CONTROLS = RequestControls()
+# Every choice, made once (a frozen dataclass is slow to make, on vLLM's loop).
+_CONTROLS = {(load, store): RequestControls(load, store)
+             for load in (True, False) for store in ("all", "prompt", "none")}
 
 
 def request_controls(request: Any) -> RequestControls:
     params = getattr(request, "kv_transfer_params", None)
     if not params:  # most requests: no typing check on vLLM's loop
         return _DEFAULT_CONTROLS
-    if not isinstance(params, abc.Mapping):
+    if type(params) is not dict and not isinstance(params, abc.Mapping):  # an ABC check is ~25 us cold
         return _DEFAULT_CONTROLS
     store = params.get("kvoffload_store", "all")
     if store not in ("all", "prompt", "none"):
         store = "all"
-    load = params.get("kvoffload_load", True) is not False
-    return RequestControls(load=load, store=store)
+    return _CONTROLS[params.get("kvoffload_load", True) is not False, store]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Lookup:
     """One request's lookup: batched, sent, then answered. Compared by
     identity (a batch may hold two alike)."""
@@ -262,7 +264,7 @@ class SchedulerSide:
         # (group, key) of every block planned to store since the reset, while
         # resetting; None: too many (or no reset)
         self._since_reset: set[tuple[int, bytes]] | None = None
-        self._ns_ids: list[int] | None = None
+        self._ns_ids: tuple[int, ...] | None = None
         self._ns_task: Any = None
         self._ns_next = 0.0
         self._reqs: dict[str, _ReqState] = {}
@@ -386,7 +388,7 @@ class SchedulerSide:
                 self._adopt(by_rank)
                 if self._gen:  # a cache reset came first: its fingerprints are resolved anew
                     return self.namespace_ids()
-                self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                self._ns_ids, self._ns_next = tuple(ids), now + self._ns_refresh
                 if self._mirror is not None:
                     self._mirror.follow(self._ns_ids)  # now, not at the first lookup (namespace_ids)
                 return self._ns_ids
@@ -429,9 +431,17 @@ class SchedulerSide:
                                         rpc_timeout_s=self._rpc_timeout)
         log.info("kvoffload: %d workers registered; looking up blocks in their namespaces", len(by_rank))
 
-    def namespace_ids(self) -> list[int] | None:
+    def namespace_ids(self, now: float | None = None) -> tuple[int, ...] | None:
         """Every rank's namespace id, resolved on the background thread and
-        refreshed every ``namespace_refresh_s``; None until all resolve."""
+        refreshed every ``namespace_refresh_s``; None until all resolve.
+        ``now``: the clock's time, where the caller has read it."""
+        ids = self._ns_ids
+        if ids is not None and self._ns_task is None and (now if now is not None else self._clock()) < self._ns_next:
+            # Resolved and not due again (most calls, on vLLM's loop):
+            # nothing below applies unless the mirror's stream ended.
+            m = self._mirror
+            if m is None or not m.wants_ids():
+                return ids
         if self._fingerprints is None and self._rank_keys and self.disabled is None:
             return self._discover()
         if self._fingerprints is None:
@@ -441,7 +451,7 @@ class SchedulerSide:
                                 "handshake metadata after 1000 lookups (this vLLM may not deliver it): no external "
                                 "hits are offered, blocks are still stored")
             return None
-        now = self._clock()
+        now = self._clock() if now is None else now
         if self._mirror is not None and self._ns_ids and self._ns_task is None and self._mirror.wants_ids():
             # The mirror's stream ended (a daemon restart?): the ids may
             # have changed with the daemon; resolve them now.
@@ -451,7 +461,7 @@ class SchedulerSide:
             self._ns_task = None
             ids = t.result if t.error is None else None
             if ids and all(ids):
-                self._ns_ids, self._ns_next = list(ids), now + self._ns_refresh
+                self._ns_ids, self._ns_next = tuple(ids), now + self._ns_refresh
                 self._resetting = False
                 self._since_reset = None
                 if self._mirror is not None:
@@ -925,11 +935,10 @@ class SchedulerSide:
                        ready_before=min(held, s), leases=rec.leases, tiers=tiers, took=rec.took,
                        answered_at=rec.answered_at)
 
-    def _answer(self, rid: str, base: _Lookup, rec: _Lookup, record_later: bool = False) -> tuple[int, bool]:
+    def _answer(self, rid: str, base: _Lookup, rec: _Lookup) -> tuple[int, bool]:
         """The answer ``rec`` gives (``base`` itself or what it found for
-        another start, :meth:`_cover`): vLLM's wait for it ends. With
-        ``record_later`` its stats are recorded by the step's flush."""
-        U = self.keys.unit_tokens
+        another start, :meth:`_cover`): vLLM's wait for it ends. (A mirror's
+        answer: :meth:`_from_mirror`.)"""
         self._asked.pop(rid, None)
         if base.answered_at == 0.0:
             base.answered_at = rec.answered_at = self._clock()
@@ -941,17 +950,19 @@ class SchedulerSide:
                 else:
                     self._warn_once(f"lookup:{e.code}", "kvoffload: Lookup failed (%s); treating it as a miss", e)
                     self._ns_next = 0.0  # namespaces may have changed: resolve again
-            elif record_later and len(self._unrecorded) < _MAX_SPARE_LEASES:
-                self._unrecorded.append(rec)
             else:
                 self._record(rec, base.keys_asked)
-        if rec.hit_units <= 0:
+        return self._offer(rid, rec, rec.hit_units)
+
+    def _offer(self, rid: str, rec: _Lookup, hit: int) -> tuple[int, bool]:
+        """vLLM's answer for ``hit`` units of ``rec``, the load planned from it."""
+        if hit <= 0:
             self._matched.pop(rid, None)
             self._hit_tiers.pop(rid, None)
             return 0, False
         self._matched[rid] = rec
-        self._hit_tiers[rid] = rec.tiers[: self.keys.blocks_per_unit[self._tier_group] * rec.hit_units]
-        return rec.hit_units * U, True
+        self._hit_tiers[rid] = rec.tiers[: self.keys.blocks_per_unit[self._tier_group] * hit]
+        return hit * self.keys.unit_tokens, True
 
     def _record(self, rec: _Lookup, keys_asked: int) -> None:
         self.stats.lookup(rec.took, rec.hit_units * self.keys.unit_tokens, self._tier_tokens(rec.tiers, rec.hit_units),
@@ -1012,27 +1023,41 @@ class SchedulerSide:
             return 0, False
         if rid in self._no_hits or self._unregistered:
             return 0, False
-        hashes = self._hashes(request)
+        hashes = getattr(request, "block_hashes", None)
         if not hashes:
             return 0, False
-        if not check_hash_granularity(len(hashes), int(request.num_tokens), self.keys.hash_block_size):
+        h0 = hashes[0]
+        if type(h0) is not bytes or len(h0) != self.hash_bytes:
+            hashes = self._hashes(request)  # the whole check (and the connector off on a wrong size)
+            if not hashes:
+                return 0, False
+        keys = self.keys
+        n, tokens, hb = len(hashes), int(request.num_tokens), keys.hash_block_size
+        if not check_hash_granularity(n, tokens, hb):
             self.disable(
-                f"request {rid} has {len(hashes)} block hashes for {request.num_tokens} tokens: vLLM does not hash "
-                f"every {self.keys.hash_block_size} tokens as this connector computed (see docs/vllm.md, hash block size)"
+                f"request {rid} has {n} block hashes for {tokens} tokens: vLLM does not hash "
+                f"every {hb} tokens as this connector computed (see docs/vllm.md, hash block size)"
             )
             return 0, False
-        U = self.keys.unit_tokens
+        U = keys.unit_tokens
         if num_computed_tokens % U:
             return 0, False
         start = num_computed_tokens // U
-        end = self.keys.units_in(len(hashes), int(request.num_tokens) - 1)
+        end = min(n * hb, tokens - 1) // U  # keys.units_in(n, tokens - 1), tokens > 0 here
         if end <= start:
             return 0, False
         now = self._clock()
-        ns = self.namespace_ids()
         mirror = self._mirror
-        if ns and mirror is not None and mirror.live(ns):
-            got = self._from_mirror(rid, (start, end, tuple(ns)), hashes, now)
+        ns = self._ns_ids
+        # The usual case, checked inline (this runs on vLLM's loop): the
+        # namespaces resolved and not due again, the mirror live on them.
+        live = (ns is not None and self._ns_task is None and now < self._ns_next and mirror is not None
+                and mirror.live_ids == ns)
+        if not live:
+            ns = self.namespace_ids(now)
+            live = bool(ns) and mirror is not None and mirror.live(ns)
+        if live:
+            got = self._from_mirror(rid, (start, end, ns), hashes, now)
             if got is not None:
                 return got
         # vLLM's wait for this request's answer runs from its first ask,
@@ -1104,9 +1129,8 @@ class SchedulerSide:
         with the step's batch, and its answer is compared, not used."""
         rec = _Lookup(key, list(hashes), True, now)
         self._mirror_lookup(rec)
-        if rec.error is not None:
-            return None
-        if rec.hit_units < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
+        hit = rec.hit_units
+        if hit < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):
             if not self._mirror.remote_seen:
                 self.mirror_behind += 1
             return None
@@ -1118,9 +1142,16 @@ class SchedulerSide:
             self._drop(old)
         self._lookups[rid] = rec
         self.mirror_answers += 1
-        # Off the call: the stats and the daemon's lookup of the same (above)
-        # go with the step's flush (build_connector_meta).
-        return self._answer(rid, rec, rec, record_later=True)
+        # _answer's, for a lookup answered now: its stats and the daemon's
+        # lookup of the same (above) go with the step's flush
+        # (build_connector_meta), not from this call.
+        self._asked.pop(rid, None)
+        rec.answered_at = now
+        if len(self._unrecorded) < _MAX_SPARE_LEASES:
+            self._unrecorded.append(rec)
+        else:
+            self._record(rec, rec.keys_asked)
+        return self._offer(rid, rec, hit)
 
     def _mirror_lookup(self, rec: _Lookup) -> None:
         """What ``_batch_fn([rec])`` finds in the mirror (no lease: the
@@ -1130,11 +1161,26 @@ class SchedulerSide:
         (:meth:`_mirror_windows`). No key list, request or result object is
         built per group: this runs on vLLM's loop."""
         t0 = time.monotonic()
-        keys, held, tail = self.keys, self._mirror.held, self._mirror.tail
+        keys, held = self.keys, self._mirror.held
         start, end, ns = rec.key
         hashes = rec.hashes
         if hashes and type(hashes[0]) is not bytes:
             hashes = [bytes(h) for h in hashes]
+        if keys.plain:
+            # Most models: a unit is one block of the one full-attention
+            # group, keyed by its own hash. Probed with the least code: on
+            # vLLM's loop the code is as cold as the data, and every line
+            # costs (docs/vllm.md, Lookups in the step they are asked).
+            g = keys.full_groups[0]
+            rec.tiers = tiers = held(ns, g, hashes, 1, start, end)
+            rec.hit_units, rec.keys_asked = len(tiers), end - start
+            if start > 0:
+                rec.prefix_tiers = tiers = held(ns, g, hashes, 1, 0, start)
+                rec.ready_before = len(tiers)
+            rec.took = time.monotonic() - t0
+            rec.done = True
+            return
+        tail = self._mirror.tail
         bpu, factors = keys.blocks_per_unit, keys.factors
         f = end
         asked = 0
@@ -1180,11 +1226,29 @@ class SchedulerSide:
         exactly as the rounds do."""
         keys, tail = self.keys, self._mirror.tail
         windowed, windows, bpu, factors = keys.windowed_groups, keys.windows, keys.blocks_per_unit, keys.factors
-        nw = len(windowed)
         start, _, ns = rec.key
-        probes = self._probes()
         no_full = not keys.full_groups
         tj = windowed.index(self._tier_group) if no_full else -1
+        # The first round's candidate whole in every windowed group (most
+        # hits): settled there, as the rounds settle it (its windows are
+        # the keys asked, none outside), without their bookkeeping.
+        tiers: list | None = [] if no_full else None
+        asked = 0
+        for j, g in enumerate(windowed):
+            hi = f * bpu[g]
+            lo = max(hi - windows[g], start * bpu[g])
+            asked += hi - lo
+            if tail(ns, g, hashes, factors[g], lo, hi, tiers if j == tj else None) < hi - lo:
+                break
+        else:
+            rec.keys_asked += asked
+            rec.hit_units = f - start
+            if no_full:
+                rec.tiers = self._window_tiers(tiers, f * bpu[self._tier_group])
+            rec.keys_outside = 0
+            return
+        nw = len(windowed)
+        probes = self._probes()
 
         def window(j: int, c: int) -> tuple[int, int]:  # _batch_fn's window_of
             g = windowed[j]
@@ -1273,10 +1337,15 @@ class SchedulerSide:
         keys, hashes = self.keys, rec.hashes
         held, ns = self._mirror.held, rec.key[2]
         u = rec.key[0] + rec.hit_units
+        if keys.plain:  # the one block of unit u
+            g = keys.full_groups[0]
+            h = hashes[u]
+            t = recent.get((g, h if type(h) is bytes else bytes(h)))
+            return t is not None and now - t < _RECENT_STORE_S and not held(ns, g, hashes, 1, u, u + 1)
         # A windowed group's missing block may lie anywhere up to the end
         # (the windows of every candidate were asked): all of them there.
-        spans = [(g, u + 1) for g in keys.full_groups] + [(g, rec.key[1]) for g in keys.windowed_groups]
-        for g, stop in spans:
+        for g in keys.full_and_windowed:
+            stop = u + 1 if keys.windows[g] is None else rec.key[1]
             f, k = keys.factors[g], keys.blocks_per_unit[g]
             for i in range(u * k, stop * k):
                 h = hashes[(i + 1) * f - 1]

@@ -446,7 +446,7 @@ def test_an_answer_from_the_mirror_is_not_taken_for_another_start(fresh_daemon, 
         r = Request("b", list(range(100, 126)) + [7])
         assert sched.get_num_new_matched_tokens(r, 0) == (24, True)
         assert sched.mirror_answers == 1
-        m._live = None  # as while a new snapshot comes
+        m.live_ids = None  # as while a new snapshot comes
         got = sched.get_num_new_matched_tokens(r, 8)
         assert got == (16, True), got  # 24 tokens in all, from what it found
     finally:

@@ -225,7 +225,7 @@ def test_the_mirrors_probe_answers_as_the_lookup_rounds_on_random_hybrid_models(
     print(f"seed={seed} (KVO_WINDOW_SEED={seed} repeats it)")
     rng = random.Random(seed)
     mirror = LookupMirror(SimpleNamespace(close=lambda: None))
-    hits = windowed_hits = outside = 0
+    hits = windowed_hits = outside = plain = 0
     try:
         for case in range(3000):
             m, sizes, windows, scratch, hashes, maps, ns, start, end = mirror_case(rng)
@@ -249,10 +249,72 @@ def test_the_mirrors_probe_answers_as_the_lookup_rounds_on_random_hybrid_models(
             hits += a.hit_units > 0
             windowed_hits += a.hit_units > 0 and bool(m.windowed_groups)
             outside += a.hit_units > 0 and a.keys_outside > 0
+            plain += m.plain and a.hit_units > 0  # _mirror_lookup's short path
     finally:
         mirror.close()
-    print(f"{hits} hits, {windowed_hits} with windowed groups, {outside} with keys outside the windows")
-    assert windowed_hits > 400 and outside > 15, (hits, windowed_hits, outside)
+    print(f"{hits} hits, {windowed_hits} with windowed groups, {outside} with keys outside the windows, "
+          f"{plain} of a plain model")
+    assert windowed_hits > 400 and outside > 15 and plain > 20, (hits, windowed_hits, outside, plain)
+
+
+@pytest.mark.parametrize("sizes,windows", [((4,), (None,)), ((4, 8), (None, None)), ((4, 4), (None, 1))],
+                         ids=["plain", "two-full", "mamba"])
+def test_the_mirror_leaves_to_the_daemon_a_block_it_stored_lately_and_has_not_seen(sizes, windows):
+    """SchedulerSide._mirror_behind: the first block past the mirror's hit
+    (every group's, up to the end for a windowed one) that this engine
+    planned to store less than a second ago, and that the mirror does not
+    hold on every rank, sends the request to the daemon (its event may not
+    have come yet); one the mirror holds, one stored long ago, or one no
+    store of ours wrote does not. The plain model (one full group, a block
+    a unit) takes a short path of its own."""
+    from kvoffload.mirror import LookupMirror
+
+    m = KeyMapper(4, sizes, windows)
+    assert m.plain == (len(sizes) == 1)
+    units, ns = 4, (7, 8)
+    hashes = hashes_for(units * m.unit_tokens // 4, 3)
+    mirror = LookupMirror(SimpleNamespace(close=lambda: None))
+    sched = SchedulerSide("/nonexistent.sock", len(ns), 4, sizes, HB, client=PresenceDaemon({}),
+                          group_windows=windows)
+    try:
+        # Every rank holds units 0-1 of every group; rank 8 lacks unit 2's.
+        held = {g: m.keys(hashes, g, range(2 * m.blocks_per_unit[g])) for g in range(len(sizes))}
+        mirror._maps = {n: {g: {k: 1 for k in ks} for g, ks in held.items()} for n in ns}
+        for g in range(len(sizes)):
+            for k in m.keys(hashes, g, range(2 * m.blocks_per_unit[g], 3 * m.blocks_per_unit[g])):
+                mirror._maps[7][g][k] = 1
+        sched._mirror = mirror
+        rec = _Lookup((0, units, ns), hashes, True, 0.0)
+        sched._mirror_lookup(rec)
+        assert rec.hit_units == 2
+        unit2 = [(g, k) for g in range(len(sizes))
+                 for k in m.keys(hashes, g, range(2 * m.blocks_per_unit[g], 3 * m.blocks_per_unit[g]))]
+        now = 100.0
+        assert not sched._mirror_behind(rec, now)  # no store of ours
+        for gk in unit2:
+            sched._recent[gk] = now - 0.5
+        assert sched._mirror_behind(rec, now)  # stored lately, not seen on rank 8
+        assert not sched._mirror_behind(rec, now + 1.0)  # stored over a second ago
+        for g, k in unit2:
+            mirror._maps[8][g][k] = 2
+        rec = _Lookup((0, units, ns), hashes, True, 0.0)
+        sched._mirror_lookup(rec)
+        assert rec.hit_units == 3 and not sched._mirror_behind(rec, now)  # seen on every rank: a miss at unit 3
+        sched._recent.clear()
+        g, k = unit2[-1]
+        del mirror._maps[8][g][k]  # one group's last block of unit 2 only
+        rec = _Lookup((0, units, ns), hashes, True, 0.0)
+        sched._mirror_lookup(rec)
+        assert rec.hit_units == 2
+        for gk in unit2[:-1]:  # the other groups' blocks of unit 2: stored lately, seen on every rank
+            sched._recent[gk] = now
+        assert not sched._mirror_behind(rec, now)
+        sched._recent[(g, k)] = now
+        assert sched._mirror_behind(rec, now)
+    finally:
+        sched._mirror = None
+        sched.close()
+        mirror.close()
 
 
 @pytest.mark.parametrize("lease_ms", [0, 100])
