@@ -20,6 +20,7 @@ import (
 	"github.com/kvoffloadd/kvoffloadd/internal/testenv"
 	"github.com/kvoffloadd/kvoffloadd/rpc/client"
 	pb "github.com/kvoffloadd/kvoffloadd/rpc/kvoffload/v1"
+	"github.com/kvoffloadd/kvoffloadd/rpc/server"
 )
 
 // TestStopSendsTheResultsItFinished: a client that has not read the result
@@ -176,6 +177,20 @@ func TestStoppingLongPollWaitsForPendingJobs(t *testing.T) {
 	// The drain refuses new work, and says it refused the call whole.
 	if _, err := c.Submit(rctx, pb.Op_OP_LOAD, reg.RegistrationId, []*pb.Job{testenv.Job(2, [][]byte{h}, []uint32{1})}); status.Code(err) != codes.Unavailable || !errors.Is(err, client.ErrDaemonStopping) {
 		t.Fatalf("a Load during the drain: %v, want UNAVAILABLE marked daemon-stopping", err)
+	}
+	// So are a Register and a WatchEvents stream (the connector registers
+	// again and its mirror follows the next daemon on that mark), the
+	// stream's trailer carrying it too.
+	if _, err := c.Register(rctx, []byte(t.Name()+"-late"), m.Layout(), m.Regions(r), t.Name()); status.Code(err) != codes.Unavailable || !errors.Is(err, client.ErrDaemonStopping) {
+		t.Fatalf("a Register during the drain: %v, want UNAVAILABLE marked daemon-stopping", err)
+	}
+	ws, err := pb.NewKVOffloadClient(c.Conn()).WatchEvents(rctx, &pb.WatchEventsRequest{NamespaceIds: []uint32{reg.NamespaceId}})
+	if err != nil {
+		t.Fatal(err) // a stream's error comes with its first Recv
+	}
+	_, err = ws.Recv()
+	if mark := ws.Trailer().Get(server.RefusalKey); status.Code(err) != codes.Unavailable || len(mark) != 1 || mark[0] != server.RefusalStopping {
+		t.Fatalf("a WatchEvents during the drain: %v (trailer %v), want UNAVAILABLE marked %s", err, mark, server.RefusalStopping)
 	}
 
 	type polled struct {
