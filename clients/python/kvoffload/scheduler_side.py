@@ -1019,7 +1019,8 @@ class SchedulerSide:
         if self.disabled is not None or not self.offer_hits:
             return 0, False
         rid = request.request_id
-        if getattr(request, "skip_reading_prefix_cache", False) or not request_controls(request).load:
+        if getattr(request, "skip_reading_prefix_cache", False) or (
+                getattr(request, "kv_transfer_params", None) and not request_controls(request).load):
             return 0, False
         if rid in self._no_hits or self._unregistered:
             return 0, False

@@ -418,6 +418,10 @@ class KVOffloadConnector(*_BASES):  # type: ignore[misc]
                 eagle_groups=s.eagle_groups, group_windows=s.group_windows, scratch_groups=s.scratch_groups,
                 lookup_mirror=s.lookup_mirror, mirror_max_blocks=s.lookup_mirror_max_blocks,
             )
+            # vLLM's loop calls it for every waiting request: no frame of ours
+            # in between (the method below stays for a connector without a
+            # scheduler side, and says what it is).
+            self.get_num_new_matched_tokens = self._scheduler.get_num_new_matched_tokens
             if offer and s.engine is not None:
                 self._scheduler.discover_workers({tuple(sorted(r.items())): s.registration_key(r) for r in s.ranks()})
             log.info("kvoffload: scheduler side on %s: %d ranks, hash block %d tokens, unit %d tokens, policy %s",
