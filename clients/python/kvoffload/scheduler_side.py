@@ -1128,7 +1128,8 @@ class SchedulerSide:
         are not all mirrored). The daemon still sees the lookup (its
         admission policy counts the keys as accessed): the same lookup goes
         with the step's batch, and its answer is compared, not used."""
-        rec = _Lookup(key, list(hashes), True, now)
+        # bytes, as the mirror's keys (vLLM's are; a bytearray is no dict key)
+        rec = _Lookup(key, list(hashes) if type(hashes[0]) is bytes else [bytes(h) for h in hashes], True, now)
         self._mirror_lookup(rec)
         hit = rec.hit_units
         if hit < key[1] - key[0] and (self._mirror.remote_seen or self._mirror_behind(rec, now)):

@@ -317,6 +317,28 @@ def test_the_mirror_leaves_to_the_daemon_a_block_it_stored_lately_and_has_not_se
         mirror.close()
 
 
+def test_the_mirror_answers_a_request_whose_hashes_are_bytearrays():
+    """Block hashes that are bytearrays (the connector accepts them) are
+    probed and checked against this engine's recent stores as bytes: a
+    bytearray is no dict key (the behind check raised TypeError)."""
+    from kvoffload.mirror import LookupMirror
+
+    hashes = hashes_for(4, 1)
+    mirror = LookupMirror(SimpleNamespace(close=lambda: None))
+    sched = SchedulerSide("/nonexistent.sock", 1, 4, (4,), HB, client=PresenceDaemon({}))
+    try:
+        mirror._maps = {7: {0: {hashes[0]: 1, hashes[1]: 2}}}
+        sched._mirror = mirror
+        assert sched._from_mirror("a", (0, 3, (7,)), [bytearray(h) for h in hashes], 100.0) == (8, True)
+        sched._recent[(0, hashes[2])] = 100.0  # stored a moment ago, not seen yet
+        assert sched._from_mirror("b", (0, 3, (7,)), [bytearray(h) for h in hashes], 100.0) is None
+        assert sched.mirror_behind == 1
+    finally:
+        sched._mirror = None
+        sched.close()
+        mirror.close()
+
+
 @pytest.mark.parametrize("lease_ms", [0, 100])
 def test_probes_find_a_state_far_below_the_prefix_in_few_rounds(lease_ms):
     """Mamba in align mode (a one-block window per unit) beside full
