@@ -435,13 +435,6 @@ class SchedulerSide:
         """Every rank's namespace id, resolved on the background thread and
         refreshed every ``namespace_refresh_s``; None until all resolve.
         ``now``: the clock's time, where the caller has read it."""
-        ids = self._ns_ids
-        if ids is not None and self._ns_task is None and (now if now is not None else self._clock()) < self._ns_next:
-            # Resolved and not due again (most calls, on vLLM's loop):
-            # nothing below applies unless the mirror's stream ended.
-            m = self._mirror
-            if m is None or not m.wants_ids():
-                return ids
         if self._fingerprints is None and self._rank_keys and self.disabled is None:
             return self._discover()
         if self._fingerprints is None:
@@ -1044,14 +1037,15 @@ class SchedulerSide:
         if num_computed_tokens % U:
             return 0, False
         start = num_computed_tokens // U
-        end = min(n * hb, tokens - 1) // U  # keys.units_in(n, tokens - 1), tokens > 0 here
+        end = keys.units_in(n, tokens - 1)
         if end <= start:
             return 0, False
         now = self._clock()
         mirror = self._mirror
         ns = self._ns_ids
         # The usual case, checked inline (this runs on vLLM's loop): the
-        # namespaces resolved and not due again, the mirror live on them.
+        # namespaces resolved and not due again, the mirror live on them
+        # (its stream up), where namespace_ids would only return them.
         live = (ns is not None and self._ns_task is None and now < self._ns_next and mirror is not None
                 and mirror.live_ids == ns)
         if not live:
