@@ -816,8 +816,6 @@ func (b *bench) addResults(sc scenario, out outcome) {
 	}
 }
 
-// phaseShare is the largest share of the machine other processes took in
-// the phases named name (or starting with it), and whether any was flagged.
 // startDaemon starts a daemon of opts with every --daemon-arg after the
 // scenario's own flags (the user's word is the last).
 func (b *bench) startDaemon(ctx context.Context, opts daemon.Options) (*daemon.Daemon, error) {
@@ -825,6 +823,8 @@ func (b *bench) startDaemon(ctx context.Context, opts daemon.Options) (*daemon.D
 	return daemon.Start(ctx, opts)
 }
 
+// phaseShare is the largest share of the machine other processes took in
+// the phases named name (or starting with it), and whether any was flagged.
 func (b *bench) phaseShare(name string) (float64, bool) {
 	share, flagged := 0.0, false
 	for _, p := range b.meter.Phases() {

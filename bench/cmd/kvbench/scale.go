@@ -309,6 +309,9 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 	return nil
 }
 
+// scaleSpare is the memory left to kvbench, its engines and the rest.
+const scaleSpare = 2 << 30
+
 // scaleCPUBytes is the CPU tier of the scale scenario's first phase: room
 // for 2N 4 KiB blocks, or as much as the machine's available memory allows
 // less scaleSpare (2N where that is unknown), in 64 MiB chunks; at least
@@ -316,9 +319,6 @@ func (b *bench) scaleCPU(ctx context.Context, row *report.Scale) error {
 // At 4*10^6 blocks, 2N (32 GB) is more than a 24 GiB machine lets one
 // mapping reserve; and the daemon backs its whole arena in the background,
 // so what it maps it soon holds.
-// scaleSpare is the memory left to kvbench, its engines and the rest.
-const scaleSpare = 2 << 30
-
 func scaleCPUBytes(n int, avail uint64) (uint64, error) {
 	const chunk = 64 << 20
 	want := uint64(2*n) * 4096
