@@ -412,3 +412,67 @@ func TestRecoveryMixedNamespaces(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStoredAgainDuringRecoveryLeavesNoSlot: keys stored again while
+// recovery is held mid-way, before it reached their old copies, get a new
+// disk copy at once (written through); recovery then finds the old copy of
+// a key whose entry has its disk copy already and must decline it (its
+// slot free space). It kept such slots in use though the index named them
+// nowhere (the verdict's zero value was Keep): disk space lost until the
+// next start, found by the model-based soak (a leak at /debug/check). The
+// same goes at that next start, where each of those keys comes back twice
+// from the files (the declined copy is free space whose bytes stay). Every
+// block loads byte-exact, and the slots are accounted for.
+func TestStoredAgainDuringRecoveryLeavesNoSlot(t *testing.T) {
+	dir, stored, d2, gate := heldRecovery(t, "again", 5)
+	e := register(t, d2, tiny, "again")
+	online := map[string]bool{}
+	for _, h := range readyOf(t, e, stored) {
+		online[string(h)] = true
+	}
+	var again [][]byte
+	for _, h := range stored {
+		if !online[string(h)] && len(again) < 64 {
+			again = append(again, h)
+		}
+	}
+	if len(online) == 0 || len(again) != 64 {
+		t.Fatalf("%d of %d blocks online: recovery is not mid-way", len(online), len(stored))
+	}
+	// The same bytes as before (seq(0, n) of the same chain): a key's
+	// bytes are its hash's.
+	if res := e.store(t, 77, again, seq(0, len(again))); len(res.Failures) != 0 {
+		t.Fatalf("store: %+v", res)
+	}
+	flush(t, d2)
+	gate.Release()
+	for diskRecovery(t, e).State == pb.RecoveryState_RECOVERY_STATE_RUNNING {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if r := diskRecovery(t, e); r.State != pb.RecoveryState_RECOVERY_STATE_DONE || r.BlocksRecovered != uint64(len(stored)-len(again)) {
+		t.Fatalf("after recovery: %+v, want %d blocks recovered (%d stored again declined)", r, len(stored)-len(again), len(again))
+	}
+	if got := readyOf(t, e, stored); len(got) != len(stored) {
+		t.Fatalf("%d of %d blocks ready after recovery", len(got), len(stored))
+	}
+	loadExact(t, e, again)
+	flush(t, d2)
+	if err := d2.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+	d2.Stop(t)
+
+	// The declined old copies are free space with their bytes still
+	// there: the next start finds two copies of each of those keys and
+	// keeps one.
+	d3 := testenv.Start(t, recoveryOpts(dir))
+	e3 := register(t, d3, tiny, "again")
+	if r := diskRecovery(t, e3); r.State != pb.RecoveryState_RECOVERY_STATE_DONE || r.BlocksRecovered != uint64(len(stored)) {
+		t.Fatalf("next start: %+v, want %d blocks recovered", r, len(stored))
+	}
+	loadExact(t, e3, again)
+	flush(t, d3)
+	if err := d3.Svc.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -129,6 +129,12 @@ func (s *Service) fileRecovered(blocks []disk.Recovered, keys []index.Key) []dis
 			if e.CPU != index.NoSlot {
 				cleaned = append(cleaned, i)
 			}
+		default:
+			// The key has its disk copy already (stored again and
+			// written while recovery ran, or another copy of it came
+			// back first), or is being stored: this copy's slot is
+			// free space.
+			verdicts[i] = disk.Decline
 		}
 		return found
 	})

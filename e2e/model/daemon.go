@@ -106,7 +106,7 @@ func (p *Proc) start(sh Shape, faults string, reset bool) error {
 		"--cpu-bytes", strconv.FormatUint(sh.CPUBytes, 10),
 		"--cpu-chunk-bytes", strconv.FormatUint(sh.CPUChunk, 10),
 		"--io-workers", strconv.Itoa(sh.IOWorkers),
-		"--log-level", "warn",
+		"--log-level", logLevel(),
 		"--shutdown-timeout", "20s",
 	}
 	if p.Debug {
@@ -426,4 +426,13 @@ func (m Metrics) Losses() float64 {
 		l += m.Sum("kvoffload_blocks_total", `op="load"`, `status="`+st+`"`)
 	}
 	return l
+}
+
+// logLevel is the daemons' --log-level: warn, or $KVMODEL_LOG_LEVEL (debug
+// to follow a failing sequence in the kept logs).
+func logLevel() string {
+	if l := os.Getenv("KVMODEL_LOG_LEVEL"); l != "" {
+		return l
+	}
+	return "warn"
 }

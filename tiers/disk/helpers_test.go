@@ -262,6 +262,7 @@ func recoverSync(t testing.TB, tier *disk.Tier, key func(disk.Recovered) (index.
 					continue
 				}
 				got[r.Slot], byKey[keys[i]] = r, r.Slot
+				v[i] = disk.Keep
 			}
 			return v
 		},

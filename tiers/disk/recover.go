@@ -58,14 +58,15 @@ type Recovered struct {
 type Verdict uint8
 
 const (
-	// Keep: the owner filed the block in its index and told the class's
-	// policy (slots.Class.Learn); the slot stays in use, Read serves it.
-	Keep Verdict = iota
 	// Decline: the owner does not want the block (it has the key
 	// already, say); its slot becomes free space. Its bytes stay, so an
 	// intact copy may come back at a later start: it is the same key's
-	// bytes.
-	Decline
+	// bytes. The zero value: a verdict the owner did not set frees the
+	// slot instead of keeping it in use unnamed (a leak).
+	Decline Verdict = iota
+	// Keep: the owner filed the block in its index and told the class's
+	// policy (slots.Class.Learn); the slot stays in use, Read serves it.
+	Keep
 	// Erase: the block must never come back (the owner invalidated its
 	// key while recovery ran): its header is zeroed (Discard) before the
 	// slot becomes free space.

@@ -80,6 +80,7 @@ func (o *recOwner) recoverer() disk.Recoverer {
 					v[i] = disk.Decline
 				default:
 					o.kept[r.Slot], o.byKey[k] = r, true
+					v[i] = disk.Keep
 				}
 			}
 			return v
