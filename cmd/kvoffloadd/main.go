@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/net/netutil"
 
 	"github.com/kvoffloadd/kvoffloadd/dma"
 	"github.com/kvoffloadd/kvoffloadd/events"
@@ -41,6 +42,16 @@ var wrapCopier func(dma.Engine) dma.Engine
 // whose copies cannot be known to have stopped never ends, and shutdown
 // abandons it (the process exit stops the copies).
 const failedShutdownTimeout = 10 * time.Second
+
+// The metrics address's bounds: what a client there can make the daemon
+// hold (a goroutine and a descriptor a connection). A Prometheus server
+// keeps one connection and scrapes it every 15-60 s, well inside the idle
+// timeout.
+const (
+	maxMetricsConns     = 64
+	metricsIdleTimeout  = 2 * time.Minute
+	metricsWriteTimeout = 2 * time.Minute
+)
 
 func main() {
 	// SIGHUP stops the daemon like SIGTERM: it has no configuration to
@@ -225,8 +236,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (result e
 			mountDebug(mux, svc, gate)
 			log.Warn("--debug-checks: /debug/check, /debug/goroutines, /debug/gc and /debug/heap are served on the metrics address; for tests only")
 		}
-		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() { metricsErr <- metricsSrv.Serve(ml) }()
+		// Bounded as the gRPC socket is: at most maxMetricsConns
+		// connections at once (more wait in the listen queue), an idle
+		// one closed after metricsIdleTimeout, a request's headers read
+		// within 5s and its reply written within metricsWriteTimeout
+		// (/debug/check may wait up to a minute).
+		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second,
+			IdleTimeout: metricsIdleTimeout, WriteTimeout: metricsWriteTimeout}
+		go func() { metricsErr <- metricsSrv.Serve(netutil.LimitListener(ml, maxMetricsConns)) }()
 	}
 
 	srv := server.New(svc, log, server.Config{
