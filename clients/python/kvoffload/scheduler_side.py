@@ -1159,9 +1159,7 @@ class SchedulerSide:
         t0 = time.monotonic()
         keys, held = self.keys, self._mirror.held
         start, end, ns = rec.key
-        hashes = rec.hashes
-        if hashes and type(hashes[0]) is not bytes:
-            hashes = [bytes(h) for h in hashes]
+        hashes = rec.hashes  # bytes (_from_mirror)
         if keys.plain:
             # Most models: a unit is one block of the one full-attention
             # group, keyed by its own hash. Probed with the least code: on
@@ -1330,13 +1328,12 @@ class SchedulerSide:
         recent = self._recent
         if not recent:
             return False
-        keys, hashes = self.keys, rec.hashes
+        keys, hashes = self.keys, rec.hashes  # bytes (_from_mirror), as _recent's keys
         held, ns = self._mirror.held, rec.key[2]
         u = rec.key[0] + rec.hit_units
         if keys.plain:  # the one block of unit u
             g = keys.full_groups[0]
-            h = hashes[u]
-            t = recent.get((g, h if type(h) is bytes else bytes(h)))
+            t = recent.get((g, hashes[u]))
             return t is not None and now - t < _RECENT_STORE_S and not held(ns, g, hashes, 1, u, u + 1)
         # A windowed group's missing block may lie anywhere up to the end
         # (the windows of every candidate were asked): all of them there.
@@ -1344,8 +1341,7 @@ class SchedulerSide:
             stop = u + 1 if keys.windows[g] is None else rec.key[1]
             f, k = keys.factors[g], keys.blocks_per_unit[g]
             for i in range(u * k, stop * k):
-                h = hashes[(i + 1) * f - 1]
-                t = recent.get((g, h if type(h) is bytes else bytes(h)))
+                t = recent.get((g, hashes[(i + 1) * f - 1]))
                 # One whose event came (every rank's) is no reason: a
                 # windowed group's recent blocks around a missing one
                 # (Mamba state stored at a prompt's end, not at the hit's
